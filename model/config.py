@@ -1,0 +1,165 @@
+"""The one description of a model's shape, shared by every layer, the trainer and the tools.
+
+A `ModelConfig` is a frozen dataclass configured through Gin (`ModelConfig.width = 512`)
+and validated on construction, so a bad preset fails before anything is compiled, with
+a `ValueError` naming the field and the constraint it breaks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Optional, Sequence
+
+import gin
+
+
+class BlockType(str, enum.Enum):
+  """Temporal-mixing block types a block pattern may name."""
+  RECURRENT = "recurrent"   # Conv1D + RG-LRU (Hawk, Griffin)
+  ATTENTION = "attention"   # MQA; local when `attention_window` is set, else global
+  GATELOOP = "gateloop"     # GateLoop data-controlled complex recurrence
+
+
+REMAT_POLICIES = ("none", "full", "save_matmuls")
+SCAN_IMPLS = ("auto", "lax", "associative", "pallas")
+DTYPES = ("float32", "bfloat16", "float16")
+LRU_VARIANTS = ("real", "complex")
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Shape and numerics of a Griffin-family language model.
+
+  Attributes:
+    vocab_size: number of token ids (embedding rows, logits width).
+    width: residual stream width D.
+    rnn_width: recurrence width D_RNN of recurrent blocks.
+    num_heads: query heads of MQA, and the number of blocks of the RG-LRU's
+      block-diagonal gates unless `num_gate_blocks` is set.
+    depth: number of residual blocks.
+    block_pattern: temporal block types, repeated cyclically over depth.
+    attention_window: local-attention window (keys t-window..t); None = global.
+    mlp_expansion: MLP inner width = mlp_expansion * width.
+    conv_width: temporal width of the causal depthwise Conv1D.
+    num_gate_blocks: blocks of the RG-LRU gates; None = num_heads.
+    lru_variant: "real" RG-LRU or "complex" CG-LRU (Griffin appendix B).
+    gateloop_head_dim: GateLoop state size per head (1 = max-headed).
+    gateloop_fixed_transitions: GateLoop ablation with input-independent transitions.
+    logits_soft_cap: c in logits = c * tanh(logits / c); None disables.
+    embeddings_scale_by_sqrt_dim: multiply embeddings by sqrt(D) (RecurrentGemma).
+    dtype: compute dtype; parameters are always float32 masters.
+    scan_impl: linear-recurrence engine, see `model.scan.linear_scan`.
+    remat: rematerialisation policy of each scanned unit.
+    scan_layers: scan the repeating unit of `block_pattern` over depth.
+  """
+  vocab_size: int = 256
+  width: int = 128
+  rnn_width: int = 128
+  num_heads: int = 2
+  depth: int = 3
+  block_pattern: Sequence[str] = ("recurrent", "recurrent", "attention")
+  attention_window: Optional[int] = 1024
+  mlp_expansion: int = 3
+  conv_width: int = 4
+  num_gate_blocks: Optional[int] = None
+  lru_variant: str = "real"
+  gateloop_head_dim: int = 1
+  gateloop_fixed_transitions: bool = False
+  logits_soft_cap: Optional[float] = None
+  embeddings_scale_by_sqrt_dim: bool = False
+  dtype: str = "float32"
+  scan_impl: str = "auto"
+  remat: str = "none"
+  scan_layers: bool = True
+
+  def __post_init__(self):
+    object.__setattr__(self, "block_pattern", tuple(str(b) for b in self.block_pattern))
+    self.validate()
+
+  # -- validation -------------------------------------------------------------
+  def validate(self) -> None:
+    """Raises ValueError naming the first field that breaks a constraint."""
+    def positive(name):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
+
+    for name in ("vocab_size", "width", "rnn_width", "num_heads", "depth",
+                 "mlp_expansion", "conv_width", "gateloop_head_dim"):
+      positive(name)
+    if self.width % self.num_heads:
+      raise ValueError(
+          f"ModelConfig.width={self.width} must be divisible by num_heads={self.num_heads}")
+    if self.rnn_width % self.gate_blocks:
+      raise ValueError(
+          f"ModelConfig.rnn_width={self.rnn_width} must be divisible by the number of "
+          f"RG-LRU gate blocks ({self.gate_blocks}; num_gate_blocks or num_heads)")
+    if not self.block_pattern:
+      raise ValueError("ModelConfig.block_pattern must name at least one block type")
+    known = {b.value for b in BlockType}
+    for block in self.block_pattern:
+      if block not in known:
+        raise ValueError(
+            f"ModelConfig.block_pattern has unknown block type {block!r}; "
+            f"expected one of {sorted(known)}")
+    if self.attention_window is not None and self.attention_window < 1:
+      raise ValueError(
+          f"ModelConfig.attention_window must be >= 1 or None (global), "
+          f"got {self.attention_window}")
+    if BlockType.ATTENTION.value in self.block_pattern and self.head_dim % 2:
+      raise ValueError(
+          f"ModelConfig: head dimension width/num_heads = {self.head_dim} must be even "
+          "for rotary embeddings")
+    if self.lru_variant not in LRU_VARIANTS:
+      raise ValueError(f"ModelConfig.lru_variant must be one of {LRU_VARIANTS}, "
+                       f"got {self.lru_variant!r}")
+    if self.lru_variant == "complex" and self.rnn_width % 2:
+      raise ValueError(f"ModelConfig.rnn_width={self.rnn_width} must be even for the "
+                       "complex CG-LRU (real and imaginary halves)")
+    if BlockType.GATELOOP.value in self.block_pattern and self.width % self.gateloop_head_dim:
+      raise ValueError(f"ModelConfig.width={self.width} must be divisible by "
+                       f"gateloop_head_dim={self.gateloop_head_dim}")
+    if self.dtype not in DTYPES:
+      raise ValueError(f"ModelConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
+    if self.scan_impl not in SCAN_IMPLS:
+      raise ValueError(f"ModelConfig.scan_impl must be one of {SCAN_IMPLS}, "
+                       f"got {self.scan_impl!r}")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"ModelConfig.remat must be one of {REMAT_POLICIES}, "
+                       f"got {self.remat!r}")
+    if self.logits_soft_cap is not None and self.logits_soft_cap <= 0:
+      raise ValueError(f"ModelConfig.logits_soft_cap must be > 0 or None, "
+                       f"got {self.logits_soft_cap}")
+
+  # -- derived sizes ----------------------------------------------------------
+  @property
+  def head_dim(self) -> int:
+    return self.width // self.num_heads
+
+  @property
+  def gate_blocks(self) -> int:
+    return self.num_gate_blocks or self.num_heads
+
+  @property
+  def mlp_width(self) -> int:
+    return self.mlp_expansion * self.width
+
+  @property
+  def block_types(self) -> tuple[str, ...]:
+    """The temporal block type of every residual block, in order."""
+    pattern = self.block_pattern
+    return tuple(pattern[i % len(pattern)] for i in range(self.depth))
+
+  @property
+  def num_scanned_units(self) -> int:
+    """Full repetitions of the block pattern (scanned over depth)."""
+    return self.depth // len(self.block_pattern)
+
+  @property
+  def remainder_block_types(self) -> tuple[str, ...]:
+    """Blocks of the trailing partial unit, applied after the scanned units."""
+    return self.block_pattern[: self.depth % len(self.block_pattern)]
+
+  def replace(self, **changes) -> "ModelConfig":
+    return dataclasses.replace(self, **changes)
