@@ -107,16 +107,18 @@ class ModelConfig:
       raise ValueError(
           f"ModelConfig.attention_window must be >= 1 or None (global), "
           f"got {self.attention_window}")
-    if BlockType.ATTENTION.value in self.block_pattern and self.head_dim % 2:
+    if BlockType.ATTENTION.value in self.block_pattern and self.head_dim % 4:
       raise ValueError(
-          f"ModelConfig: head dimension width/num_heads = {self.head_dim} must be even "
-          "for rotary embeddings")
+          f"ModelConfig: head dimension width/num_heads = {self.head_dim} must be divisible "
+          "by 4: rotary embeddings rotate pairs of channels in the first half of each head")
     if self.lru_variant not in LRU_VARIANTS:
       raise ValueError(f"ModelConfig.lru_variant must be one of {LRU_VARIANTS}, "
                        f"got {self.lru_variant!r}")
-    if self.lru_variant == "complex" and self.rnn_width % 2:
-      raise ValueError(f"ModelConfig.rnn_width={self.rnn_width} must be even for the "
-                       "complex CG-LRU (real and imaginary halves)")
+    if self.lru_variant == "complex" and self.rnn_width % (2 * self.gate_blocks):
+      raise ValueError(
+          f"ModelConfig.rnn_width={self.rnn_width} must be divisible by 2 x gate blocks "
+          f"({2 * self.gate_blocks}) for the complex CG-LRU: its channels are real and "
+          "imaginary halves, and each half is split into the gates' blocks")
     if BlockType.GATELOOP.value in self.block_pattern and self.width % self.gateloop_head_dim:
       raise ValueError(f"ModelConfig.width={self.width} must be divisible by "
                        f"gateloop_head_dim={self.gateloop_head_dim}")

@@ -1,0 +1,48 @@
+"""Tied token embedding: tokens -> vectors on the way in, vectors -> logits on the way out.
+
+encode(t) = E[t] (times √D if configured); decode(x) = x · Eᵀ in float32.
+
+E is initialised normal with std 1/√D so that decode() starts with unit-variance logits
+for unit-RMS inputs. The optional √D input scale (RecurrentGemma) is the bfloat16
+rounding of √D, because RecurrentGemma multiplies by a bfloat16 constant even in float32
+and its checkpoints were trained that way; matching it keeps imported models exact.
+"""
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from model import partitioning as P
+from model.config import ModelConfig
+
+
+def embedding_scale(width: int) -> float:
+  """√width rounded to bfloat16 (see the module docstring for why)."""
+  return float(jnp.asarray(np.float32(math.sqrt(width)), jnp.bfloat16))
+
+
+class Embedder(nn.Module):
+  """The tied embedding table E [vocab, width]."""
+  config: ModelConfig
+
+  def setup(self):
+    width = self.config.width
+    self.embedding = P.logical_param(
+        self, "embedding", nn.initializers.normal(stddev=width ** -0.5),
+        (self.config.vocab_size, width), (P.VOCAB, P.EMBED))
+
+  def encode(self, tokens: jax.Array) -> jax.Array:
+    """int32 [B, T] -> [B, T, D] in the compute dtype."""
+    x = jnp.take(self.embedding, tokens, axis=0).astype(self.config.dtype)
+    if self.config.embeddings_scale_by_sqrt_dim:
+      x = x * jnp.asarray(embedding_scale(self.config.width), x.dtype)
+    return x
+
+  def decode(self, x: jax.Array) -> jax.Array:
+    """[B, T, D] -> float32 logits [B, T, V]."""
+    table = self.embedding.astype(x.dtype)
+    return jnp.einsum("btd,vd->btv", x, table, preferred_element_type=jnp.float32)
