@@ -37,6 +37,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from model import partitioning as P
 from model import scan
 from model.config import ModelConfig
 
@@ -153,6 +154,7 @@ class GateLoopBlock(nn.Module):
     q = self._dense("query", width, "embed", "rnn", lecun)(x)
     k = self._dense("key", width, "embed", "rnn", lecun)(x)
     v = self._dense("value", width, "embed", "rnn", lecun)(x)
+    q, k, v = (P.constrain(t, (P.BATCH, P.LENGTH, P.ACT_RNN)) for t in (q, k, v))
 
     a = self._transition(x)
     a = jnp.where((segment_pos == 0)[..., None], jnp.zeros_like(a), a)
