@@ -1,0 +1,93 @@
+"""Joining JAX's multi-controller runtime from the environment a launcher set up.
+
+Every entry point calls `initialize_from_environment()` before touching devices:
+
+* `launch.local` (and anything else that sets them) passes JAX_COORDINATOR_ADDRESS,
+  JAX_NUM_PROCESSES and JAX_PROCESS_ID; processes then meet at that coordinator, and on
+  CPU their collectives run over gloo.
+* On Cloud TPU VMs, GKE TPU pods, SLURM and Open MPI, JAX reads the cluster's own
+  environment, so nothing needs to be passed.
+* Otherwise (one process on a laptop or a single host) nothing happens.
+
+Failure detection is tightened from JAX's defaults (100 s heartbeats, 300 s shutdown
+barrier), so that when a peer dies the survivors are told by the coordinator and abort
+within `heartbeat_timeout_s` instead of blocking in a collective forever.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import gin
+import jax
+
+ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
+ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAX_PROCESS_ID"
+
+
+def _cluster_detected() -> bool:
+  """Whether JAX's cluster auto-detection (TPU VM/GKE, SLURM, Open MPI) applies here."""
+  from jax._src import clusters  # pylint: disable=g-import-not-at-top
+  for env in clusters.ClusterEnv._cluster_types:  # pylint: disable=protected-access
+    if not env.opt_in_only_method and env.is_env_present():
+      return True
+  return False
+
+
+def _read_int(name: str) -> int:
+  value = os.environ[name]
+  try:
+    return int(value)
+  except ValueError:
+    raise ValueError(f"Environment variable {name} must be an integer, got {value!r}") from None
+
+
+@gin.configurable
+def initialize_from_environment(heartbeat_timeout_s: int = 15,
+                                shutdown_timeout_s: int = 30,
+                                initialization_timeout_s: int = 300,
+                                cpu_collectives: str = "gloo") -> bool:
+  """Calls `jax.distributed.initialize` when the environment describes several processes.
+
+  Must run before any other JAX call that touches devices. Idempotent.
+
+  Args:
+    heartbeat_timeout_s: a process that sends no heartbeat for this long is declared
+      dead, and every other process is then stopped with an error.
+    shutdown_timeout_s: how long a finishing process waits at the exit barrier for
+      the others.
+    initialization_timeout_s: how long processes wait for each other at start-up.
+    cpu_collectives: cross-process collectives on CPU ("gloo" or "mpi").
+
+  Returns:
+    True if this process is part of a multi-process run.
+  """
+  if jax.distributed.is_initialized():
+    return True
+  timeouts = dict(heartbeat_timeout_seconds=heartbeat_timeout_s,
+                  shutdown_timeout_seconds=shutdown_timeout_s,
+                  initialization_timeout=initialization_timeout_s)
+  explicit = [name for name in (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID)
+              if name in os.environ]
+  if explicit:
+    if len(explicit) != 3:
+      raise ValueError(
+          f"Only {explicit} of {ENV_COORDINATOR}, {ENV_NUM_PROCESSES}, {ENV_PROCESS_ID} are "
+          "set; a multi-process run needs all three (launch.local sets them)")
+    num_processes = _read_int(ENV_NUM_PROCESSES)
+    process_id = _read_int(ENV_PROCESS_ID)
+    if num_processes == 1:
+      return False
+    jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+    logging.info("Joining %d-process run as process %d via %s", num_processes, process_id,
+                 os.environ[ENV_COORDINATOR])
+    jax.distributed.initialize(
+        coordinator_address=os.environ[ENV_COORDINATOR], num_processes=num_processes,
+        process_id=process_id, cluster_detection_method="deactivate", **timeouts)
+    return True
+  if _cluster_detected():
+    jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+    jax.distributed.initialize(**timeouts)
+    return jax.process_count() > 1
+  return False
