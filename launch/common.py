@@ -7,10 +7,11 @@ add only what the cluster needs around it.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import shlex
 import socket
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from sharding import distributed
 
@@ -81,3 +82,105 @@ def local_process_env(coordinator: str, num_processes: int, process_id: int,
       "JAX_PLATFORMS": "cpu",
       "XLA_FLAGS": with_device_count(xla_flags, devices_per_process),
   }
+
+
+# -- Cloud TPU slices ---------------------------------------------------------------------
+# Per generation: GKE accelerator label, TensorCores per chip (the "-N" in v5p-128 counts
+# cores on v4/v5p and chips on v5e/v6e), chips per multi-host VM, torus dimensions.
+_TPU_GENERATIONS = {
+    "v4": dict(gke_accelerator="tpu-v4-podslice", cores_per_chip=2, chips_per_host=4, dims=3),
+    "v5p": dict(gke_accelerator="tpu-v5p-slice", cores_per_chip=2, chips_per_host=4, dims=3),
+    "v5e": dict(gke_accelerator="tpu-v5-lite-podslice", cores_per_chip=1, chips_per_host=4,
+                dims=2),
+    "v6e": dict(gke_accelerator="tpu-v6e-slice", cores_per_chip=1, chips_per_host=4, dims=2),
+}
+# Default torus shapes by chip count (GKE's documented topologies).
+_TOPOLOGIES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4",
+                  128: "4x4x8", 256: "4x8x8", 512: "8x8x8", 1024: "8x8x16", 2048: "8x16x16",
+                  4096: "16x16x16"}
+_TOPOLOGIES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8",
+                  128: "8x16", 256: "16x16"}
+
+
+class TpuSlice:
+  """Shape of one TPU slice named like `v5p-128`: chips, hosts and GKE labels."""
+
+  def __init__(self, tpu_type: str, topology: str | None = None):
+    match = re.fullmatch(r"(v4|v5p|v5e|v6e)-(\d+)", tpu_type)
+    if not match:
+      raise SystemExit(f"--tpu_type {tpu_type!r} must look like v5p-128, v4-32, v5e-256 or "
+                       f"v6e-64 (generations {sorted(_TPU_GENERATIONS)})")
+    self.name = tpu_type
+    self.generation = match.group(1)
+    spec = _TPU_GENERATIONS[self.generation]
+    count = int(match.group(2))
+    if count % spec["cores_per_chip"]:
+      raise SystemExit(f"--tpu_type {tpu_type}: {self.generation} counts TensorCores, "
+                       f"{spec['cores_per_chip']} per chip; {count} is not a whole number of chips")
+    self.chips = count // spec["cores_per_chip"]
+    table = _TOPOLOGIES_3D if spec["dims"] == 3 else _TOPOLOGIES_2D
+    self.topology = topology or table.get(self.chips)
+    if self.topology is None:
+      raise SystemExit(f"--tpu_type {tpu_type}: no default topology for {self.chips} chips; "
+                       "pass --topology (e.g. 4x4x4)")
+    topology_chips = 1
+    for size in self.topology.split("x"):
+      topology_chips *= int(size)
+    if topology_chips != self.chips:
+      raise SystemExit(f"--topology {self.topology} has {topology_chips} chips but "
+                       f"{tpu_type} has {self.chips}")
+    single_host = self.chips <= (8 if spec["dims"] == 2 else spec["chips_per_host"])
+    self.chips_per_host = self.chips if single_host else spec["chips_per_host"]
+    self.hosts = self.chips // self.chips_per_host
+    self.gke_accelerator = spec["gke_accelerator"]
+
+
+# -- Manifests -----------------------------------------------------------------------------
+def to_yaml(value: Any, indent: int = 0) -> str:
+  """Block-style YAML for dicts, lists, strings, numbers and booleans.
+
+  Strings are written as JSON strings (a subset of YAML's double-quoted scalars), so
+  shell commands with quotes, `$(VAR)` references and colons round-trip exactly.
+  """
+  pad = "  " * indent
+  if isinstance(value, dict):
+    if not value:
+      return pad + "{}\n"
+    out = []
+    for key, item in value.items():
+      if isinstance(item, (dict, list)) and item:
+        out.append(f"{pad}{_yaml_key(key)}:\n" + to_yaml(item, indent + 1))
+      else:
+        out.append(f"{pad}{_yaml_key(key)}: {_yaml_scalar(item)}\n")
+    return "".join(out)
+  if isinstance(value, list):
+    if not value:
+      return pad + "[]\n"
+    out = []
+    for item in value:
+      if isinstance(item, (dict, list)) and item:
+        nested = to_yaml(item, indent + 1)
+        out.append(f"{pad}- " + nested[len(pad) + 2:])
+      else:
+        out.append(f"{pad}- {_yaml_scalar(item)}\n")
+    return "".join(out)
+  return pad + _yaml_scalar(value) + "\n"
+
+
+def _yaml_key(key: Any) -> str:
+  key = str(key)
+  return key if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_./-]*", key) else json.dumps(key)
+
+
+def _yaml_scalar(value: Any) -> str:
+  if isinstance(value, bool):
+    return "true" if value else "false"
+  if value is None:
+    return "null"
+  if isinstance(value, (int, float)):
+    return str(value)
+  if isinstance(value, dict):
+    return "{}"
+  if isinstance(value, list):
+    return "[]"
+  return json.dumps(str(value))

@@ -1,0 +1,143 @@
+"""Dry runs of the TPU VM, GKE and SLURM launchers: the rendered commands, manifests and
+scripts parse, and carry the right worker counts and environment."""
+import os
+import pathlib
+import shlex
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from launch import common
+from launch import gke
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TRAIN = ["python", "-m", "pretrain.train", "--gin_file=configs/models/griffin_7b.gin",
+         "--gin_param=MeshConfig.fsdp=16", "--gin_param=MeshConfig.tensor=4",
+         "--gin_param=TRAIN_FILES='gs://b/data/*.txt'", "--workdir=gs://b/runs/g7b"]
+
+
+def _dry_run(module, *flags, command=TRAIN):
+  result = subprocess.run([sys.executable, "-m", module, *flags, "--dry_run", "--", *command],
+                          cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+  assert result.returncode == 0, result.stderr
+  return result.stdout, result.stderr
+
+
+def test_tpu_vm_dry_run_runs_train_command_on_all_workers():
+  out, _ = _dry_run("launch.tpu_vm", "--tpu=my-slice", "--zone=us-east5-a",
+                    "--project=proj", "--tpu_type=v5p-128",
+                    "--setup=source ~/venv/bin/activate", "--env=WANDB_MODE=offline",
+                    "--env=XLA_FLAGS=--xla_tpu_enable_latency_hiding_scheduler=true")
+  header, line = out.strip().splitlines()
+  assert header == "# v5p-128: 16 workers x 4 chips (topology 4x4x4); one process per worker"
+  argv = shlex.split(line)
+  assert argv[:8] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "my-slice",
+                      "--zone=us-east5-a", "--project=proj"]
+  assert argv[8] == "--worker=all"
+  remote = argv[9]
+  assert remote.startswith("--command=")
+  steps = remote[len("--command="):].split(" && ")
+  assert steps[:2] == ["cd griffin-pretrain", "source ~/venv/bin/activate"]
+  remote_argv = shlex.split(steps[2])
+  assert remote_argv[:2] == ["WANDB_MODE=offline",
+                             "XLA_FLAGS=--xla_tpu_enable_latency_hiding_scheduler=true"]
+  assert remote_argv[2:] == TRAIN  # the quoted glob survives both shells' quoting
+
+
+@pytest.mark.parametrize("tpu_type, chips, hosts, per_host, topology, label", [
+    ("v5p-128", 64, 16, 4, "4x4x4", "tpu-v5p-slice"),
+    ("v5p-8", 4, 1, 4, "2x2x1", "tpu-v5p-slice"),
+    ("v4-32", 16, 4, 4, "2x2x4", "tpu-v4-podslice"),
+    ("v5e-256", 256, 64, 4, "16x16", "tpu-v5-lite-podslice"),
+    ("v5e-8", 8, 1, 8, "2x4", "tpu-v5-lite-podslice"),
+    ("v6e-64", 64, 16, 4, "8x8", "tpu-v6e-slice"),
+])
+def test_tpu_slice_shapes(tpu_type, chips, hosts, per_host, topology, label):
+  s = common.TpuSlice(tpu_type)
+  assert (s.chips, s.hosts, s.chips_per_host, s.topology, s.gke_accelerator) == (
+      chips, hosts, per_host, topology, label)
+
+
+def test_tpu_slice_errors():
+  with pytest.raises(SystemExit, match="must look like"):
+    common.TpuSlice("v5x-128")
+  with pytest.raises(SystemExit, match="has 64"):
+    common.TpuSlice("v5p-128", topology="4x4x8")
+  with pytest.raises(SystemExit, match="whole number of chips"):
+    common.TpuSlice("v5p-7")
+
+
+def _single_container(manifest):
+  (job,) = manifest["spec"]["replicatedJobs"]
+  pod = job["template"]["spec"]["template"]["spec"]
+  (container,) = pod["containers"]
+  return job, pod, container
+
+
+def test_gke_single_slice_manifest():
+  out, _ = _dry_run("launch.gke", "--name=g7b", "--image=img:1", "--tpu_type=v5p-128",
+                    "--env=WANDB_MODE=offline")
+  manifest = yaml.safe_load(out)
+  assert manifest["apiVersion"] == "jobset.x-k8s.io/v1alpha2" and manifest["kind"] == "JobSet"
+  assert manifest["metadata"]["name"] == "g7b"
+  job, pod, container = _single_container(manifest)
+  assert job["replicas"] == 1
+  assert job["template"]["spec"]["parallelism"] == 16
+  assert job["template"]["spec"]["completions"] == 16
+  assert pod["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": "tpu-v5p-slice",
+                                 "cloud.google.com/gke-tpu-topology": "4x4x4"}
+  assert container["resources"]["limits"]["google.com/tpu"] == 4
+  assert container["command"] == TRAIN
+  assert container["env"] == [{"name": "WANDB_MODE", "value": "offline"}]
+
+
+def test_gke_multi_slice_manifest_joins_slices_over_dcn():
+  command = TRAIN + ["--gin_param=MeshConfig.replica=2"]
+  out, err = _dry_run("launch.gke", "--name=g14b", "--image=img:1", "--tpu_type=v5e-256",
+                      "--num_slices=2", "--max_restarts=3", command=command)
+  assert "MeshConfig.replica" not in err  # no warning: the command sets the replica axis
+  manifest = yaml.safe_load(out)
+  job, pod, container = _single_container(manifest)
+  assert manifest["spec"]["failurePolicy"]["maxRestarts"] == 3
+  assert job["replicas"] == 2 and job["template"]["spec"]["completions"] == 64
+  assert pod["nodeSelector"]["cloud.google.com/gke-tpu-topology"] == "16x16"
+  env = {e["name"]: e for e in container["env"]}
+  assert env["MEGASCALE_NUM_SLICES"]["value"] == "2"
+  assert env["MEGASCALE_COORDINATOR_ADDRESS"]["value"] == (
+      "$(JOBSET_NAME)-$(REPLICATED_JOB_NAME)-0-0.$(JOBSET_NAME)")
+  assert env["MEGASCALE_SLICE_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+      "metadata.labels['jobset.sigs.k8s.io/job-index']")
+  # Variables are defined before the ones that reference them.
+  names = [e["name"] for e in container["env"]]
+  assert names.index("JOBSET_NAME") < names.index("MEGASCALE_COORDINATOR_ADDRESS")
+  # Without the replica axis in the command, the launcher says so.
+  _, err = _dry_run("launch.gke", "--name=g", "--image=i", "--tpu_type=v5e-256",
+                    "--num_slices=2")
+  assert "MeshConfig.replica=2" in err
+
+
+def test_yaml_renderer_round_trips_awkward_strings():
+  manifest = gke.jobset_manifest("n", "i", ["bash", "-c", "echo 'a: b' \"$(X)\" # c\n"],
+                                 common.TpuSlice("v4-8"), env={"K": "yes", "N": "007"})
+  assert yaml.safe_load(common.to_yaml(manifest)) == manifest
+
+
+def test_slurm_script_runs_one_task_per_gpu():
+  out, _ = _dry_run("launch.slurm", "--nodes=4", "--gpus_per_node=8", "--partition=gpu",
+                    "--time=24:00:00", "--setup=source ~/venv/bin/activate",
+                    "--env=NCCL_DEBUG=WARN")
+  lines = out.splitlines()
+  assert lines[0] == "#!/bin/bash"
+  directives = [l.split(" ", 1)[1] for l in lines if l.startswith("#SBATCH")]
+  for expected in ("--nodes=4", "--ntasks-per-node=8", "--gpus-per-node=8",
+                   "--partition=gpu", "--time=24:00:00"):
+    assert expected in directives
+  assert "source ~/venv/bin/activate" in lines and "export NCCL_DEBUG=WARN" in lines
+  srun = next(l for l in lines if l.startswith("srun "))
+  assert shlex.split(srun) == ["srun", "--kill-on-bad-exit=1"] + TRAIN
+  # The script is valid bash.
+  script = "\n".join(l for l in lines if not l.startswith("# submit"))
+  assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
