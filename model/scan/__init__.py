@@ -3,7 +3,11 @@
 h_t = a_t * h_{t-1} + x_t, element-wise over channels, accumulated in float32.
 Every recurrent layer (RG-LRU, CG-LRU, GateLoop) calls `linear_scan`; the
 implementation is a keyword so kernels can be swapped without touching layers.
+When the sequence axis of the mesh is sharded, the model calls
+`sequence_sharded_linear_scan` instead (see `model.scan.sequence_parallel`).
 """
 from model.scan.engine import linear_scan
+from model.scan.engine import linear_scan_pairs
+from model.scan.engine import ScanOptions
 
-__all__ = ["linear_scan"]
+__all__ = ["linear_scan", "linear_scan_pairs", "ScanOptions"]

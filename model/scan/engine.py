@@ -1,24 +1,215 @@
-"""Dispatch for `linear_scan` (placeholder lax.scan engine; extended by the scan work)."""
+"""`linear_scan`: one entry point, several implementations of h_t = a_t * h_{t-1} + x_t.
+
+Every recurrent layer calls `linear_scan`; which algorithm runs is a keyword, so a
+kernel can be swapped without touching the layers:
+
+- "lax": `jax.lax.scan`, one step per iteration, with an unroll factor ("lax" uses
+  `ScanOptions.lax_unroll`, "lax:16" names it). Sequential and exact; its cost on an
+  accelerator is per-step latency, on CPU it is the fastest measured (see "auto").
+- "associative": `jax.lax.associative_scan` over (a, x) pairs. log2(T) passes over the
+  data, so it moves several times the bytes of a sequential scan; useful where the
+  per-step latency of "lax" dominates and there is no kernel.
+- "pallas": the Pallas kernel of `model.scan.pallas_scan` (state kept on chip, custom
+  VJP with a fused backward). On CPU it only runs in interpret mode (slow; for tests).
+- "auto": "pallas" on TPU and GPU. On CPU, "lax" with the default unroll: in
+  `benchmarks/scan.py` on this project's CPU machines (results in
+  benchmarks/RESULTS.md, "## Scan") lax.scan at unroll 8 was the fastest forward and
+  forward+backward, ahead of unroll 1 and 128 and of the associative scan.
+
+Numerics: the state is accumulated in float32 (complex64 for complex inputs) whatever
+the input dtype; `h` comes back in x's dtype (complex64 when only `a` is complex) and
+`h_last` in the accumulation dtype, so chaining segments through `h0` loses nothing.
+Document resets are the caller's business: a_t = 0 starts afresh at t.
+"""
 from __future__ import annotations
 
+import dataclasses
+from typing import Optional
+
+import gin
 import jax
 import jax.numpy as jnp
 
+IMPLS = ("auto", "lax", "associative", "pallas")
 
-def linear_scan(a: jax.Array, x: jax.Array, h0: jax.Array | None = None, *,
+
+def _is_power_of_two(n: int) -> bool:
+  return n >= 1 and n & (n - 1) == 0
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class ScanOptions:
+  """Tunables of the scan implementations (bind with Gin: `ScanOptions.lax_unroll = 16`).
+
+  Attributes:
+    lax_unroll: unroll factor of `impl="lax"` (1 was fastest on CPU, see module doc).
+    pallas_time_chunk: time steps per Pallas block, a power of two >= 16 (shorter
+      sequences use one block of the next power of two).
+    pallas_channel_block: channels per Pallas block, a power of two >= 128
+      (lane-dense; narrower layers use one padded block of 128).
+    pallas_strategy: "auto", "sequential" (one pass, state carried across time blocks
+      in on-chip scratch: the TPU design) or "chunked" (reduce-then-scan over time
+      chunks, many independent programs: the GPU design).
+    pallas_gpu_backend: "auto" (Triton where this JAX still ships it, else Mosaic
+      GPU), "triton" or "mosaic_gpu".
+    pallas_interpret: None = interpret mode exactly when running on CPU.
+  """
+  lax_unroll: int = 1
+  pallas_time_chunk: int = 128
+  pallas_channel_block: int = 128
+  pallas_strategy: str = "auto"
+  pallas_gpu_backend: str = "auto"
+  pallas_interpret: Optional[bool] = None
+
+  def __post_init__(self):
+    if self.lax_unroll < 1:
+      raise ValueError(f"ScanOptions.lax_unroll must be >= 1, got {self.lax_unroll}.")
+    if not _is_power_of_two(self.pallas_time_chunk) or self.pallas_time_chunk < 16:
+      raise ValueError("ScanOptions.pallas_time_chunk must be a power of two >= 16 "
+                       f"(Triton block shapes), got {self.pallas_time_chunk}.")
+    if (not _is_power_of_two(self.pallas_channel_block)
+        or self.pallas_channel_block < 128):
+      raise ValueError("ScanOptions.pallas_channel_block must be a power of two >= 128 "
+                       f"(lane-dense, Triton block shapes), got {self.pallas_channel_block}.")
+    if self.pallas_strategy not in ("auto", "sequential", "chunked"):
+      raise ValueError("ScanOptions.pallas_strategy must be 'auto', 'sequential' or "
+                       f"'chunked', got {self.pallas_strategy!r}.")
+    if self.pallas_gpu_backend not in ("auto", "triton", "mosaic_gpu"):
+      raise ValueError("ScanOptions.pallas_gpu_backend must be 'auto', 'triton' or "
+                       f"'mosaic_gpu', got {self.pallas_gpu_backend!r}.")
+
+
+def accumulation_dtype(a: jax.Array, x: jax.Array) -> jnp.dtype:
+  """float32, or complex64 when either operand is complex."""
+  if jnp.iscomplexobj(a) or jnp.iscomplexobj(x):
+    return jnp.dtype(jnp.complex64)
+  return jnp.dtype(jnp.float32)
+
+
+def parse_impl(impl: str) -> tuple[str, Optional[int]]:
+  """Splits "lax:16" into ("lax", 16); other names carry no unroll."""
+  name, _, unroll = impl.partition(":")
+  if name not in IMPLS:
+    raise ValueError(f"Unknown scan impl {impl!r}; choose one of {IMPLS} "
+                     "(or 'lax:N' for lax.scan unrolled N times).")
+  if not unroll:
+    return name, None
+  if name != "lax" or not unroll.isdigit() or int(unroll) < 1:
+    raise ValueError(f"Scan impl {impl!r}: only 'lax' takes an unroll, as 'lax:N' "
+                     "with N >= 1.")
+  return name, int(unroll)
+
+
+def resolve_impl(impl: str) -> tuple[str, Optional[int]]:
+  """Resolves "auto" for the default backend (see the module docstring for why)."""
+  name, unroll = parse_impl(impl)
+  if name == "auto":
+    name = "pallas" if jax.default_backend() in ("tpu", "gpu", "cuda", "rocm") else "lax"
+  return name, unroll
+
+
+def _validate(a: jax.Array, x: jax.Array, h0: Optional[jax.Array]) -> None:
+  if x.ndim != 3:
+    raise ValueError(f"linear_scan: x must be [batch, time, channels], got shape "
+                     f"{x.shape}.")
+  if a.shape != x.shape:
+    raise ValueError(f"linear_scan: a has shape {a.shape} but x has {x.shape}; "
+                     "broadcast the decay to x's shape first.")
+  if h0 is not None and h0.shape != (x.shape[0], x.shape[2]):
+    raise ValueError(f"linear_scan: h0 must be [batch, channels] = "
+                     f"{(x.shape[0], x.shape[2])}, got {h0.shape}.")
+
+
+def lax_linear_scan(a, x, h0, reverse, unroll, acc):
+  """Sequential scan; vmapped over batch so time is sliced in place (no transposes)."""
+
+  def one_row(a_row, x_row, h_init):
+
+    def step(h, ax):
+      a_t, x_t = ax
+      h = a_t.astype(acc) * h + x_t.astype(acc)
+      return h, h
+
+    return jax.lax.scan(step, h_init, (a_row, x_row), reverse=reverse, unroll=unroll)
+
+  h_last, h = jax.vmap(one_row)(a, x, h0)
+  return h, h_last
+
+
+def associative_linear_scan(a, x, h0, reverse, acc):
+  """Parallel prefix over (a, x) pairs; h0 is folded into the first step's input."""
+  a = a.astype(acc)
+  x = x.astype(acc)
+  first = -1 if reverse else 0
+  x = x.at[:, first].add(a[:, first] * h0)
+
+  def combine(earlier, later):
+    a_i, x_i = earlier
+    a_j, x_j = later
+    return a_j * a_i, a_j * x_i + x_j
+
+  _, h = jax.lax.associative_scan(combine, (a, x), axis=1, reverse=reverse)
+  return h, h[:, 0 if reverse else -1]
+
+
+def linear_scan(a: jax.Array, x: jax.Array, h0: Optional[jax.Array] = None, *,
                 reverse: bool = False, impl: str = "auto") -> tuple[jax.Array, jax.Array]:
-  """Returns (h [B,T,D], h_last [B,D]) for h_t = a_t * h_{t-1} + x_t."""
-  del impl
-  acc_dtype = jnp.complex64 if jnp.iscomplexobj(x) or jnp.iscomplexobj(a) else jnp.float32
+  """Computes h_t = a_t * h_{t-1} + x_t over the time axis (h_{-1} = h0).
+
+  Args:
+    a: decays [B, T, D], real or complex. Kept in float32 by every implementation
+      (rounding decays near 1 to bf16 would turn them into exactly 1).
+    x: inputs [B, T, D], float32, bfloat16 or complex.
+    h0: state before the first step [B, D]; zeros when None.
+    reverse: scan from t = T-1 down to 0 (h_t = a_t * h_{t+1} + x_t).
+    impl: "auto", "lax", "lax:N", "associative" or "pallas" (module docstring).
+
+  Returns:
+    (h [B, T, D] in x's dtype, h_last [B, D] in float32/complex64), where h_last is
+    the state after the last step in scan order (t = 0 when `reverse`).
+  """
+  _validate(a, x, h0)
+  name, unroll = resolve_impl(impl)
+  acc = accumulation_dtype(a, x)
+  out_dtype = x.dtype if acc == jnp.float32 or jnp.iscomplexobj(x) else acc
+  if name == "pallas":
+    from model.scan import pallas_scan  # pylint: disable=g-import-not-at-top
+    return pallas_scan.pallas_linear_scan(a, x, h0, reverse=reverse)
   if h0 is None:
-    h0 = jnp.zeros((x.shape[0], x.shape[2]), acc_dtype)
+    h0 = jnp.zeros((x.shape[0], x.shape[2]), acc)
+  h0 = h0.astype(acc)
+  if name == "associative":
+    h, h_last = associative_linear_scan(a, x, h0, reverse, acc)
+  else:
+    unroll = unroll or ScanOptions().lax_unroll
+    h, h_last = lax_linear_scan(a, x, h0, reverse, unroll, acc)
+  return h.astype(out_dtype), h_last
 
-  def step(h, ax):
-    a_t, x_t = ax
-    h = a_t.astype(acc_dtype) * h + x_t.astype(acc_dtype)
-    return h, h
 
-  h_last, hs = jax.lax.scan(step, h0.astype(acc_dtype),
-                            (jnp.swapaxes(a, 0, 1), jnp.swapaxes(x, 0, 1)),
-                            reverse=reverse)
-  return jnp.swapaxes(hs, 0, 1).astype(x.dtype), h_last
+def linear_scan_pairs(a: tuple[jax.Array, jax.Array], x: tuple[jax.Array, jax.Array],
+                      h0: Optional[tuple[jax.Array, jax.Array]] = None, *,
+                      reverse: bool = False, impl: str = "auto"):
+  """Complex `linear_scan` on (real, imaginary) pairs, for layers that keep them apart.
+
+  Args:
+    a: (a_re, a_im), each [B, T, D].
+    x: (x_re, x_im), each [B, T, D].
+    h0: optional (h0_re, h0_im), each [B, D].
+    reverse: as in `linear_scan`.
+    impl: as in `linear_scan`.
+
+  Returns:
+    ((h_re, h_im) in x's dtype, (h_last_re, h_last_im) in float32).
+  """
+  name, _ = resolve_impl(impl)
+  if name == "pallas":
+    from model.scan import pallas_scan  # pylint: disable=g-import-not-at-top
+    return pallas_scan.pallas_linear_scan_pairs(a, x, h0, reverse=reverse)
+  to_complex = lambda pair: jax.lax.complex(pair[0].astype(jnp.float32),
+                                            pair[1].astype(jnp.float32))
+  h, h_last = linear_scan(to_complex(a), to_complex(x),
+                          None if h0 is None else to_complex(h0),
+                          reverse=reverse, impl=impl)
+  dtype = x[0].dtype
+  return ((h.real.astype(dtype), h.imag.astype(dtype)), (h_last.real, h_last.imag))

@@ -1,0 +1,75 @@
+"""What differs between JAX versions and Pallas backends, detected once, in one place.
+
+The CPU machines run JAX 0.10 and the GPU machines JAX 0.11, where the default Pallas
+GPU backend is Mosaic GPU and Triton is deprecated. Nothing here compares version
+numbers: each helper looks for the API it needs, so a renamed class fails loudly here
+instead of deep inside a lowering.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+
+def squeezed_dim() -> Any:
+  """The block-shape entry for a dimension the kernel does not see (batch)."""
+  squeezed = getattr(pl, "Squeezed", None)
+  return squeezed() if squeezed is not None else None
+
+
+def platform() -> str:
+  """"tpu", "gpu" or "cpu" for the default backend."""
+  backend = jax.default_backend()
+  if backend in ("gpu", "cuda", "rocm"):
+    return "gpu"
+  return backend
+
+
+def triton_available() -> bool:
+  try:
+    from jax.experimental.pallas import triton as pltriton  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return False
+  return hasattr(pltriton, "CompilerParams")
+
+
+def resolve_gpu_backend(requested: str) -> str:
+  """"triton" where this JAX ships it (the kernels use its pointer-style row access),
+  else "mosaic_gpu"."""
+  if requested == "auto":
+    return "triton" if triton_available() else "mosaic_gpu"
+  if requested == "triton" and not triton_available():
+    raise ValueError("ScanOptions.pallas_gpu_backend='triton' but this JAX "
+                     f"({jax.__version__}) ships no Pallas Triton backend; use 'auto' or "
+                     "'mosaic_gpu'.")
+  return requested
+
+
+def compiler_params(target: str, dimension_semantics: tuple[str, ...],
+                    gpu_backend: str) -> Optional[Any]:
+  """Compiler parameters for `pl.pallas_call` on `target` ("tpu", "gpu" or "cpu").
+
+  On GPU the parameter's type is what selects the backend (Triton or Mosaic GPU) in
+  JAX 0.10 and 0.11, so it is always passed explicitly there.
+  """
+  if target == "tpu":
+    from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
+    params_cls = getattr(pltpu, "CompilerParams", None) or getattr(
+        pltpu, "TPUCompilerParams")
+    return params_cls(dimension_semantics=dimension_semantics)
+  if target == "gpu":
+    if gpu_backend == "triton":
+      from jax.experimental.pallas import triton as pltriton  # pylint: disable=g-import-not-at-top
+      return pltriton.CompilerParams(num_warps=4, num_stages=2)
+    from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+    return plgpu.CompilerParams()
+  return None
+
+
+def state_scratch(shape: tuple[int, ...]) -> Any:
+  """On-chip float32 scratch for a state carried across grid steps (TPU VMEM)."""
+  from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
+  return pltpu.VMEM(shape, jnp.float32)
