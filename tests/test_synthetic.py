@@ -1,0 +1,170 @@
+"""Synthetic memory probes: task definitions, determinism, SeqIO and pipeline wiring."""
+import gin
+import numpy as np
+import pytest
+
+from pretrain.data import synthetic
+from pretrain.data.pipeline import DataPipeline
+
+
+def brute_force_memory_targets(tokens, modulus=50):
+  """Recomputes every memory-horizon answer from the interleaved document, slowly."""
+  reset_id = modulus + 1
+  inputs, answers = tokens[0::2], tokens[1::2] - 1
+  expected, since_reset = [], []
+  for x in inputs:
+    if x == reset_id:
+      since_reset = []
+      expected.append(None)
+    else:
+      since_reset.append(int(x) - 1)
+      expected.append(synthetic.memory_compression(since_reset) % modulus)
+  return expected, answers
+
+
+def test_memory_compression_hand_examples():
+  assert synthetic.memory_compression([]) == 0
+  assert synthetic.memory_compression([3]) == 3
+  assert synthetic.memory_compression([2, 4]) == 8              # 2*4
+  assert synthetic.memory_compression([1, 2, 3]) == 1 * 3 - 2   # middle takes the next sign
+  assert synthetic.memory_compression([4, 1, 2, 3]) == 4 * 3 - 1 * 2
+  assert synthetic.memory_compression([1, 2, 3, 4, 0]) == 1 * 0 - 2 * 4 + 3
+  assert synthetic.memory_compression([1, 2, 3, 4, 0]) % 50 == 45
+
+
+def test_memory_horizon_examples_match_brute_force():
+  spec = synthetic.spec_of(synthetic.memory_horizon_task(length=40, resets=3, num_train=4,
+                                                         num_validation=2))
+  tokens, mask = spec.examples("train")
+  assert tokens.shape == (4, 80) and spec.vocab_size == 52
+  for row, row_mask in zip(tokens, mask):
+    inputs = row[0::2]
+    assert np.sum(inputs == 51) == 3 and inputs[0] != 51
+    assert set(inputs[inputs != 51] - 1) <= set(range(5))
+    expected, answers = brute_force_memory_targets(row)
+    for n, value in enumerate(expected):
+      assert row_mask[2 * n] == 0
+      if value is None:
+        assert row_mask[2 * n + 1] == 0
+      else:
+        assert row_mask[2 * n + 1] == 1 and answers[n] == value
+  # Long spans exercise the modulus (products reach far past 50).
+  assert tokens[:, 1::2].max() > 20
+
+
+def test_selective_copying_answer_is_the_data_in_order():
+  tokens, mask = synthetic.selective_copying_examples(
+      np.random.default_rng(0), count=5, length=64, num_data=6, vocab_size=16)
+  for row, row_mask in zip(tokens, mask):
+    prompt, separator, answer = row[:57], row[57], row[58:]
+    assert separator == 2 and np.all(row_mask[58:] == 1) and row_mask[:58].sum() == 0
+    data = prompt[prompt != 1]
+    assert len(data) == 6 and np.array_equal(data, answer)
+    assert np.all((answer >= 3) & (answer < 19))
+
+
+def test_induction_heads_answer_follows_the_first_trigger():
+  tokens, mask = synthetic.induction_heads_examples(np.random.default_rng(1), count=50,
+                                                   length=32, vocab_size=16)
+  for row, row_mask in zip(tokens, mask):
+    triggers = np.flatnonzero(row == 1)
+    assert len(triggers) == 2 and triggers[1] == 30 and triggers[0] < 28
+    assert row[31] == row[triggers[0] + 1] and row_mask.sum() == 1 and row_mask[31] == 1
+
+
+def test_phonebook_answer_is_the_queried_number():
+  tokens, mask = synthetic.phonebook_examples(np.random.default_rng(2), count=10,
+                                              num_entries=7, name_length=2,
+                                              number_length=3, num_letters=5)
+  entry = 2 + 1 + 3 + 1
+  for row, row_mask in zip(tokens, mask):
+    book = row[:7 * entry].reshape(7, entry)
+    names = [tuple(e[:2]) for e in book]
+    assert len(set(names)) == 7 and np.all(book[:, 2] == 1) and np.all(book[:, -1] == 2)
+    query = row[7 * entry:]
+    assert query[0] == 3 and query[3] == 1
+    asked = names.index(tuple(query[1:3]))
+    assert np.array_equal(query[4:], book[asked, 3:6])
+    assert np.array_equal(np.flatnonzero(row_mask), np.arange(len(row) - 3, len(row)))
+
+
+def test_generation_is_deterministic_per_seed_and_split():
+  name = synthetic.induction_heads_task(length=16, num_train=8, num_validation=4, seed=3)
+  spec = synthetic.spec_of(name)
+  again = synthetic.spec_of(synthetic.induction_heads_task(length=16, num_train=8,
+                                                           num_validation=4, seed=3))
+  np.testing.assert_array_equal(spec.examples("train")[0], again.examples("train")[0])
+  assert not np.array_equal(spec.examples("train")[0][:4], spec.examples("validation")[0])
+  other = synthetic.spec_of(synthetic.induction_heads_task(length=16, num_train=8,
+                                                           num_validation=4, seed=4))
+  assert not np.array_equal(spec.examples("train")[0], other.examples("train")[0])
+
+
+@pytest.mark.parametrize("family, kwargs, multiple, longer", [
+    ("induction_heads", dict(length=16), 4, 64),
+    ("selective_copying", dict(length=32, num_data=4), 2, 64),
+    ("memory_horizon", dict(length=12, resets=2), 2, 48),
+    ("phonebook", dict(num_entries=3), 2, 6 * 9 + 9),
+])
+def test_length_multiples_make_longer_documents(family, kwargs, multiple, longer):
+  task_fn = getattr(synthetic, f"{family}_task")
+  spec = synthetic.spec_of(task_fn(num_train=2, num_validation=2, **kwargs))
+  tokens, mask = spec.examples("validation", length_multiple=multiple)
+  assert tokens.shape == (2, longer) and mask.shape == tokens.shape and mask.sum() > 0
+
+
+def test_bad_sizes_name_the_problem():
+  with pytest.raises(ValueError, match="selective_copying"):
+    synthetic.selective_copying_task(length=20, num_data=16)
+  with pytest.raises(ValueError, match="distinct names"):
+    synthetic.phonebook_task(num_entries=30, name_length=1, num_letters=26)
+  with pytest.raises(ValueError, match="not a registered synthetic task"):
+    synthetic.spec_of("no_such_task")
+
+
+def test_default_tasks_are_registered_with_paper_sizes():
+  import seqio
+  for name in ("memory_horizon", "selective_copying", "induction_heads", "phonebook"):
+    assert name in seqio.TaskRegistry.names()
+  assert synthetic.spec_of("induction_heads").kwargs == {"length": 256, "vocab_size": 16}
+  assert synthetic.spec_of("memory_horizon").kwargs["length"] == 1024
+
+
+def test_pipeline_batches_weight_only_the_answers(tmp_path):
+  name = synthetic.induction_heads_task(length=16, num_train=12, num_validation=4)
+  pipeline = DataPipeline(task=name, sequence_length=16, batch_size=4,
+                          cache_dir=str(tmp_path))
+  assert pipeline.vocab_size == 18
+  batch = pipeline.batch(0)
+  assert np.array_equal(batch["weights"].sum(1), np.ones(4))
+  assert np.all(batch["weights"][:, -1] == 1)
+  # The input at the answer is the trigger; the answer follows the first trigger.
+  for inputs, targets in zip(batch["inputs"], batch["targets"]):
+    assert inputs[-1] == 1
+    first = np.flatnonzero(inputs == 1)[0]
+    assert targets[-1] == inputs[first + 1]
+
+
+def test_data_configs_parse_and_register(tmp_path):
+  for family in ("memory_horizon", "selective_copying", "induction_heads", "phonebook"):
+    gin.clear_config()
+    try:
+      gin.parse_config([f"include 'configs/data/synthetic_{family}.gin'",
+                        "BATCH_SIZE = 2", "SEED = 0",
+                        f"{family}_task.num_train = 2", f"{family}_task.num_validation = 2"])
+      name = gin.query_parameter("DataPipeline.task").scoped_configurable_fn()
+      spec = synthetic.spec_of(name)
+      assert spec.vocab_size == gin.query_parameter("%VOCAB_SIZE")
+      assert spec.document_length <= gin.query_parameter("%SEQUENCE_LENGTH")
+    finally:
+      gin.clear_config()
+
+
+def test_target_accuracy_counts_only_weighted_positions():
+  targets = np.array([[1, 2, 3, 0]])
+  logits = np.eye(4)[[[1, 0, 3, 0]]] * 5.0       # right at 0 and 2, wrong at 1
+  weights = np.array([[1.0, 1.0, 0.0, 0.0]])
+  assert synthetic.target_accuracy(logits, targets, weights) == pytest.approx(0.5)
+  assert synthetic.target_accuracy(logits, targets, [[0, 0, 1, 0]]) == pytest.approx(1.0)
+  with pytest.raises(ValueError, match="no position"):
+    synthetic.target_accuracy(logits, targets, np.zeros((1, 4)))
