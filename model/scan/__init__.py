@@ -9,5 +9,8 @@ When the sequence axis of the mesh is sharded, the model calls
 from model.scan.engine import linear_scan
 from model.scan.engine import linear_scan_pairs
 from model.scan.engine import ScanOptions
+from model.scan.sequence_parallel import sequence_sharded_linear_scan
+from model.scan.sequence_parallel import shard_local_linear_scan
 
-__all__ = ["linear_scan", "linear_scan_pairs", "ScanOptions"]
+__all__ = ["linear_scan", "linear_scan_pairs", "ScanOptions",
+           "sequence_sharded_linear_scan", "shard_local_linear_scan"]

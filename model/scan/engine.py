@@ -109,7 +109,7 @@ def resolve_impl(impl: str) -> tuple[str, Optional[int]]:
   return name, unroll
 
 
-def _validate(a: jax.Array, x: jax.Array, h0: Optional[jax.Array]) -> None:
+def validate(a: jax.Array, x: jax.Array, h0: Optional[jax.Array]) -> None:
   if x.ndim != 3:
     raise ValueError(f"linear_scan: x must be [batch, time, channels], got shape "
                      f"{x.shape}.")
@@ -169,7 +169,7 @@ def linear_scan(a: jax.Array, x: jax.Array, h0: Optional[jax.Array] = None, *,
     (h [B, T, D] in x's dtype, h_last [B, D] in float32/complex64), where h_last is
     the state after the last step in scan order (t = 0 when `reverse`).
   """
-  _validate(a, x, h0)
+  validate(a, x, h0)
   name, unroll = resolve_impl(impl)
   acc = accumulation_dtype(a, x)
   out_dtype = x.dtype if acc == jnp.float32 or jnp.iscomplexobj(x) else acc

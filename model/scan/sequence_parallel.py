@@ -1,0 +1,147 @@
+"""The linear scan with the time axis split over a mesh axis ("sequence").
+
+A recurrence over a split sequence needs, on each shard, the state entering the
+shard. Because the recurrence is linear, that state is affine in the previous
+shard's: a shard maps h_in to P * h_in + L, where P is the product of the shard's
+decays and L its final state from zero. So each shard
+
+1. scans its slice from zero (any `impl`, including the Pallas kernel), giving
+   h_local, L = h_local's last state, and the running decay product cumprod(a);
+2. all-gathers only the tiny carries (P, L) of every shard, [shards, B, D], and
+   folds them in scan order from h0 to get its own h_in (and the global last state);
+3. corrects its states: h = h_local + cumprod(a) * h_in.
+
+Nothing of size T crosses the interconnect; autodiff of the all-gather (a
+reduce-scatter) carries the gradients of h_in back to the shards before.
+
+Cost: one extra elementwise pass and a float32 cumprod(a) buffer per shard.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from model.scan import engine
+
+AxisNames = Union[None, str, Sequence[str]]
+
+_BATCH_AXES = ("replica", "data", "fsdp")
+_CHANNEL_AXES = ("tensor",)
+
+
+def shard_local_linear_scan(a: jax.Array, x: jax.Array, h0: Optional[jax.Array], *,
+                            axis_name: str, reverse: bool = False,
+                            impl: str = "auto") -> tuple[jax.Array, jax.Array]:
+  """`linear_scan` on this shard's slice of time, called inside `shard_map`.
+
+  Args:
+    a, x: this shard's [B, T/shards, D] slices, shards ordered by `axis_name` index.
+    h0: the global initial state [B, D] (same on every shard of `axis_name`), or None.
+    axis_name: the mesh axis that splits time.
+    reverse: as in `linear_scan`.
+    impl: the local scan's implementation, as in `linear_scan`.
+
+  Returns:
+    (this shard's h [B, T/shards, D], the global last state [B, D], equal on all
+    shards).
+  """
+  acc = engine.accumulation_dtype(a, x)
+  h_local, local_last = engine.linear_scan(a, x, None, reverse=reverse, impl=impl)
+  decay_so_far = jax.lax.cumprod(a.astype(acc), axis=1, reverse=reverse)
+  shard_decay = decay_so_far[:, 0 if reverse else -1]
+  # [shards, B, D] -> [B, shards, D]: one "time" step per shard.
+  decays = jnp.moveaxis(jax.lax.all_gather(shard_decay, axis_name), 0, 1)
+  finals = jnp.moveaxis(jax.lax.all_gather(local_last, axis_name), 0, 1)
+  if h0 is None:
+    h0 = jnp.zeros(local_last.shape, acc)
+  ends, global_last = engine.associative_linear_scan(decays, finals, h0.astype(acc),
+                                                     reverse, acc)
+  # The state entering shard s is the state leaving its predecessor in scan order.
+  before = (jnp.concatenate([ends[:, 1:], h0[:, None].astype(acc)], axis=1) if reverse
+            else jnp.concatenate([h0[:, None].astype(acc), ends[:, :-1]], axis=1))
+  h_in = jax.lax.dynamic_index_in_dim(before, jax.lax.axis_index(axis_name), axis=1,
+                                      keepdims=False)
+  h = h_local.astype(acc) + decay_so_far * h_in[:, None]
+  return h.astype(h_local.dtype), global_last
+
+
+def _present(mesh: Mesh, wanted: AxisNames, defaults: tuple[str, ...]):
+  """Mesh axes for a dimension: the given ones, or the defaults present in the mesh."""
+  if wanted is None:
+    found = tuple(name for name in defaults if mesh.shape.get(name, 1) > 1)
+  else:
+    found = (wanted,) if isinstance(wanted, str) else tuple(wanted)
+  for name in found:
+    if name not in mesh.shape:
+      raise ValueError(f"sequence_sharded_linear_scan: mesh has no axis {name!r} "
+                       f"(axes: {tuple(mesh.shape)}).")
+  if not found:
+    return None
+  return found[0] if len(found) == 1 else found
+
+
+def _size(mesh: Mesh, axes) -> int:
+  if axes is None:
+    return 1
+  names = (axes,) if isinstance(axes, str) else axes
+  size = 1
+  for name in names:
+    size *= mesh.shape[name]
+  return size
+
+
+def _shard_map(fn, mesh, in_specs, out_specs):
+  """`shard_map` without replication checks (Pallas calls carry no replication rule)."""
+  if hasattr(jax, "shard_map"):
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)
+  from jax.experimental.shard_map import shard_map  # pylint: disable=g-import-not-at-top
+  return shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                   check_rep=False)
+
+
+def sequence_sharded_linear_scan(a: jax.Array, x: jax.Array,
+                                 h0: Optional[jax.Array] = None, *, mesh: Mesh,
+                                 axis_name: str = "sequence", reverse: bool = False,
+                                 impl: str = "auto", batch_axes: AxisNames = None,
+                                 channel_axes: AxisNames = None
+                                 ) -> tuple[jax.Array, jax.Array]:
+  """`linear_scan` on global arrays whose time axis is split over `axis_name`.
+
+  Args:
+    a, x, h0, reverse, impl: as in `model.scan.linear_scan`.
+    mesh: the device mesh.
+    axis_name: the mesh axis splitting time; T must be divisible by its size.
+    batch_axes: mesh axes splitting the batch; None = those of ("replica", "data",
+      "fsdp") in the mesh with size > 1 (the default logical-axis rules).
+    channel_axes: mesh axes splitting channels; None = "tensor" if in the mesh.
+
+  Returns:
+    (h [B, T, D], h_last [B, D]) exactly as `linear_scan` would give.
+  """
+  engine.validate(a, x, h0)
+  if axis_name not in mesh.shape:
+    raise ValueError(f"sequence_sharded_linear_scan: mesh has no axis {axis_name!r} "
+                     f"(axes: {tuple(mesh.shape)}); pass axis_name=.")
+  batch_axes = _present(mesh, batch_axes, _BATCH_AXES)
+  channel_axes = _present(mesh, channel_axes, _CHANNEL_AXES)
+  for what, dim, axes in (("time", x.shape[1], axis_name), ("batch", x.shape[0], batch_axes),
+                          ("channels", x.shape[2], channel_axes)):
+    if dim % _size(mesh, axes):
+      raise ValueError(f"sequence_sharded_linear_scan: {what} size {dim} is not divisible "
+                       f"by the {_size(mesh, axes)} shards of mesh axes {axes}; pad it or "
+                       "change the mesh.")
+  seq_spec = P(batch_axes, axis_name, channel_axes)
+  state_spec = P(batch_axes, channel_axes)
+  local = functools.partial(shard_local_linear_scan, axis_name=axis_name,
+                            reverse=reverse, impl=impl)
+  if h0 is None:
+    return _shard_map(lambda a, x: local(a, x, None), mesh, (seq_spec, seq_spec),
+                      (seq_spec, state_spec))(a, x)
+  return _shard_map(local, mesh, (seq_spec, seq_spec, state_spec),
+                    (seq_spec, state_spec))(a, x, h0)
