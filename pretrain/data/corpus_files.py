@@ -1,0 +1,110 @@
+"""Finding and reading corpus files, without TensorFlow (the tokenizer CLI uses this).
+
+A glob selects the corpus: every matched file is one document, except `.jsonl` files,
+where every line is a JSON object whose `text` field is one document. The placeholder
+`{stdlib}` expands to the running Python's standard-library directory, a real corpus
+present on every machine (the quickstart's).
+"""
+from __future__ import annotations
+
+import fnmatch
+import glob
+import hashlib
+import json
+import os
+import sysconfig
+from typing import List, Sequence
+
+from pretrain.data.errors import DataError
+
+# Third-party packages installed into the interpreter live under the standard-library
+# directory; they are not part of the stdlib corpus and vary between machines.
+DEFAULT_EXCLUDE = ("*/site-packages/*", "*/dist-packages/*", "*/__pycache__/*")
+_GLOB_CHARS = "*?["
+
+
+def expand_pattern(pattern: str) -> str:
+  """Expands `{stdlib}` and `~` in a glob pattern."""
+  stdlib = sysconfig.get_paths()["stdlib"]
+  return os.path.expanduser(pattern.replace("{stdlib}", stdlib))
+
+
+def glob_root(pattern: str) -> str:
+  """The directory prefix of a pattern that holds no wildcard."""
+  parts = pattern.split(os.sep)
+  fixed = []
+  for part in parts[:-1]:
+    if any(c in part for c in _GLOB_CHARS):
+      break
+    fixed.append(part)
+  return os.sep.join(fixed) or os.curdir
+
+
+def match_files(pattern: str, exclude: Sequence[str] = DEFAULT_EXCLUDE,
+                flag: str = "TRAIN_FILES") -> List[str]:
+  """Sorted regular files matching `pattern` (recursive `**`) minus `exclude` globs.
+
+  `flag` names the setting the pattern came from, for the error message.
+  """
+  expanded = expand_pattern(pattern)
+  files = sorted(
+      path for path in glob.glob(expanded, recursive=True)
+      if os.path.isfile(path)
+      and not any(fnmatch.fnmatch(path, ex) for ex in exclude))
+  if not files:
+    if flag.isupper():  # a Gin macro
+      where = f"{flag} glob '{pattern}'"
+      fix = f"--gin_param=\"{flag}='/path/to/**/*.txt'\""
+    else:  # a command-line flag
+      where = f"--{flag}='{pattern}'"
+      fix = f"--{flag}='/path/to/**/*.txt'"
+    raise DataError(
+        f"{where} matched no files; check the path or set {fix}")
+  return files
+
+
+def _unit_interval_hash(key: str) -> float:
+  """A stable pseudo-random number in [0, 1) for a document key."""
+  digest = hashlib.sha256(key.encode("utf-8")).digest()
+  return int.from_bytes(digest[:8], "little") / 2.0**64
+
+
+def assign_validation(keys: Sequence[str], fraction: float) -> List[bool]:
+  """Marks each key as validation (True) or train (False), deterministically.
+
+  A key goes to validation when its hash falls below `fraction`. Tiny corpora still
+  get both splits: with at least two documents and `fraction > 0`, the document with
+  the smallest hash is validation and the one with the largest is train.
+  """
+  if not 0.0 <= fraction < 1.0:
+    raise DataError(
+        f"validation_fraction={fraction} must be in [0, 1); e.g. 0.02")
+  hashes = [_unit_interval_hash(k) for k in keys]
+  is_validation = [h < fraction for h in hashes]
+  if fraction > 0 and len(keys) >= 2:
+    is_validation[min(range(len(keys)), key=hashes.__getitem__)] = True
+    is_validation[max(range(len(keys)), key=hashes.__getitem__)] = False
+  return is_validation
+
+
+def read_jsonl_texts(path: str) -> List[str]:
+  """The `text` field of every non-blank line of a JSONL file."""
+  texts = []
+  with open(path, "r", encoding="utf-8") as f:
+    for line_number, line in enumerate(f, start=1):
+      if not line.strip():
+        continue
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise DataError(
+            f"{path}:{line_number} is not valid JSON ({e.msg}); every line of a "
+            ".jsonl file must be an object with a 'text' field") from None
+      if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+        raise DataError(
+            f"{path}:{line_number} has no string 'text' field; every line of a "
+            ".jsonl file must look like {\"text\": \"...\"}")
+      texts.append(record["text"])
+  return texts
+
+

@@ -1,0 +1,187 @@
+"""Turning any registered SeqIO task or mixture into packed rows in a token store.
+
+The SeqIO task stays the definition of the data (source, preprocessors, vocabulary);
+this module runs its `tf.data` pipeline once, unshuffled, batching documents as ragged
+tensors so the per-document Python work is nil, and packs them in large groups with
+`packing.pack_documents` (padding only at group ends, under one row per group).
+
+A task whose output features include `inputs` is treated as a prefix LM: each
+document is `inputs ++ targets` and only the `targets` part carries loss weight.
+
+A mixture samples its tasks at their rates (seed 0). Without a document cap it runs
+one pass, which SeqIO ends when the first task runs out; with `max_documents` its
+tasks repeat, so small tasks mixed at high rates are revisited as SeqIO intends.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+from typing import Any, Dict, Iterator, Optional, Tuple
+
+import numpy as np
+import seqio
+import tensorflow as tf
+
+from pretrain.data import packing, sources
+from pretrain.data.errors import DataError
+from pretrain.data.vocabularies import vocabulary_fingerprint
+
+_GROUP_TOKENS = 1 << 22   # tokens packed together (one padded row at most per group)
+_BATCH_DOCUMENTS = 256    # documents per ragged batch out of tf.data
+
+
+def get_provider(name: str) -> seqio.DatasetProviderBase:
+  """The registered task or mixture `name`, or an error listing what exists."""
+  try:
+    provider = seqio.get_mixture_or_task(name)
+  except ValueError:
+    known = sorted(set(seqio.TaskRegistry.names()) | set(seqio.MixtureRegistry.names()))
+    raise DataError(
+        f"no SeqIO task or mixture named '{name}' is registered (import the module "
+        f"that registers it); registered: {', '.join(known)}") from None
+  if "targets" not in provider.output_features:
+    raise DataError(
+        f"SeqIO task '{name}' has no 'targets' output feature; language-model "
+        "tasks need 'targets' (and optionally 'inputs' for prefix-LM tasks)")
+  return provider
+
+
+def has_split(provider: seqio.DatasetProviderBase, split: str) -> bool:
+  if isinstance(provider, seqio.Mixture):
+    return any(split in task.splits for task in provider.tasks)
+  return split in provider.splits
+
+
+def _function_fingerprint(fn: Any) -> str:
+  """Identifies a preprocessor / dataset function by its code and bound arguments."""
+  if isinstance(fn, functools.partial):
+    return (f"partial({_function_fingerprint(fn.func)}, {fn.args!r}, "
+            f"{sorted(fn.keywords.items())!r})")
+  name = getattr(fn, "__module__", "") + "." + getattr(
+      fn, "__qualname__", type(fn).__qualname__)
+  try:
+    code = hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()[:16]
+  except (OSError, TypeError):
+    code = "?"
+  return f"{name}#{code}"
+
+
+def _source_fingerprint(source: seqio.DataSource) -> Any:
+  if isinstance(source, sources.TextFilesDataSource):
+    return ["text_files", source.fingerprint]
+  if isinstance(source, seqio.TfdsDataSource):
+    return ["tfds", source.tfds_dataset.name, source.tfds_dataset.data_dir,
+            sorted(source.splits)]
+  if isinstance(source, seqio.FunctionDataSource):
+    return ["function", _function_fingerprint(source._dataset_fn),  # pylint: disable=protected-access
+            sorted(source.splits)]
+  return [type(source).__qualname__, repr(source)]
+
+
+def provider_fingerprint(provider: seqio.DatasetProviderBase) -> Any:
+  """What determines a task's (or mixture's) documents, as JSON-able data.
+
+  Covers the source (for text files: every file's path, size and mtime), the
+  preprocessors' code and arguments, and the vocabularies. A task computed from
+  settings read elsewhere at run time (not passed as arguments) is not covered:
+  put such settings in the task name or in `functools.partial` arguments.
+  """
+  if isinstance(provider, seqio.Mixture):
+    return {"mixture": provider.name, "tasks": [
+        [provider_fingerprint(task), repr(provider.get_rate(task))]
+        for task in provider.tasks]}
+  return {
+      "task": provider.name,
+      "source": _source_fingerprint(provider.source),
+      "preprocessors": [_function_fingerprint(p) for p in provider.preprocessors],
+      "features": {k: [vocabulary_fingerprint(f.vocabulary), f.add_eos]
+                   for k, f in sorted(provider.output_features.items())},
+  }
+
+
+def _documents(provider: seqio.DatasetProviderBase, split: str,
+               sequence_length: int, max_documents: Optional[int]
+               ) -> tf.data.Dataset:
+  """The split as examples `{"tokens": int32[n]}` (+ `loss_mask` for prefix LMs)."""
+  lengths = {k: sequence_length for k in provider.output_features}
+  repeat = isinstance(provider, seqio.Mixture) and max_documents is not None
+  try:
+    ds = provider.get_dataset(sequence_length=lengths, split=split, shuffle=False,
+                              seed=0, num_epochs=None if repeat else 1,
+                              trim_output_features=False)
+  except DataError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    if isinstance(provider, seqio.Task) and isinstance(
+        provider.source, seqio.TfdsDataSource):
+      raise DataError(
+          f"could not load TFDS dataset '{provider.source.tfds_dataset.name}' for "
+          f"task '{provider.name}' ({type(e).__name__}: {str(e).splitlines()[0]}); "
+          "prepare it first (e.g. `tfds build`) or set the task's tfds_data_dir"
+      ) from None
+    raise
+  prefix_lm = "inputs" in provider.output_features
+
+  def to_document(example):
+    targets = tf.cast(tf.reshape(example["targets"], [-1]), tf.int32)
+    if not prefix_lm:
+      return {"tokens": targets}
+    inputs = tf.cast(tf.reshape(example["inputs"], [-1]), tf.int32)
+    return {"tokens": tf.concat([inputs, targets], 0),
+            "loss_mask": tf.concat([tf.zeros_like(inputs, tf.uint8),
+                                    tf.ones_like(targets, tf.uint8)], 0)}
+
+  return ds.map(to_document, num_parallel_calls=tf.data.AUTOTUNE,
+                deterministic=True)
+
+
+def packed_groups(provider: seqio.DatasetProviderBase, split: str,
+                  sequence_length: int, max_documents: Optional[int] = None
+                  ) -> Iterator[Tuple[packing.PackedRows, int]]:
+  """Packed rows of a split, in order, with the number of documents in each group."""
+  ds = _documents(provider, split, sequence_length, max_documents)
+  if max_documents is not None:
+    ds = ds.take(max_documents)
+  ds = ds.ragged_batch(_BATCH_DOCUMENTS).prefetch(2)
+  pending = []
+
+  def pack(parts):
+    tokens = np.concatenate([p[0] for p in parts])
+    lengths = np.concatenate([p[1] for p in parts])
+    mask = (np.concatenate([p[2] for p in parts]) if parts[0][2] is not None
+            else None)
+    return packing.pack_documents(tokens, lengths, sequence_length, mask), int(
+        np.count_nonzero(lengths))
+
+  pending_tokens = 0
+  for batch in ds:
+    tokens = batch["tokens"]
+    mask = batch.get("loss_mask")
+    pending.append((tokens.flat_values.numpy(), tokens.row_lengths().numpy(),
+                    None if mask is None else mask.flat_values.numpy()))
+    pending_tokens += pending[-1][0].size
+    if pending_tokens >= _GROUP_TOKENS:
+      yield pack(pending)
+      pending, pending_tokens = [], 0
+  if pending:
+    yield pack(pending)
+
+
+def is_prefix_lm(provider: seqio.DatasetProviderBase) -> bool:
+  return "inputs" in provider.output_features
+
+
+def fill_store(writer, provider: seqio.DatasetProviderBase, split: str,
+               sequence_length: int, max_documents: Optional[int]) -> Dict:
+  """Appends a split's packed rows to `writer`; returns facts for the metadata."""
+  documents = 0
+  for packed, count in packed_groups(provider, split, sequence_length,
+                                     max_documents):
+    writer.append(packed)
+    documents += count
+  if documents == 0:
+    raise DataError(
+        f"the '{split}' split of SeqIO task '{provider.name}' has no tokens (every "
+        "document is empty); check that TRAIN_FILES matches files with text")
+  return {"task": provider.name, "split": split, "num_documents": documents}

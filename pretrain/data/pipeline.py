@@ -1,0 +1,183 @@
+"""The trainer's data: deterministic, resumable batches of packed rows from a SeqIO task.
+
+`DataPipeline` materialises the task's train split once into a cached token store
+(`token_store`), then serves `batch(step)`: this process's slice of the global batch at
+`step`, a pure function of (seed, step, process_index, process_count) (`indexing`).
+Nothing else needs saving to resume, and a run may resume on a different number of
+processes.
+
+Gin (see configs/data/*.gin):
+  DataPipeline.task = @text_files_task()       # or any registered task/mixture name
+  text_files_task.train_files = %TRAIN_FILES
+  DataPipeline.sequence_length = %SEQUENCE_LENGTH
+  DataPipeline.batch_size = %BATCH_SIZE
+  DataPipeline.seed = %SEED
+The trainer passes `process_index` and `process_count`.
+"""
+from __future__ import annotations
+
+import os
+from typing import Dict, Iterator, Optional
+
+import gin
+import numpy as np
+import seqio
+
+from pretrain.data import indexing, materialize, token_store
+from pretrain.data.errors import DataError
+from pretrain.data.packing import features_from_rows
+from pretrain.data.vocabularies import vocabulary_fingerprint
+
+DEFAULT_CACHE_DIR = os.environ.get(
+    "GRIFFIN_DATA_CACHE", os.path.join("~", ".cache", "griffin_pretrain", "tokens"))
+
+Batch = Dict[str, np.ndarray]
+
+
+@gin.configurable
+class DataPipeline:
+  """Batches for one process of a (possibly multi-process) training run.
+
+  Attributes:
+    task_name: the SeqIO task or mixture.
+    vocabulary: the `targets` vocabulary (`vocab_size` ids; 0 = padding).
+    train_store: the token store of the train split.
+    rows_per_process: rows of each batch this process gets (batch_size / processes).
+  """
+
+  def __init__(self, task: str = gin.REQUIRED,
+               sequence_length: int = gin.REQUIRED,
+               batch_size: int = gin.REQUIRED,
+               seed: int = 0,
+               process_index: int = 0,
+               process_count: int = 1,
+               cache_dir: str = DEFAULT_CACHE_DIR,
+               train_split: str = "train",
+               validation_split: str = "validation",
+               max_train_documents: Optional[int] = None,
+               max_validation_documents: Optional[int] = None):
+    """Builds (or reuses) the train token store.
+
+    Args:
+      task: name of a registered SeqIO task or mixture, e.g. the value of
+        `@text_files_task()`, `"c4_en"` or a synthetic task.
+      sequence_length: T, tokens per row.
+      batch_size: global batch size in rows, over all processes.
+      seed: seeds the per-epoch row order (not the store's content).
+      process_index: this process, in [0, process_count).
+      process_count: processes sharing the global batch; must divide batch_size.
+      cache_dir: where token stores are cached (`$GRIFFIN_DATA_CACHE` by default).
+      train_split: the task split to train on.
+      validation_split: the split `validation_batches` reads.
+      max_train_documents: use only the first N documents of the train split
+        (for huge corpora such as C4); None = all.
+      max_validation_documents: likewise for the validation split.
+    """
+    if sequence_length < 1:
+      raise DataError(f"SEQUENCE_LENGTH={sequence_length} must be >= 1")
+    self.rows_per_process = indexing.check_batch_split(batch_size, process_count)
+    if not 0 <= process_index < process_count:
+      raise DataError(
+          f"process_index={process_index} is outside [0, {process_count})")
+    self.task_name = task
+    self.sequence_length = sequence_length
+    self.batch_size = batch_size
+    self.seed = seed
+    self.process_index = process_index
+    self.process_count = process_count
+    self._cache_dir = cache_dir
+    self._validation_split = validation_split
+    self._max_validation_documents = max_validation_documents
+    self._provider = materialize.get_provider(task)
+    self.vocabulary: seqio.Vocabulary = (
+        self._provider.output_features["targets"].vocabulary)
+    if not materialize.has_split(self._provider, train_split):
+      raise DataError(f"SeqIO task '{task}' has no '{train_split}' split")
+    self.train_store = self._store(train_split, max_train_documents)
+    self._validation_store = None
+
+  @property
+  def vocab_size(self) -> int:
+    return self.vocabulary.vocab_size
+
+  @property
+  def num_train_rows(self) -> int:
+    return self.train_store.num_rows
+
+  @property
+  def steps_per_epoch(self) -> float:
+    return self.num_train_rows / self.batch_size
+
+  def batch(self, step: int) -> Batch:
+    """This process's `[batch_size / process_count, T]` rows of global batch `step`."""
+    rows = indexing.batch_rows(
+        step, seed=self.seed, batch_size=self.batch_size,
+        num_rows=self.num_train_rows, process_index=self.process_index,
+        process_count=self.process_count)
+    return features_from_rows(**self.train_store.read(rows))
+
+  def validation_batches(self, max_batches: Optional[int] = None
+                         ) -> Iterator[Batch]:
+    """The validation split in order, as this process's slices of global batches.
+
+    Every process yields the same number of batches; rows past the end of the split
+    are padding (all weights 0), so the weighted mean loss is over real tokens only.
+    """
+    store = self.validation_store
+    num_batches = -(-store.num_rows // self.batch_size)
+    if max_batches is not None:
+      num_batches = min(num_batches, max_batches)
+    for b in range(num_batches):
+      start = b * self.batch_size + self.process_index * self.rows_per_process
+      rows = np.arange(start, start + self.rows_per_process)
+      real = rows[rows < store.num_rows]
+      stored = store.read(real)
+      padded = {name: np.zeros((self.rows_per_process, self.sequence_length),
+                               array.dtype) for name, array in stored.items()}
+      for name, array in stored.items():
+        padded[name][:len(real)] = array
+      yield features_from_rows(**padded)
+
+  @property
+  def validation_store(self) -> token_store.TokenStore:
+    """The validation split's token store, built on first use."""
+    if self._validation_store is None:
+      split = self._validation_split
+      if not materialize.has_split(self._provider, split):
+        raise DataError(
+            f"SeqIO task '{self.task_name}' has no '{split}' split; set "
+            "DataPipeline.validation_split (or text_files_task.validation_fraction"
+            " > 0)")
+      try:
+        self._validation_store = self._store(split, self._max_validation_documents)
+      except DataError as e:
+        raise DataError(
+            f"{e}; a corpus of one document cannot be split: add files or set "
+            "text_files_task.validation_fraction=0") from None
+    return self._validation_store
+
+  def _store(self, split: str, max_documents: Optional[int]
+             ) -> token_store.TokenStore:
+    key_parts = {
+        "provider": materialize.provider_fingerprint(self._provider),
+        "split": split,
+        "vocabulary": vocabulary_fingerprint(self.vocabulary),
+        "sequence_length": self.sequence_length,
+        "max_documents": max_documents,
+    }
+    name = token_store.store_name(f"{self.task_name}-{split}-T{self.sequence_length}",
+                                  key_parts)
+    return token_store.open_or_build(
+        self._cache_dir, name, self.sequence_length,
+        materialize.is_prefix_lm(self._provider),
+        lambda writer: materialize.fill_store(
+            writer, self._provider, split, self.sequence_length, max_documents))
+
+  def describe(self) -> str:
+    """One line for the training log."""
+    meta = self.train_store.metadata
+    return (f"data: task {self.task_name}, {meta['num_documents']} documents, "
+            f"{meta['num_tokens']} tokens in {self.num_train_rows} rows of "
+            f"{self.sequence_length} ({self.steps_per_epoch:.1f} steps/epoch at "
+            f"batch {self.batch_size}), vocab {self.vocab_size}; store "
+            f"{self.train_store.path}")

@@ -1,0 +1,159 @@
+"""SeqIO tasks: the definition of every corpus (source + preprocessors + vocabulary).
+
+Tasks are registered by Gin-configurable functions that return the registered name,
+so a config can write `DataPipeline.task = @text_files_task()` and the pipeline can
+equally take any other registered SeqIO task or mixture by name.
+
+Every language-modelling task here has one output feature, `targets`: the document's
+tokens followed by EOS. Empty documents are dropped.
+
+TFDS tasks (need the dataset downloaded, or `tfds_data_dir` pointing at a copy):
+- `c4_en`: C4 English (`c4/en`), one web page per document; splits train/validation.
+- `wikitext103`: WikiText-103 raw (`wikitext/wikitext-103-raw-v1`); TFDS yields one
+  line per example, so lines are joined back into whole articles (an article starts
+  at a ` = Title = ` line) before tokenising; splits train/validation/test.
+Both are registered with the byte vocabulary on import; `c4_task(vocabulary=...)` and
+`wikitext103_task(vocabulary=...)` register variants for other vocabularies.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from typing import Optional, Sequence
+
+import gin
+import seqio
+import tensorflow as tf
+
+from pretrain.data import corpus_files, sources
+from pretrain.data.vocabularies import short_vocabulary_name, vocabulary_fingerprint
+
+C4_TFDS_NAME = "c4/en:3.1.0"
+WIKITEXT103_TFDS_NAME = "wikitext/wikitext-103-raw-v1:1.0.0"
+# A level-1 WikiText heading (" = Title = "); level-2+ headings have "= =".
+_WIKITEXT_TITLE = r"\s*= [^=](.*[^=])? =\s*"
+
+
+def drop_empty_targets(dataset: tf.data.Dataset) -> tf.data.Dataset:
+  """Drops documents with no tokens, so they never become EOS-only documents."""
+  return dataset.filter(lambda ex: tf.size(ex["targets"]) > 0)
+
+
+def language_modeling_preprocessors(text_key: str = "text"):
+  """text -> tokenised `targets` without empty documents -> EOS appended."""
+  return [
+      functools.partial(seqio.preprocessors.rekey, key_map={"targets": text_key}),
+      functools.partial(seqio.preprocessors.tokenize, copy_pretokenized=False),
+      drop_empty_targets,
+      seqio.preprocessors.append_eos,
+  ]
+
+
+def language_modeling_features(vocabulary: seqio.Vocabulary):
+  return {"targets": seqio.Feature(vocabulary, add_eos=True, dtype=tf.int32)}
+
+
+def _register(task: seqio.Task) -> str:
+  """Registers `task`, replacing an earlier task of the same name."""
+  if task.name in seqio.TaskRegistry.names():
+    seqio.TaskRegistry.remove(task.name)
+  seqio.TaskRegistry.add_provider(task.name, task)
+  return task.name
+
+
+@gin.configurable
+def text_files_task(train_files: str = gin.REQUIRED,
+                    validation_fraction: float = 0.02,
+                    exclude: Sequence[str] = corpus_files.DEFAULT_EXCLUDE,
+                    vocabulary: Optional[seqio.Vocabulary] = None,
+                    name: Optional[str] = None) -> str:
+  """Registers a task over the files matching a glob; returns its name.
+
+  Args:
+    train_files: glob (recursive `**`, `{stdlib}` placeholder); one document per
+      file, or per line for `.jsonl` files with a `text` field.
+    validation_fraction: expected fraction of documents held out as the
+      `validation` split, chosen by a hash of each document's path (0 = no split).
+    exclude: globs of paths to skip (by default installed packages and caches).
+    vocabulary: defaults to bytes.
+    name: task name; by default derived from the other arguments.
+  """
+  vocabulary = vocabulary or seqio.ByteVocabulary()
+  if name is None:
+    key = json.dumps([train_files, validation_fraction, list(exclude),
+                      vocabulary_fingerprint(vocabulary)])
+    name = (f"text_files_{short_vocabulary_name(vocabulary)}_"
+            f"{hashlib.sha256(key.encode()).hexdigest()[:10]}")
+  source = sources.TextFilesDataSource(train_files, validation_fraction, exclude)
+  return _register(seqio.Task(
+      name, source=source,
+      preprocessors=language_modeling_preprocessors(),
+      output_features=language_modeling_features(vocabulary),
+      shuffle_buffer_size=None))
+
+
+def join_wikitext_articles(dataset: tf.data.Dataset) -> tf.data.Dataset:
+  """Joins TFDS WikiText's one-line examples into one example per article.
+
+  Lines are accumulated until the next level-1 title line; a sentinel title appended
+  to the stream flushes the last article. Blank lines are kept (they separate
+  paragraphs in the raw text).
+  """
+  sentinel = tf.data.Dataset.from_tensors({"text": tf.constant(" = = = \n")})
+  lines = dataset.map(lambda ex: {"text": ex["text"]}).concatenate(sentinel)
+  is_sentinel = lambda text: tf.equal(text, " = = = \n")
+
+  def step(article, example):
+    line = example["text"]
+    line = tf.cond(tf.strings.regex_full_match(line, ".*\n"),
+                   lambda: line, lambda: line + "\n")
+    starts_article = tf.logical_or(
+        tf.strings.regex_full_match(line, _WIKITEXT_TITLE),
+        is_sentinel(example["text"]))
+    emit = tf.logical_and(starts_article,
+                          tf.strings.length(tf.strings.strip(article)) > 0)
+    new_article = tf.where(starts_article, line, article + line)
+    return new_article, {"emit": emit, "text": article}
+
+  return (lines.scan(tf.constant(""), step)
+          .filter(lambda ex: ex["emit"])
+          .map(lambda ex: {"text": ex["text"]}))
+
+
+def _tfds_task(base_name: str, tfds_name: str, splits: Sequence[str],
+               vocabulary: Optional[seqio.Vocabulary],
+               tfds_data_dir: Optional[str], extra_preprocessors=()) -> str:
+  vocabulary = vocabulary or seqio.ByteVocabulary()
+  suffix = short_vocabulary_name(vocabulary)
+  name = base_name if suffix == "bytes" else f"{base_name}_{suffix}"
+  source = seqio.TfdsDataSource(
+      tfds_name, splits={s: s for s in splits}, tfds_data_dir=tfds_data_dir)
+  return _register(seqio.Task(
+      name, source=source,
+      preprocessors=list(extra_preprocessors) + language_modeling_preprocessors(),
+      output_features=language_modeling_features(vocabulary),
+      shuffle_buffer_size=None))
+
+
+@gin.configurable
+def c4_task(vocabulary: Optional[seqio.Vocabulary] = None,
+            tfds_name: str = C4_TFDS_NAME,
+            tfds_data_dir: Optional[str] = None) -> str:
+  """Registers C4 English (`c4_en`, or `c4_en_<vocab>`); returns its name."""
+  return _tfds_task("c4_en", tfds_name, ("train", "validation"), vocabulary,
+                    tfds_data_dir)
+
+
+@gin.configurable
+def wikitext103_task(vocabulary: Optional[seqio.Vocabulary] = None,
+                     tfds_name: str = WIKITEXT103_TFDS_NAME,
+                     tfds_data_dir: Optional[str] = None) -> str:
+  """Registers WikiText-103 raw (`wikitext103[_<vocab>]`); returns its name."""
+  return _tfds_task("wikitext103", tfds_name, ("train", "validation", "test"),
+                    vocabulary, tfds_data_dir,
+                    extra_preprocessors=[join_wikitext_articles])
+
+
+c4_task()
+wikitext103_task()

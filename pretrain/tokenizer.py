@@ -1,0 +1,109 @@
+r"""Trains a SentencePiece vocabulary on local text files.
+
+  python -m pretrain.tokenizer --input_glob='{stdlib}/**/*.py' --vocab_size=4096 \
+      --output=/tmp/spm.model
+
+Then train with it: `--gin_param="get_vocabulary.spm_path='/tmp/spm.model'"` (and
+`text_files_task.vocabulary = @get_vocabulary()` in the data config).
+
+The input glob is read like the text-files task's (`{stdlib}` placeholder, `.jsonl`
+files contribute their `text` fields). The model keeps text exactly (no Unicode
+normalisation, whitespace and indentation preserved, unknown characters fall back to
+bytes) and uses the ids the pipeline expects: 0 = padding, 1 = EOS, 2 = UNK, no BOS.
+"""
+from __future__ import annotations
+
+import io
+import os
+import sys
+from typing import Iterator, Sequence
+
+from absl import app
+from absl import flags
+
+from pretrain.data import corpus_files
+from pretrain.data.errors import DataError
+
+_INPUT_GLOB = flags.DEFINE_string(
+    "input_glob", None, "Files to train on (recursive **, {stdlib} placeholder).")
+_VOCAB_SIZE = flags.DEFINE_integer("vocab_size", None, "Number of pieces.")
+_OUTPUT = flags.DEFINE_string(
+    "output", None, "Model path; `.model` is appended if missing (a `.vocab` "
+    "listing is written next to it).")
+_MODEL_TYPE = flags.DEFINE_enum("model_type", "unigram", ["unigram", "bpe"],
+                                "SentencePiece algorithm.")
+_MAX_LINES = flags.DEFINE_integer(
+    "max_lines", 2_000_000, "Lines sampled (evenly) from the corpus for training.")
+
+
+def corpus_lines(input_glob: str) -> Iterator[str]:
+  """Non-empty lines of every document matching the glob (newlines stripped)."""
+  for path in corpus_files.match_files(input_glob, flag="input_glob"):
+    if path.endswith(".jsonl"):
+      texts = corpus_files.read_jsonl_texts(path)
+    else:
+      with open(path, "rb") as f:
+        texts = [f.read().decode("utf-8", errors="replace")]
+    for text in texts:
+      for line in text.splitlines():
+        if line.strip():
+          yield line
+
+
+def train_sentencepiece(input_glob: str, vocab_size: int, output: str,
+                        model_type: str = "unigram",
+                        max_lines: int = 2_000_000) -> str:
+  """Trains a model on the files matching `input_glob`; returns the `.model` path."""
+  import sentencepiece as spm  # pylint: disable=g-import-not-at-top
+
+  if vocab_size < 8:
+    raise DataError(f"--vocab_size={vocab_size} is too small; use e.g. 4096")
+  lines = list(corpus_lines(input_glob))
+  if not lines:
+    raise DataError(
+        f"files matching '{input_glob}' hold no text; point --input_glob at text")
+  if len(lines) > max_lines:  # an even sample keeps every part of the corpus
+    lines = lines[::-(-len(lines) // max_lines)]
+  output = output if output.endswith(".model") else output + ".model"
+  os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+  model = io.BytesIO()
+  try:
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=model,
+        vocab_size=vocab_size, model_type=model_type,
+        pad_id=0, eos_id=1, unk_id=2, bos_id=-1,
+        normalization_rule_name="identity", remove_extra_whitespaces=False,
+        allow_whitespace_only_pieces=True, split_digits=True,
+        byte_fallback=True, character_coverage=1.0,
+        max_sentence_length=1 << 14, hard_vocab_limit=False,
+        num_threads=os.cpu_count() or 1, minloglevel=2)
+  except RuntimeError as e:
+    raise DataError(f"SentencePiece training failed: {e}") from None
+  temporary = f"{output}.tmp-{os.getpid()}"
+  with open(temporary, "wb") as f:
+    f.write(model.getvalue())
+  os.replace(temporary, output)  # never leave a half-written model at `output`
+  processor = spm.SentencePieceProcessor(model_proto=model.getvalue())
+  with open(output[:-len(".model")] + ".vocab", "w", encoding="utf-8") as f:
+    for i in range(processor.get_piece_size()):
+      f.write(f"{processor.id_to_piece(i)}\t{processor.get_score(i)}\n")
+  return output
+
+
+def main(argv: Sequence[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  missing = [f"--{f.name}" for f in (_INPUT_GLOB, _VOCAB_SIZE, _OUTPUT)
+             if f.value is None]
+  if missing:
+    sys.exit(f"error: {', '.join(missing)} required")
+  try:
+    path = train_sentencepiece(_INPUT_GLOB.value, _VOCAB_SIZE.value, _OUTPUT.value,
+                               _MODEL_TYPE.value, _MAX_LINES.value)
+  except DataError as e:
+    sys.exit(f"error: {e}")
+  print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+  app.run(main)
