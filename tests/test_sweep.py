@@ -1,0 +1,137 @@
+"""launch.sweep: the size rule, budgets, run configs, dry run, resume detection, results."""
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+
+import gin
+import pytest
+
+from launch import sweep
+from model import counting
+from model.config import ModelConfig
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("text, value", [("0.5m", 500_000), ("2M", 2_000_000),
+                                         ("200k", 200_000), ("1.3b", 1_300_000_000),
+                                         ("5000", 5000)])
+def test_parse_size(text, value):
+  assert sweep.parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["abc", "1x", "10"])
+def test_parse_size_rejects_bad_sizes(text):
+  with pytest.raises(ValueError, match="size"):
+    sweep.parse_size(text)
+
+
+@pytest.mark.parametrize("family", sorted(sweep.FAMILY_PATTERNS))
+@pytest.mark.parametrize("size", ["0.2m", "1m", "3m", "100m"])
+def test_size_rule_hits_the_target_at_a_sane_shape(family, size):
+  target = sweep.parse_size(size)
+  config = sweep.config_for_size(family, target, vocab_size=259, sequence_length=128)
+  assert abs(math.log(sweep.non_embedding_params(config) / target)) < math.log(1.35)
+  assert 64 / 3 <= config.width / config.depth <= 64 * 3 or config.depth == (
+      3 if family == "griffin" else 2)
+  assert config.block_pattern == sweep.FAMILY_PATTERNS[family]
+  assert config.width % config.num_heads == 0 and config.mlp_expansion == 3
+  if family == "griffin":
+    assert "attention" in config.block_types and config.attention_window == 64
+  if family == "mqa":
+    assert config.attention_window is None
+
+
+def test_sizes_grow_monotonically():
+  counts = [sweep.non_embedding_params(sweep.config_for_size("hawk", sweep.parse_size(s),
+                                                             259, 128))
+            for s in ("0.2m", "0.5m", "1m", "2m", "3m")]
+  assert counts == sorted(counts) and len(set(counts)) == 5
+
+
+def test_plan_budgets_are_compute_optimal(tmp_path):
+  runs = sweep.plan(["hawk", "mqa"], ["0.5m", "1m"], tokens_per_param=20, batch_size=8,
+                    sequence_length=128, vocab_size=259, workdir=str(tmp_path))
+  assert [r.name for r in runs] == ["hawk_0.5m", "hawk_1m", "mqa_0.5m", "mqa_1m"]
+  for run in runs:
+    n = sweep.non_embedding_params(run.config)
+    assert run.train_steps == math.ceil(20 * n / (8 * 128))
+    assert run.flops == pytest.approx(
+        counting.training_flops_per_token(run.config, 128) * run.train_steps * 8 * 128)
+    assert run.workdir == os.path.join(str(tmp_path), "runs", run.name)
+  capped = sweep.plan(["hawk"], ["1m"], tokens_per_param=20, batch_size=8,
+                      sequence_length=128, vocab_size=259, workdir=str(tmp_path),
+                      max_steps=7)
+  assert capped[0].train_steps == 7
+
+
+def test_run_gin_rebuilds_the_planned_model(tmp_path):
+  run = sweep.plan(["griffin"], ["0.5m"], tokens_per_param=20, batch_size=4,
+                   sequence_length=64, vocab_size=40, workdir=str(tmp_path))[0]
+  gin.clear_config()
+  try:
+    gin.parse_config(sweep.run_gin(run))
+    assert ModelConfig() == run.config
+    assert gin.query_parameter("%TRAIN_STEPS") == run.train_steps
+    assert gin.query_parameter("%SEQUENCE_LENGTH") == 64
+  finally:
+    gin.clear_config()
+
+
+def test_dry_run_prints_commands_and_trains_nothing(tmp_path):
+  workdir = tmp_path / "sweep"
+  result = subprocess.run(
+      [sys.executable, "-m", "launch.sweep", "--families=hawk,mqa", "--sizes=0.2m,0.5m",
+       f"--workdir={workdir}", "--dry_run", "--vocab_size=259",
+       "--gin_file=configs/data/synthetic_induction_heads.gin"],
+      cwd=REPO, capture_output=True, text=True, timeout=120, check=True)
+  commands = [l for l in result.stdout.splitlines() if "-m pretrain.train" in l]
+  assert len(commands) == 4
+  assert all("--gin_file=configs/data/synthetic_induction_heads.gin" in c for c in commands)
+  assert any(f"--workdir={workdir}/runs/mqa_0.5m" in c for c in commands)
+  assert "ModelConfig.block_pattern = ('recurrent', )" in result.stdout
+  assert not workdir.exists()
+
+
+def test_unknown_family_is_a_usage_error(tmp_path):
+  result = subprocess.run(
+      [sys.executable, "-m", "launch.sweep", "--families=rwkv", "--sizes=1m",
+       f"--workdir={tmp_path}", "--dry_run", "--vocab_size=259"],
+      cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert result.returncode != 0 and "unknown families ['rwkv']" in result.stderr
+
+
+def test_finished_runs_are_recognised_from_their_metrics(tmp_path):
+  run = sweep.plan(["hawk"], ["0.2m"], tokens_per_param=20, batch_size=4,
+                   sequence_length=32, vocab_size=18, workdir=str(tmp_path), max_steps=10)[0]
+  assert sweep.final_eval_loss(run) is None
+  os.makedirs(run.workdir)
+  path = os.path.join(run.workdir, "metrics.jsonl")
+  with open(path, "w") as f:
+    f.write(json.dumps({"step": 5, "loss": 2.0}) + "\n")
+    f.write(json.dumps({"step": 5, "eval_loss": 2.1}) + "\n")
+  assert sweep.final_eval_loss(run) is None          # interrupted half-way: not finished
+  with open(path, "a") as f:
+    f.write(json.dumps({"step": 10, "eval_loss": 1.5}) + "\n")
+    f.write('{"step": 11, "lo')                       # a line cut short by a kill
+  assert sweep.final_eval_loss(run) == 1.5
+
+
+def test_results_files(tmp_path):
+  runs = sweep.plan(["hawk", "mqa"], ["0.2m", "0.5m", "1m"], tokens_per_param=20,
+                    batch_size=8, sequence_length=128, vocab_size=259,
+                    workdir=str(tmp_path))
+  for run in runs:  # losses falling as a power of compute, different per family
+    run.eval_loss = (5.0 if run.family == "hawk" else 6.0) * (run.flops / 1e12) ** -0.1
+  fits = sweep.write_results(runs, str(tmp_path), log=lambda _: None)
+  with open(tmp_path / "sweep.csv") as f:
+    rows = list(csv.DictReader(f))
+  assert len(rows) == 6 and rows[0]["family"] == "hawk" and float(rows[0]["eval_loss"]) > 0
+  assert set(fits) == {"hawk", "mqa"}
+  assert json.loads((tmp_path / "fit.json").read_text())["hawk"]["alpha"] == pytest.approx(
+      0.1, abs=1e-3)
+  assert (tmp_path / "scaling.png").stat().st_size > 1000
+  assert "| mqa | 1m |" in (tmp_path / "scaling.md").read_text()
