@@ -13,7 +13,9 @@ Recurrences (s = scan order, "prev" = the previous step in scan order):
   backward  g_t = dy_t + c_t,  dx_t = g_t,  da_t = g_t conj(h_prev_t),
             c_{t-1} = conj(a_t) g_t          (c runs against scan order)
 so the carry of a whole chunk is affine: out = P * in + L, with P the product of the
-(conjugated) decays and L the chunk's result from a zero carry.
+(conjugated) decays and L the chunk's result from a zero carry. For complex scans
+these are the gradients of the real and imaginary planes; JAX's complex cotangent
+convention follows from autodiff of the plane split in `pallas_scan`.
 """
 from __future__ import annotations
 
@@ -100,7 +102,7 @@ def forward_rows(a_refs, x_refs, h_refs, h: Value, tiling: Tiling,
   order = range(group) if ascending else range(group - 1, -1, -1)
 
   def body(i, carry):
-    h, prod = carry
+    h, prod = carry if decay_product else (carry, None)
     start, _ = _group_start(i, tiling, ascending)
     a_blk = _load_group(a_refs, start, group)
     x_blk = _load_group(x_refs, start, group)
@@ -118,12 +120,12 @@ def forward_rows(a_refs, x_refs, h_refs, h: Value, tiling: Tiling,
       rows[r] = h
     if h_refs is not None:
       _store_group(h_refs, start, rows, group)
-    return h, prod
+    return (h, prod) if decay_product else h
 
-  ones = tuple(jnp.ones_like(v) if c == 0 else jnp.zeros_like(v)
-               for c, v in enumerate(h))
-  h, prod = jax.lax.fori_loop(0, tiling.num_groups, body, (h, ones))
-  return (h, prod) if decay_product else h
+  if not decay_product:
+    return jax.lax.fori_loop(0, tiling.num_groups, body, h)
+  identity = tuple(jnp.full_like(v, 1.0 if c == 0 else 0.0) for c, v in enumerate(h))
+  return jax.lax.fori_loop(0, tiling.num_groups, body, (h, identity))
 
 
 def backward_rows(a_refs, dy_refs, h_refs, edge: Value, dx_refs, da_refs, c: Value,
