@@ -30,7 +30,7 @@ _VOCAB_SIZE = flags.DEFINE_integer("vocab_size", None, "Number of pieces.")
 _OUTPUT = flags.DEFINE_string(
     "output", None, "Model path; `.model` is appended if missing (a `.vocab` "
     "listing is written next to it).")
-_MODEL_TYPE = flags.DEFINE_enum("model_type", "unigram", ["unigram", "bpe"],
+_MODEL_TYPE = flags.DEFINE_enum("model_type", "bpe", ["unigram", "bpe"],
                                 "SentencePiece algorithm.")
 _MAX_LINES = flags.DEFINE_integer(
     "max_lines", 2_000_000, "Lines sampled (evenly) from the corpus for training.")
@@ -51,7 +51,7 @@ def corpus_lines(input_glob: str) -> Iterator[str]:
 
 
 def train_sentencepiece(input_glob: str, vocab_size: int, output: str,
-                        model_type: str = "unigram",
+                        model_type: str = "bpe",
                         max_lines: int = 2_000_000) -> str:
   """Trains a model on the files matching `input_glob`; returns the `.model` path."""
   import sentencepiece as spm  # pylint: disable=g-import-not-at-top

@@ -1,7 +1,9 @@
 """DataPipeline on real SeqIO tasks over tiny corpora, with real tensorstore stores."""
 import collections
+import concurrent.futures
 import json
 import os
+import time
 
 import numpy as np
 import pytest
@@ -126,6 +128,26 @@ def test_killed_build_never_leaves_a_store(tmp_path):
   np.testing.assert_array_equal(store.read(np.array([2, 0, 2]))["targets"],
                                 np.ones((3, 4)))
   assert sorted(os.listdir(cache)) == ["s-1", "s-1.lock"]
+
+
+def test_concurrent_openers_build_once(tmp_path):
+  cache = str(tmp_path / "cache")
+  calls = []
+
+  def slow_build(writer):
+    calls.append(1)
+    time.sleep(0.3)
+    writer.append(PackedRows(np.full((2, 4), 7, np.int32),
+                             np.ones((2, 4), np.int32)))
+    return {}
+
+  with concurrent.futures.ThreadPoolExecutor(3) as pool:
+    stores = list(pool.map(
+        lambda _: token_store.open_or_build(cache, "s-2", 4, False, slow_build),
+        range(3)))
+  assert len(calls) == 1
+  assert {s.path for s in stores} == {os.path.join(cache, "s-2")}
+  assert all(s.num_rows == 2 for s in stores)
 
 
 def test_resume_and_process_sharding(tmp_path):

@@ -1,0 +1,62 @@
+"""`python -m pretrain.tokenizer` trains a usable SentencePiece model locally."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import sentencepiece as spm
+
+from pretrain import tokenizer
+from pretrain.data import DataError
+
+
+def write_code_corpus(directory):
+  rng = np.random.default_rng(0)
+  names = ["value", "index", "result", "items", "count", "total", "self"]
+  directory.mkdir()
+  for i in range(6):
+    lines = []
+    for _ in range(80):
+      a, b = rng.choice(names, 2)
+      lines.append(f"    {a} = {b} + {int(rng.integers(100))}  # note {i}")
+    (directory / f"m{i}.py").write_text("def f():\n" + "\n".join(lines) + "\n")
+  (directory / "extra.jsonl").write_text(
+      json.dumps({"text": "def g(items):\n    return len(items)"}) + "\n")
+
+
+def test_cli_trains_a_model_that_round_trips_text(tmp_path):
+  write_code_corpus(tmp_path / "corpus")
+  result = subprocess.run(
+      [sys.executable, "-m", "pretrain.tokenizer",
+       f"--input_glob={tmp_path}/corpus/*", "--vocab_size=320",
+       f"--output={tmp_path}/out/code"],
+      capture_output=True, text=True, timeout=120)
+  assert result.returncode == 0, result.stderr
+  assert f"wrote {tmp_path}/out/code.model" in result.stdout
+  processor = spm.SentencePieceProcessor(model_file=f"{tmp_path}/out/code.model")
+  assert 259 < processor.get_piece_size() <= 320
+  assert (processor.pad_id(), processor.eos_id(), processor.unk_id(),
+          processor.bos_id()) == (0, 1, 2, -1)
+  # Exact round trip, indentation and unseen characters included.
+  text = "def f():\n\tvalue  =  items[0]  # é 中\n    return value\n"
+  assert processor.decode(processor.encode(text)) == text
+  # Learned pieces compress the corpus' own text well below one id per byte.
+  sample = (tmp_path / "corpus" / "m0.py").read_text()
+  assert len(processor.encode(sample)) < 0.6 * len(sample.encode())
+  assert (tmp_path / "out" / "code.vocab").exists()
+
+
+def test_cli_errors_are_one_line(tmp_path):
+  result = subprocess.run(
+      [sys.executable, "-m", "pretrain.tokenizer",
+       f"--input_glob={tmp_path}/none/*.txt", "--vocab_size=100",
+       f"--output={tmp_path}/m"], capture_output=True, text=True, timeout=60)
+  assert result.returncode != 0
+  assert result.stderr.strip().splitlines()[-1] == (
+      f"error: --input_glob='{tmp_path}/none/*.txt' matched no files; check the "
+      "path or set --input_glob='/path/to/**/*.txt'")
+  (tmp_path / "blank.txt").write_text("\n  \n")
+  with pytest.raises(DataError, match="hold no text"):
+    tokenizer.train_sentencepiece(str(tmp_path / "blank.txt"), 100,
+                                  str(tmp_path / "m"))
