@@ -168,3 +168,63 @@ def test_target_accuracy_counts_only_weighted_positions():
   assert synthetic.target_accuracy(logits, targets, [[0, 0, 1, 0]]) == pytest.approx(1.0)
   with pytest.raises(ValueError, match="no position"):
     synthetic.target_accuracy(logits, targets, np.zeros((1, 4)))
+
+
+# -- length extrapolation ---------------------------------------------------------------
+def induction_oracle(inputs, positions):
+  """Solves induction heads from the inputs alone: the value after the first trigger."""
+  del positions
+  inputs = np.asarray(inputs)
+  logits = np.zeros(inputs.shape + (18,), np.float32)
+  for row, tokens in enumerate(inputs):
+    first = np.flatnonzero(tokens == 1)[0]
+    logits[row, :, tokens[first + 1]] = 30.0
+  return logits
+
+
+def test_extrapolation_metrics_of_an_exact_solver_and_a_uniform_guess():
+  from pretrain import extrapolation
+  spec = synthetic.spec_of(synthetic.induction_heads_task(length=16, num_train=2,
+                                                          num_validation=2))
+  results = extrapolation.evaluate_multiples(induction_oracle, spec, [1, 4],
+                                             num_examples=6, tokens_per_batch=40)
+  assert [r["length"] for r in results] == [16, 64]
+  for r in results:
+    assert r["accuracy"] == 1.0 and r["exact_match"] == 1.0 and r["loss"] < 1e-6
+  uniform = lambda inputs, positions: np.zeros(np.shape(inputs) + (18,), np.float32)
+  (r,) = extrapolation.evaluate_multiples(uniform, spec, [2], num_examples=3)
+  assert r["loss"] == pytest.approx(np.log(18), rel=1e-5) and r["accuracy"] == 0.0
+  table = extrapolation.format_table(results)
+  assert "| 4x | 64 |" in table
+
+
+def test_extrapolation_runs_a_real_model_on_longer_sequences():
+  import jax
+  from model import lm
+  from model.config import ModelConfig
+  from pretrain import extrapolation
+  config = ModelConfig(vocab_size=18, width=16, rnn_width=16, num_heads=2, depth=2,
+                       block_pattern=("recurrent", "attention"), attention_window=8)
+  params = lm.init_params(config, jax.random.PRNGKey(0))
+  model = lm.LanguageModel(config)
+  logits_fn = jax.jit(lambda t, p: model.apply({"params": params}, t, p)[0])
+  spec = synthetic.spec_of(synthetic.induction_heads_task(length=16, num_train=2,
+                                                          num_validation=2))
+  results = extrapolation.evaluate_multiples(logits_fn, spec, [1, 2], num_examples=4)
+  for r in results:
+    assert np.isfinite(r["loss"]) and 0.0 <= r["accuracy"] <= 1.0
+
+
+def test_extrapolation_finds_the_training_task_in_the_run_config(tmp_path):
+  from pretrain import extrapolation
+  (tmp_path / "config.gin").write_text(
+      "import pretrain.data.pipeline\nimport pretrain.data.synthetic\n"
+      "DataPipeline.task = @induction_heads_task()\n"
+      "induction_heads_task.length = 24\ninduction_heads_task.num_train = 3\n"
+      "SomeTrainerOnlyConfigurable.value = 1\n")
+  name = extrapolation.resolve_task(str(tmp_path), None)
+  assert synthetic.spec_of(name).kwargs["length"] == 24
+  assert extrapolation.resolve_task(str(tmp_path), "induction_heads") == name
+  assert extrapolation.resolve_task(str(tmp_path), "phonebook") == "phonebook"
+  with pytest.raises(Exception, match="not a synthetic task"):
+    extrapolation.resolve_task(str(tmp_path), "c4_en")
