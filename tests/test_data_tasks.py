@@ -8,7 +8,7 @@ import pytest
 import seqio
 import tensorflow as tf
 
-from pretrain.data import corpus_files, pipeline, tasks
+from pretrain.data import DataError, corpus_files, pipeline, tasks
 
 CONFIGS = os.path.join(os.path.dirname(__file__), os.pardir, "configs", "data")
 
@@ -106,3 +106,14 @@ def test_tfds_gin_configs_parse(config, task):
         "%SEQUENCE_LENGTH")
   finally:
     gin.clear_config()
+
+
+def test_missing_tfds_data_is_a_clear_error(tmp_path):
+  name = tasks.wikitext103_task(tfds_data_dir=str(tmp_path / "no_tfds"))
+  try:
+    with pytest.raises(DataError, match=r"could not load TFDS dataset 'wikitext/"
+                       r"wikitext-103-raw-v1:1.0.0' for task 'wikitext103'"):
+      pipeline.DataPipeline(task=name, sequence_length=64, batch_size=4,
+                            cache_dir=str(tmp_path / "cache"))
+  finally:
+    tasks.wikitext103_task()  # restore the default registration

@@ -80,10 +80,6 @@ class TokenStore:
         name: ts.open(_open_spec(os.path.join(path, name)), context=_CONTEXT).result()
         for name in self.metadata["arrays"]}
 
-  @property
-  def has_loss_mask(self) -> bool:
-    return "loss_mask" in self._arrays
-
   def read(self, rows: np.ndarray) -> Dict[str, np.ndarray]:
     """The stored arrays at `rows` (any order, repeats allowed), each `[len(rows), T]`."""
     rows = np.asarray(rows, np.int64)
@@ -95,7 +91,7 @@ class TokenStore:
     return {name: f.result()[inverse] for name, f in futures.items()}
 
 
-class _StoreWriter:
+class StoreWriter:
   """Appends packed rows to new arrays, writing whole shards where it can."""
 
   def __init__(self, path: str, sequence_length: int, with_loss_mask: bool):
@@ -160,7 +156,7 @@ def _locked(lock_path: str):
 
 def open_or_build(cache_dir: str, name: str, sequence_length: int,
                   with_loss_mask: bool,
-                  build_fn: Callable[[_StoreWriter], Dict]) -> TokenStore:
+                  build_fn: Callable[[StoreWriter], Dict]) -> TokenStore:
   """Opens the store `cache_dir/name`, building it with `build_fn` if absent.
 
   Args:
@@ -184,7 +180,7 @@ def open_or_build(cache_dir: str, name: str, sequence_length: int,
         shutil.rmtree(os.path.join(cache_dir, stale), ignore_errors=True)
     temporary = os.path.join(cache_dir, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
-      writer = _StoreWriter(temporary, sequence_length, with_loss_mask)
+      writer = StoreWriter(temporary, sequence_length, with_loss_mask)
       info = dict(build_fn(writer))
       writer.close()
       info.update(format=FORMAT_VERSION, num_rows=writer.num_rows,
