@@ -1,0 +1,220 @@
+"""Orbax checkpoints of a training run: async saves, a keep policy, safe resume.
+
+A step directory `checkpoints/<step>/` holds four items:
+  params        the model parameters (float32 masters), sharded arrays
+  opt_state     the optimizer state (absent in a converted, step-0 checkpoint)
+  train         JSON {"step", "rng"}: the step counter and the RNG key data
+  metadata      JSON: the ModelConfig fields, the vocabulary ("byte" or a SentencePiece
+                path) and the training sequence length, so `pretrain.load`, `evaluate`
+                and `sample` need nothing but the checkpoint
+The data position is not stored: the pipeline's batch at step s is a pure function of
+(seed, s), so the step is enough to continue the exact stream.
+
+Orbax writes each step into a temporary directory and renames it when every item is
+complete, then writes `commit_success.txt`. A run killed mid-save leaves at most a
+`<step>.orbax-checkpoint-tmp-*` directory (or, on storage without atomic rename, a step
+directory without the marker); `complete_steps` ignores both and `Checkpointer` deletes
+them on start-up, so resume always picks the newest *complete* step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+from typing import Any, Mapping, Optional
+
+import gin
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+from pretrain.cli import UserError
+from pretrain.optimizer import path_string
+
+COMMIT_MARKER = "commit_success.txt"
+
+
+class CheckpointMismatchError(UserError):
+  """A checkpoint's parameters do not fit the configured model."""
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  """When to save and what to keep.
+
+  Attributes:
+    keep_last: keep the newest `keep_last` checkpoints.
+    keep_every: additionally keep every checkpoint whose step is a multiple of this
+      (long-term snapshots); None keeps only the newest ones.
+    async_save: write in a background thread while training continues.
+  """
+  keep_last: int = 3
+  keep_every: Optional[int] = None
+  async_save: bool = True
+
+  def __post_init__(self):
+    if self.keep_last < 1:
+      raise ValueError(f"CheckpointConfig.keep_last must be >= 1, got {self.keep_last}")
+    if self.keep_every is not None and self.keep_every < 1:
+      raise ValueError(f"CheckpointConfig.keep_every must be >= 1 or None, got "
+                       f"{self.keep_every}")
+
+
+def checkpoint_dir(workdir: str) -> epath.Path:
+  return epath.Path(workdir) / "checkpoints"
+
+
+def _step_of(path: epath.Path) -> Optional[int]:
+  return int(path.name) if path.name.isdigit() else None
+
+
+def complete_steps(directory: epath.PathLike) -> list[int]:
+  """Steps under `directory` whose save finished (commit marker present), ascending."""
+  directory = epath.Path(directory)
+  if not directory.exists():
+    return []
+  steps = []
+  for path in directory.iterdir():
+    step = _step_of(path)
+    if step is not None and path.is_dir() and (path / COMMIT_MARKER).exists():
+      steps.append(step)
+  return sorted(steps)
+
+
+def incomplete_entries(directory: epath.PathLike) -> list[epath.Path]:
+  """Leftovers of interrupted saves: temporary dirs and step dirs without the marker."""
+  directory = epath.Path(directory)
+  if not directory.exists():
+    return []
+  leftovers = []
+  for path in directory.iterdir():
+    if ".orbax-checkpoint-tmp" in path.name:
+      leftovers.append(path)
+    elif _step_of(path) is not None and not (path / COMMIT_MARKER).exists():
+      leftovers.append(path)
+  return sorted(leftovers)
+
+
+def _shapes_by_path(tree: Any) -> dict[str, tuple[int, ...]]:
+  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {path_string(path): tuple(leaf.shape) for path, leaf in leaves}
+
+
+def describe_mismatch(saved: Mapping[str, tuple[int, ...]],
+                      expected: Mapping[str, tuple[int, ...]],
+                      limit: int = 12) -> Optional[str]:
+  """A readable list of parameter differences, or None when the trees agree."""
+  lines = []
+  for path in sorted(set(saved) | set(expected)):
+    if path not in saved:
+      lines.append(f"  {path}: in the model {expected[path]}, missing from the checkpoint")
+    elif path not in expected:
+      lines.append(f"  {path}: in the checkpoint {saved[path]}, not in the model")
+    elif saved[path] != expected[path]:
+      lines.append(f"  {path}: checkpoint {saved[path]} vs model {expected[path]}")
+  if not lines:
+    return None
+  more = len(lines) - limit
+  shown = lines[:limit] + ([f"  ... and {more} more"] if more > 0 else [])
+  return "\n".join(shown)
+
+
+class Checkpointer:
+  """Saves and restores training state under `workdir/checkpoints` with Orbax."""
+
+  def __init__(self, workdir: str, config: Optional[CheckpointConfig] = None,
+               read_only: bool = False):
+    self.directory = checkpoint_dir(workdir)
+    config = config or CheckpointConfig()
+    if not read_only and jax.process_index() == 0:
+      for leftover in incomplete_entries(self.directory):
+        logging.warning("Removing incomplete checkpoint %s (interrupted save)", leftover)
+        shutil.rmtree(leftover, ignore_errors=True)
+    policies = [ocp.checkpoint_managers.LatestN(n=config.keep_last)]
+    if config.keep_every:
+      policies.append(ocp.checkpoint_managers.EveryNSteps(interval_steps=config.keep_every))
+    options = ocp.CheckpointManagerOptions(
+        preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
+        enable_async_checkpointing=config.async_save,
+        create=not read_only,
+        read_only=read_only)
+    if read_only and not self.directory.exists():
+      raise UserError(f"No checkpoints in {self.directory}: train first (python -m "
+                      "pretrain.train ... --workdir=...) or convert one (pretrain.convert)")
+    handlers = dict(params=ocp.StandardCheckpointHandler(),
+                    opt_state=ocp.StandardCheckpointHandler(),
+                    train=ocp.JsonCheckpointHandler(),
+                    metadata=ocp.JsonCheckpointHandler())
+    self._manager = ocp.CheckpointManager(self.directory, options=options,
+                                          item_handlers=handlers)
+
+  # -- queries ---------------------------------------------------------------
+  def latest_step(self) -> Optional[int]:
+    steps = complete_steps(self.directory)
+    return steps[-1] if steps else None
+
+  def has_item(self, step: int, item: str) -> bool:
+    return (self.directory / str(step) / item).exists()
+
+  def metadata(self, step: int) -> dict[str, Any]:
+    """The step's JSON metadata: {"model_config", "vocabulary", "sequence_length"}."""
+    restored = self._manager.restore(
+        step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore()))
+    return dict(restored["metadata"])
+
+  def check_params_match(self, step: int, abstract_params: Any) -> None:
+    """Raises CheckpointMismatchError naming every parameter whose path or shape differs."""
+    saved_tree = self._manager.item_metadata(step)["params"]
+    saved_tree = getattr(saved_tree, "tree", saved_tree)
+    problem = describe_mismatch(_shapes_by_path(saved_tree), _shapes_by_path(abstract_params))
+    if problem:
+      raise CheckpointMismatchError(
+          f"Checkpoint {self.directory / str(step)} was written for a different model "
+          f"configuration; these parameters differ:\n{problem}\nUse the Gin config the "
+          "checkpoint was trained with, or a fresh --workdir.")
+
+  # -- save / restore ---------------------------------------------------------
+  def save(self, step: int, *, params: Any, opt_state: Any, rng: jax.Array,
+           metadata: Mapping[str, Any]) -> None:
+    """Starts an asynchronous save of `step` (returns once arrays are copied off device)."""
+    items = dict(
+        params=ocp.args.StandardSave(params),
+        train=ocp.args.JsonSave({"step": int(step),
+                                 "rng": np.asarray(jax.random.key_data(rng)).tolist()}),
+        metadata=ocp.args.JsonSave(dict(metadata)))
+    if opt_state is not None:
+      items["opt_state"] = ocp.args.StandardSave(opt_state)
+    self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+
+  def restore(self, step: int, *, abstract_params: Any,
+              abstract_opt_state: Any = None) -> dict[str, Any]:
+    """Restores `step` onto the shardings carried by the abstract trees (reshards).
+
+    Returns a dict with `params`, `opt_state` (None when the checkpoint has none or it
+    was not asked for), `step` and `rng` (None when absent).
+    """
+    self.check_params_match(step, abstract_params)
+    items = dict(params=ocp.args.StandardRestore(abstract_params))
+    want_opt = abstract_opt_state is not None and self.has_item(step, "opt_state")
+    if want_opt:
+      items["opt_state"] = ocp.args.StandardRestore(abstract_opt_state)
+    has_train = self.has_item(step, "train")
+    if has_train:
+      items["train"] = ocp.args.JsonRestore()
+    restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+    train = restored["train"] if has_train else {}
+    return dict(params=restored["params"],
+                opt_state=restored["opt_state"] if want_opt else None,
+                step=int(train["step"]) if has_train else step,
+                rng=(jax.random.wrap_key_data(np.asarray(train["rng"], np.uint32))
+                     if has_train else None))
+
+  def wait(self) -> None:
+    """Blocks until the in-flight save (if any) is committed."""
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    self._manager.wait_until_finished()
+    self._manager.close()

@@ -1,0 +1,130 @@
+"""Where training metrics go: `metrics.jsonl`, TensorBoard event files and the console.
+
+Only process 0 writes (every process computes the same replicated scalars). The writer
+receives plain Python numbers: fetching them from the device is the train loop's job,
+which does it one step late so that the device never waits for the host.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Mapping, Optional, TextIO
+
+import jax
+
+
+def format_duration(seconds: float) -> str:
+  """'1h02m', '7m30s', '42s'."""
+  seconds = max(0, int(round(seconds)))
+  hours, rest = divmod(seconds, 3600)
+  minutes, secs = divmod(rest, 60)
+  if hours:
+    return f"{hours}h{minutes:02d}m"
+  if minutes:
+    return f"{minutes}m{secs:02d}s"
+  return f"{secs}s"
+
+
+def progress_line(step: int, total_steps: int, row: Mapping[str, float]) -> str:
+  """The console line of a logged step (MFU 'n/a' when the device peak is unknown)."""
+  mfu = row.get("mfu")
+  remaining = (total_steps - step) * row["step_time_s"]
+  return (f"step {step}/{total_steps} | loss {row['loss']:.4f} | "
+          f"lr {row['learning_rate']:.3e} | {row['tokens_per_second']:,.0f} tok/s | "
+          f"{row['step_time_s']:.3f} s/step | "
+          f"MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | "
+          f"ETA {format_duration(remaining)}")
+
+
+def _scalar_metadata():
+  from tensorflow.core.framework import summary_pb2  # pylint: disable=g-import-not-at-top
+  return summary_pb2.SummaryMetadata(
+      plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars"))
+
+
+class MetricsWriter:
+  """Appends metric rows to `workdir/metrics.jsonl` and TensorBoard; prints progress.
+
+  Rows are appended (not rewritten), so a resumed run continues the same file; a row's
+  `step` says which step it belongs to.
+  """
+
+  def __init__(self, workdir: str, total_steps: int, *, tensorboard: bool = True,
+               stream: TextIO = sys.stdout):
+    self._enabled = jax.process_index() == 0
+    self._total_steps = total_steps
+    self._stream = stream
+    self._jsonl = None
+    self._summary = None
+    if not self._enabled:
+      return
+    self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8")
+    if tensorboard:
+      import tensorflow as tf  # pylint: disable=g-import-not-at-top
+      self._summary = tf.summary.create_file_writer(os.path.join(workdir, "tensorboard"))
+
+  def _write(self, step: int, row: Mapping[str, Optional[float]]) -> None:
+    record = {"step": int(step)}
+    record.update({k: (None if v is None else float(v)) for k, v in row.items()})
+    self._jsonl.write(json.dumps(record) + "\n")
+    self._jsonl.flush()
+    if self._summary is not None:
+      import tensorflow as tf  # pylint: disable=g-import-not-at-top
+      with self._summary.as_default(step=int(step)):
+        for name, value in record.items():
+          if name != "step" and value is not None and math.isfinite(value):
+            # tf.summary.scalar needs the tensorboard package; the core op with the
+            # scalars plugin's metadata writes the same event without it.
+            tf.summary.write(name, tf.constant(value, tf.float32),
+                             metadata=_scalar_metadata())
+
+  def log_train(self, step: int, row: Mapping[str, Optional[float]]) -> None:
+    """A training row: loss, learning_rate, tokens_per_second, step_time_s, mfu, ..."""
+    if not self._enabled:
+      return
+    self._write(step, row)
+    print(progress_line(step, self._total_steps, row), file=self._stream, flush=True)
+
+  def log_eval(self, step: int, eval_loss: float, tokens: int) -> None:
+    if not self._enabled:
+      return
+    self._write(step, {"eval_loss": eval_loss, "eval_tokens": tokens})
+    print(f"step {step}/{self._total_steps} | eval_loss {eval_loss:.4f} "
+          f"({tokens:,} tokens)", file=self._stream, flush=True)
+
+  def info(self, message: str) -> None:
+    if self._enabled:
+      print(message, file=self._stream, flush=True)
+
+  def close(self) -> None:
+    if self._jsonl is not None:
+      self._jsonl.close()
+    if self._summary is not None:
+      self._summary.flush()
+      self._summary.close()
+
+
+class StepTimer:
+  """Wall time per step between two points where the device was known to be done.
+
+  The loop calls `mark(step)` right after fetching step `step`'s metrics (which waits
+  for that step), so the interval covers whole steps of device work, not dispatch.
+  """
+
+  def __init__(self):
+    self._last: Optional[tuple[int, float]] = None
+
+  def mark(self, step: int) -> Optional[float]:
+    """Seconds per step since the previous mark, or None on the first mark."""
+    now = time.perf_counter()
+    previous, self._last = self._last, (step, now)
+    if previous is None or step <= previous[0]:
+      return None
+    return (now - previous[1]) / (step - previous[0])
+
+  def restart(self, step: int) -> None:
+    """Marks `step` without measuring: time spent since (an eval, a save) is no step's."""
+    self._last = (step, time.perf_counter())
