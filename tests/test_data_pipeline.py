@@ -249,6 +249,37 @@ def test_prefix_lm_task_weights_only_targets(tmp_path):
     next(data.validation_batches())
 
 
+def test_loss_mask_feature_sets_weights(tmp_path):
+  vocabulary = seqio.PassThroughVocabulary(10)
+  documents = [np.arange(3, 3 + n, dtype=np.int32) % 7 + 3 for n in (5, 9, 3, 12)]
+  masks = [np.arange(len(d), dtype=np.int32) % 2 for d in documents]
+
+  def dataset_fn(split, shuffle_files, seed=None):
+    del split, shuffle_files, seed
+    return tf.data.Dataset.from_generator(
+        lambda: ({"targets": d, "loss_mask": m} for d, m in zip(documents, masks)),
+        output_signature={k: tf.TensorSpec([None], tf.int32)
+                          for k in ("targets", "loss_mask")})
+
+  name = "test_loss_mask_task"
+  if name in seqio.TaskRegistry.names():
+    seqio.TaskRegistry.remove(name)
+  seqio.TaskRegistry.add(
+      name, source=seqio.FunctionDataSource(dataset_fn, splits=["train"]),
+      preprocessors=[], output_features={
+          "targets": seqio.Feature(vocabulary, add_eos=False),
+          "loss_mask": seqio.Feature(seqio.PassThroughVocabulary(2), add_eos=False)})
+  data = pipeline.DataPipeline(task=name, sequence_length=8, batch_size=4,
+                               cache_dir=str(tmp_path / "cache"))
+  rows = data.train_store.read(np.arange(data.num_train_rows))
+  real = rows["segment_ids"] > 0
+  np.testing.assert_array_equal(rows["targets"][real], np.concatenate(documents))
+  from pretrain.data.packing import features_from_rows
+  weights = features_from_rows(**rows)["weights"]
+  np.testing.assert_array_equal(weights[real], np.concatenate(masks))
+  assert weights[~real].sum() == 0
+
+
 def test_mixture_of_text_tasks(tmp_path):
   write_corpus(tmp_path / "a", count=6, seed=1)
   write_corpus(tmp_path / "b", count=6, seed=2)

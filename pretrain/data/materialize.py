@@ -5,8 +5,10 @@ this module runs its `tf.data` pipeline once, unshuffled, batching documents as 
 tensors so the per-document Python work is nil, and packs them in large groups with
 `packing.pack_documents` (padding only at group ends, under one row per group).
 
-A task whose output features include `inputs` is treated as a prefix LM: each
-document is `inputs ++ targets` and only the `targets` part carries loss weight.
+Loss weights: a task whose output features include `inputs` is a prefix LM: each
+document is `inputs ++ targets` and only the `targets` part carries loss weight. A
+task may also give a 0/1 `loss_mask` feature aligned with `targets` (e.g. synthetic
+probes that score only some positions); tokens where it is 0 carry no loss weight.
 
 A mixture samples its tasks at their rates (seed 0). Without a document cap it runs
 one pass, which SeqIO ends when the first task runs out; with `max_documents` its
@@ -54,14 +56,15 @@ def has_split(provider: seqio.DatasetProviderBase, split: str) -> bool:
 
 
 def _function_fingerprint(fn: Any) -> str:
-  """Identifies a preprocessor / dataset function by its code and bound arguments."""
+  """Identifies a preprocessor / dataset function by its source file and arguments."""
   if isinstance(fn, functools.partial):
     return (f"partial({_function_fingerprint(fn.func)}, {fn.args!r}, "
             f"{sorted(fn.keywords.items())!r})")
   name = getattr(fn, "__module__", "") + "." + getattr(
       fn, "__qualname__", type(fn).__qualname__)
-  try:
-    code = hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()[:16]
+  try:  # the whole defining file, so edits to helpers it calls count too
+    with open(inspect.getsourcefile(fn), "rb") as f:
+      code = hashlib.sha256(f.read()).hexdigest()[:16]
   except (OSError, TypeError):
     code = "?"
   return f"{name}#{code}"
@@ -100,10 +103,15 @@ def provider_fingerprint(provider: seqio.DatasetProviderBase) -> Any:
   }
 
 
+def has_loss_mask(provider: seqio.DatasetProviderBase) -> bool:
+  """Whether some of the task's tokens carry no loss weight (stored as `loss_mask`)."""
+  return bool({"inputs", "loss_mask"} & set(provider.output_features))
+
+
 def _documents(provider: seqio.DatasetProviderBase, split: str,
                sequence_length: int, max_documents: Optional[int]
                ) -> tf.data.Dataset:
-  """The split as examples `{"tokens": int32[n]}` (+ `loss_mask` for prefix LMs)."""
+  """The split as `{"tokens": int32[n]}`, plus `loss_mask` if `has_loss_mask`."""
   lengths = {k: sequence_length for k in provider.output_features}
   repeat = isinstance(provider, seqio.Mixture) and max_documents is not None
   try:
@@ -121,16 +129,22 @@ def _documents(provider: seqio.DatasetProviderBase, split: str,
           "prepare it first (e.g. `tfds build`) or set the task's tfds_data_dir"
       ) from None
     raise
-  prefix_lm = "inputs" in provider.output_features
+  features = provider.output_features
 
   def to_document(example):
-    targets = tf.cast(tf.reshape(example["targets"], [-1]), tf.int32)
-    if not prefix_lm:
-      return {"tokens": targets}
-    inputs = tf.cast(tf.reshape(example["inputs"], [-1]), tf.int32)
-    return {"tokens": tf.concat([inputs, targets], 0),
-            "loss_mask": tf.concat([tf.zeros_like(inputs, tf.uint8),
-                                    tf.ones_like(targets, tf.uint8)], 0)}
+    tokens = tf.cast(tf.reshape(example["targets"], [-1]), tf.int32)
+    mask = tf.ones_like(tokens, tf.uint8)
+    if "loss_mask" in features:
+      mask = tf.cast(tf.reshape(example["loss_mask"], [-1]) > 0, tf.uint8)
+      # An EOS appended to `targets` only is scored.
+      mask = tf.pad(mask, [[0, tf.size(tokens) - tf.size(mask)]], constant_values=1)
+    if "inputs" in features:
+      inputs = tf.cast(tf.reshape(example["inputs"], [-1]), tf.int32)
+      tokens = tf.concat([inputs, tokens], 0)
+      mask = tf.concat([tf.zeros_like(inputs, tf.uint8), mask], 0)
+    if not has_loss_mask(provider):
+      return {"tokens": tokens}
+    return {"tokens": tokens, "loss_mask": mask}
 
   return ds.map(to_document, num_parallel_calls=tf.data.AUTOTUNE,
                 deterministic=True)
@@ -166,10 +180,6 @@ def packed_groups(provider: seqio.DatasetProviderBase, split: str,
       pending, pending_tokens = [], 0
   if pending:
     yield pack(pending)
-
-
-def is_prefix_lm(provider: seqio.DatasetProviderBase) -> bool:
-  return "inputs" in provider.output_features
 
 
 def fill_store(writer, provider: seqio.DatasetProviderBase, split: str,

@@ -169,7 +169,7 @@ class DataPipeline:
                                   key_parts)
     return token_store.open_or_build(
         self._cache_dir, name, self.sequence_length,
-        materialize.is_prefix_lm(self._provider),
+        materialize.has_loss_mask(self._provider),
         lambda writer: materialize.fill_store(
             writer, self._provider, split, self.sequence_length, max_documents))
 
