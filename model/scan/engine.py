@@ -11,10 +11,12 @@ kernel can be swapped without touching the layers:
   per-step latency of "lax" dominates and there is no kernel.
 - "pallas": the Pallas kernel of `model.scan.pallas_scan` (state kept on chip, custom
   VJP with a fused backward). On CPU it only runs in interpret mode (slow; for tests).
-- "auto": "pallas" on TPU and GPU. On CPU, "lax" with the default unroll: in
-  `benchmarks/scan.py` on this project's CPU machines (results in
-  benchmarks/RESULTS.md, "## Scan") lax.scan at unroll 8 was the fastest forward and
-  forward+backward, ahead of unroll 1 and 128 and of the associative scan.
+- "auto": "pallas" on TPU and GPU. On CPU, "lax" with the default unroll of 1: in
+  `benchmarks/scan.py --quick` on this project's 2-core CPU machine (B=8, D=1024,
+  float32; benchmarks/RESULTS.md, "## Scan") lax.scan at unroll 1 was the fastest
+  forward and forward+backward: 1.2-2.4x ahead of unroll 8, 1.8-2.2x ahead of the
+  associative scan, 10-18x ahead of unroll 128 (whose huge loop body also compiles
+  for one to two minutes). Pallas on CPU is interpret mode only.
 
 Numerics: the state is accumulated in float32 (complex64 for complex inputs) whatever
 the input dtype; `h` comes back in x's dtype (complex64 when only `a` is complex) and
