@@ -50,8 +50,8 @@ class ModelConfig:
     embeddings_scale_by_sqrt_dim: multiply embeddings by sqrt(D) (RecurrentGemma).
     dtype: compute dtype; parameters are always float32 masters.
     scan_impl: linear-recurrence engine, see `model.scan.linear_scan`.
-    remat: rematerialisation policy of each scanned unit.
-    scan_layers: scan the repeating unit of `block_pattern` over depth.
+    remat: rematerialisation policy of each scanned unit of `block_pattern` (depth is
+      always scanned, see `model.lm`).
   """
   vocab_size: int = 256
   width: int = 128
@@ -71,7 +71,6 @@ class ModelConfig:
   dtype: str = "float32"
   scan_impl: str = "auto"
   remat: str = "none"
-  scan_layers: bool = True
 
   def __post_init__(self):
     object.__setattr__(self, "block_pattern", tuple(str(b) for b in self.block_pattern))

@@ -22,7 +22,7 @@ from model.config import ModelConfig
 
 def embedding_scale(width: int) -> float:
   """√width rounded to bfloat16 (see the module docstring for why)."""
-  return float(jnp.asarray(np.float32(math.sqrt(width)), jnp.bfloat16))
+  return float(np.float32(math.sqrt(width)).astype(jnp.bfloat16))
 
 
 class Embedder(nn.Module):

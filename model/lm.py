@@ -27,7 +27,7 @@ every `blocks/...` leaf having an extra leading [num_scanned_units] axis:
     blocks/block_0/recurrent/linear_y/bias      [R]             (rnn)
     blocks/block_0/recurrent/conv1d/kernel      [W, R]          (conv, rnn)  oldest tap first
     blocks/block_0/recurrent/conv1d/bias        [R]             (rnn)
-    blocks/block_0/recurrent/rg_lru/a_param     [R]             (rnn)   a = exp(-8 r softplus(a_param))
+    blocks/block_0/recurrent/rg_lru/a_param     [R]             (rnn)  a = exp(-8r softplus(.))
     blocks/block_0/recurrent/rg_lru/input_gate/kernel [H, R/H, R/H] (rnn_heads, rnn_head_dim, -)
     blocks/block_0/recurrent/rg_lru/input_gate/bias   [H, R/H]      (rnn_heads, rnn_head_dim)
     blocks/block_0/recurrent/rg_lru/a_gate/kernel     [H, R/H, R/H]
