@@ -177,27 +177,32 @@ def make_global_batch(mesh: jax.sharding.Mesh, local_batch: Mapping[str, np.ndar
   return out
 
 
-def _is_replicated(spec: PartitionSpec) -> bool:
-  return all(entry is None or entry == () for entry in spec)
+def _is_replicated(spec: PartitionSpec, mesh: jax.sharding.Mesh) -> bool:
+  """True if no mesh axis of size > 1 splits any dimension (every device holds it all)."""
+  for entry in spec:
+    axes = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+    if any(mesh.shape[axis] > 1 for axis in axes):
+      return False
+  return True
 
 
 @gin.configurable
 def check_no_large_replicated(shapes: Any, shardings: Any, mesh: jax.sharding.Mesh,
-                              max_replicated_bytes: int = 4 * 2**20,
+                              max_replicated_bytes: int = 64 * 2**20,
                               action: str = "raise") -> list[str]:
-  """Finds large parameters that no mesh axis splits although the mesh shards models.
+  """Finds large parameters that every device holds whole although the mesh shards models.
 
-  A parameter whose rules map every dimension to None is copied onto every device. On a
-  mesh with `fsdp` or `tensor` > 1 that is almost always a missing logical name or a
-  rule typo, and for a big tensor it wastes memory on every chip, so the trainer calls
-  this at start-up.
+  On a mesh with `fsdp` or `tensor` > 1, a big parameter that no mesh axis of size > 1
+  splits is almost always a missing logical name, a rule typo, or a rule whose axis this
+  mesh does not have (e.g. a tensor-only rule on an fsdp-only mesh); it wastes memory
+  on every chip, so the trainer calls this at start-up.
 
   Args:
     shapes: pytree of arrays / ShapeDtypeStructs.
     shardings: matching pytree of NamedShardings.
     mesh: the device mesh.
     max_replicated_bytes: parameters up to this size may be replicated (norm scales,
-      biases, ...).
+      biases, the single MQA key/value head of small models, ...).
     action: "raise" (ValueError), "warn" (log a warning) or "ignore".
 
   Returns:
@@ -212,8 +217,8 @@ def check_no_large_replicated(shapes: Any, shardings: Any, mesh: jax.sharding.Me
 
   def visit(path, leaf, sharding):
     nbytes = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
-    if nbytes > max_replicated_bytes and _is_replicated(sharding.spec):
-      offenders.append(f"{path_str(path)} shape={tuple(leaf.shape)} "
+    if nbytes > max_replicated_bytes and _is_replicated(sharding.spec, mesh):
+      offenders.append(f"{path_str(path)} shape={tuple(leaf.shape)} spec={sharding.spec} "
                        f"({nbytes / 2**20:.1f} MiB)")
 
   jax.tree_util.tree_map_with_path(visit, shapes, shardings)
@@ -221,7 +226,8 @@ def check_no_large_replicated(shapes: Any, shardings: Any, mesh: jax.sharding.Me
     message = (
         f"{len(offenders)} parameter(s) larger than {max_replicated_bytes} bytes are "
         f"replicated on every device of mesh {dict(mesh.shape)}: " + "; ".join(offenders) +
-        ". Give them logical axis names that the rules shard, or raise "
+        ". Give them logical axis names whose rules use this mesh's fsdp/tensor axes "
+        "(logical_axis_rules.overrides), or raise "
         "check_no_large_replicated.max_replicated_bytes / set action='warn'.")
     if action == "raise":
       raise ValueError(message)

@@ -166,10 +166,18 @@ def test_large_replicated_param_is_caught(mesh):
   found = partition.check_no_large_replicated(params, shardings, mesh,
                                               max_replicated_bytes=1024, action="warn")
   assert len(found) == 1  # norm (128 B) is small; every other param is sharded
+  # A pure data-parallel mesh replicates everything on purpose.
   data_only = mesh_lib.create_mesh(mesh_lib.MeshConfig(data=8))
   assert partition.check_no_large_replicated(
       params, partition.param_shardings(data_only, logical, params), data_only,
       max_replicated_bytes=1024) == []
+  # On an fsdp-only mesh, tensor-only rules leave the RG-LRU gates and conv whole on
+  # every device although their specs name an axis.
+  fsdp_only = mesh_lib.create_mesh(mesh_lib.MeshConfig(data=1, fsdp=8))
+  found = partition.check_no_large_replicated(
+      params, partition.param_shardings(fsdp_only, LOGICAL, params), fsdp_only,
+      max_replicated_bytes=1000, action="warn")
+  assert [f.split()[0] for f in found] == ["blocks/rnn/conv", "blocks/rnn/gate"]
 
 
 def test_sharding_table_lists_every_param(mesh):
