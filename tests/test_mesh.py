@@ -65,3 +65,20 @@ def test_parse_mesh_flag():
                         ("data:two", "integer"), ("data:2,data:2", "twice"), ("", "names no")]:
     with pytest.raises(ValueError, match=fragment):
       mesh_lib.parse_mesh_flag(bad)
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("data_parallel", dict(replica=1, data=8, fsdp=1, sequence=1, tensor=1)),
+    ("fsdp", dict(replica=1, data=1, fsdp=8, sequence=1, tensor=1)),
+    ("fsdp_tensor4", dict(replica=1, data=1, fsdp=2, sequence=1, tensor=4)),
+    ("multislice_fsdp", dict(replica=2, data=1, fsdp=4, sequence=1, tensor=1)),
+    ("sequence2_tensor2", dict(replica=1, data=2, fsdp=1, sequence=2, tensor=2)),
+])
+def test_shipped_mesh_configs_build_meshes(name, expected):
+  gin.clear_config()
+  gin.parse_config_file(f"configs/mesh/{name}.gin")
+  try:
+    mesh = mesh_lib.create_mesh(mesh_lib.MeshConfig())
+  finally:
+    gin.clear_config()
+  assert dict(mesh.shape) == expected
