@@ -97,7 +97,7 @@ def incomplete_entries(directory: epath.PathLike) -> list[epath.Path]:
   return sorted(leftovers)
 
 
-def _shapes_by_path(tree: Any) -> dict[str, tuple[int, ...]]:
+def shapes_by_path(tree: Any) -> dict[str, tuple[int, ...]]:
   leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
   return {path_string(path): tuple(leaf.shape) for path, leaf in leaves}
 
@@ -136,6 +136,7 @@ class Checkpointer:
     if config.keep_every:
       policies.append(ocp.checkpoint_managers.EveryNSteps(interval_steps=config.keep_every))
     options = ocp.CheckpointManagerOptions(
+        save_interval_steps=0 if read_only else 1,
         preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
         enable_async_checkpointing=config.async_save,
         create=not read_only,
@@ -168,7 +169,7 @@ class Checkpointer:
     """Raises CheckpointMismatchError naming every parameter whose path or shape differs."""
     saved_tree = self._manager.item_metadata(step)["params"]
     saved_tree = getattr(saved_tree, "tree", saved_tree)
-    problem = describe_mismatch(_shapes_by_path(saved_tree), _shapes_by_path(abstract_params))
+    problem = describe_mismatch(shapes_by_path(saved_tree), shapes_by_path(abstract_params))
     if problem:
       raise CheckpointMismatchError(
           f"Checkpoint {self.directory / str(step)} was written for a different model "

@@ -48,6 +48,22 @@ def define_gin_flags() -> None:
       "--gin_param=TRAIN_STEPS=100 (repeatable).")
 
 
+def import_configurables() -> None:
+  """Imports every module whose Gin configurables a training config may bind."""
+  # pylint: disable=g-import-not-at-top,unused-import
+  import model.config
+  import pretrain.checkpointing
+  import pretrain.data.pipeline
+  import pretrain.data.tasks
+  import pretrain.data.vocabularies
+  import pretrain.optimizer
+  import pretrain.trainer
+  import sharding.distributed
+  import sharding.mesh
+  import sharding.partition
+  import sharding.rules
+
+
 def _first_line(error: BaseException) -> str:
   text = str(error).strip() or type(error).__name__
   return text.splitlines()[0]

@@ -18,9 +18,12 @@ from absl import flags
 
 from pretrain import cli
 
-cli.define_gin_flags()
-flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics, config.gin.")
 FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  cli.define_gin_flags()
+  flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics, config.gin.")
 
 
 def check_writable(workdir: str) -> None:
@@ -32,20 +35,6 @@ def check_writable(workdir: str) -> None:
   except OSError as error:
     raise cli.UserError(f"Workdir {workdir} is not writable: {error.strerror or error}. "
                         "Choose another --workdir or fix its permissions.") from None
-
-
-def import_configurables() -> None:
-  """Imports every module that registers Gin configurables a training config may bind."""
-  # pylint: disable=g-import-not-at-top,unused-import
-  import model.config
-  import pretrain.checkpointing
-  import pretrain.data
-  import pretrain.optimizer
-  import pretrain.trainer
-  import sharding.distributed
-  import sharding.mesh
-  import sharding.partition
-  import sharding.rules
 
 
 def write_config(workdir: str) -> None:
@@ -66,7 +55,7 @@ def main(argv: Sequence[str]) -> None:
     raise cli.ConfigError("--gin_file is required, e.g. --gin_file=configs/quickstart.gin")
   workdir = os.path.abspath(os.path.expanduser(FLAGS.workdir))
   check_writable(workdir)
-  import_configurables()
+  cli.import_configurables()
   cli.parse_gin(FLAGS.gin_file, FLAGS.gin_param)
   from sharding import distributed  # pylint: disable=g-import-not-at-top
   distributed.initialize_from_environment()
@@ -75,4 +64,5 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
+  define_flags()
   cli.run(main)

@@ -173,6 +173,7 @@ def make_train_step(model: LanguageModel, optimizer: optax.GradientTransformatio
         "loss": sums["nll_sum"] / total_weight,
         "z_loss": sums["z_sum"] / total_weight,
         "grad_norm": optax.tree.norm(grads),
+        "param_norm": optax.tree.norm(params),
         "learning_rate": schedule(state.step),
         "tokens": sums["weight_sum"],
     }
@@ -224,7 +225,7 @@ class Setup:
   @contextlib.contextmanager
   def activation_context(self):
     """Mesh and logical rules in scope, so the model's activation constraints apply."""
-    with self.mesh, nn.logical_axis_rules(self.rules):
+    with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
       yield
 
   def init_params(self, seed: int) -> Any:
@@ -403,14 +404,15 @@ def train(workdir: str,
   def check(step: int, metrics: Mapping[str, jax.Array]) -> None:
     """Fetches step `step`'s metrics (waiting for it), checks them, logs if due."""
     values = {k: host_scalar(v) for k, v in metrics.items()}
-    if not (math.isfinite(values["loss"]) and math.isfinite(values["grad_norm"])):
+    if not all(math.isfinite(values[k]) for k in ("loss", "grad_norm", "param_norm")):
       checkpointer.wait()
       good = checkpointer.latest_step()
       where = (f"the newest good checkpoint (step {good}) is intact in "
                f"{checkpointer.directory}" if good is not None else "no checkpoint was written")
       raise TrainingDivergedError(
           f"Training diverged at step {step}: loss={values['loss']}, "
-          f"grad_norm={values['grad_norm']}; stopped without saving, {where}. Lower "
+          f"grad_norm={values['grad_norm']}, param_norm={values['param_norm']}; stopped "
+          f"without saving, {where}. Lower "
           "OptimizerConfig.peak_learning_rate or clip_norm, or raise warmup_steps.")
     if step % cfg.log_every and step != start_step + 1:
       return
@@ -422,6 +424,7 @@ def train(workdir: str,
         "loss": values["loss"],
         "learning_rate": values["learning_rate"],
         "grad_norm": values["grad_norm"],
+        "param_norm": values["param_norm"],
         "tokens_per_second": tokens_per_second,
         "step_time_s": step_time,
         "mfu": flops_lib.mfu(tokens_per_second, flops_per_token),
