@@ -14,8 +14,8 @@ kernel can be swapped without touching the layers:
 - "auto": "pallas" on TPU and GPU. On CPU, "lax" with the default unroll of 1: in
   `benchmarks/scan.py --quick` on this project's 2-core CPU machine (B=8, D=1024,
   float32; benchmarks/RESULTS.md, "## Scan") lax.scan at unroll 1 was the fastest
-  forward and forward+backward: 1.2-2.4x ahead of unroll 8, 1.8-2.2x ahead of the
-  associative scan, 10-18x ahead of unroll 128 (whose huge loop body also compiles
+  forward and forward+backward: 1.2-2.4x ahead of unroll 8, 1.4-2.2x ahead of the
+  associative scan, 7-18x ahead of unroll 128 (whose huge loop body also compiles
   for one to two minutes). Pallas on CPU is interpret mode only.
 
 Numerics: the state is accumulated in float32 (complex64 for complex inputs) whatever
