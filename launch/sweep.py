@@ -13,6 +13,10 @@ from `model.counting` x tokens trained), fits L(C) = E + A·C^(-α) per family
 (`launch.scaling_fit`) and writes `sweep.csv`, `fit.json`, `scaling.png` and
 `scaling.md` in DIR.
 
+Every run warms its learning rate up over `warmup_fraction` of its steps (the
+optimizer's fixed default would make a short run all warm-up) and may get a common
+`--peak_learning_rate`.
+
 Resuming: a run whose metrics hold the final evaluation (at its last step) is finished
 and not run again; an unfinished run is started with the same command, and the trainer
 resumes it from its newest checkpoint. So an interrupted sweep is resumed by running
@@ -135,6 +139,8 @@ class Run:
   batch_size: int
   sequence_length: int
   workdir: str
+  warmup_steps: int = 0
+  peak_learning_rate: Optional[float] = None
   eval_loss: Optional[float] = None
 
   @property
@@ -167,7 +173,8 @@ class Run:
 
 def plan(families: Sequence[str], sizes: Sequence[str], *, tokens_per_param: float,
          batch_size: int, sequence_length: int, vocab_size: int, workdir: str,
-         max_steps: Optional[int] = None) -> List[Run]:
+         max_steps: Optional[int] = None, warmup_fraction: float = 0.1,
+         peak_learning_rate: Optional[float] = None) -> List[Run]:
   """Every run of the sweep, with its model and compute-optimal number of steps."""
   runs = []
   for family in families:
@@ -179,7 +186,9 @@ def plan(families: Sequence[str], sizes: Sequence[str], *, tokens_per_param: flo
       if max_steps is not None:
         steps = min(steps, max_steps)
       runs.append(Run(family, size, target, config, steps, batch_size, sequence_length,
-                      os.path.join(workdir, "runs", f"{family}_{size}")))
+                      os.path.join(workdir, "runs", f"{family}_{size}"),
+                      warmup_steps=int(math.ceil(warmup_fraction * steps)),
+                      peak_learning_rate=peak_learning_rate))
   return runs
 
 
@@ -204,8 +213,13 @@ def run_gin(run: Run) -> str:
             "TrainConfig.train_steps = %TRAIN_STEPS",
             "TrainConfig.batch_size = %BATCH_SIZE",
             "TrainConfig.sequence_length = %SEQUENCE_LENGTH",
-            "TrainConfig.final_eval = True", ""]
-  return "\n".join(lines)
+            "TrainConfig.final_eval = True", "",
+            "# Warm-up scaled with the run, so short runs are not all warm-up.",
+            "import pretrain.optimizer",
+            f"OptimizerConfig.warmup_steps = {run.warmup_steps}"]
+  if run.peak_learning_rate is not None:
+    lines.append(f"OptimizerConfig.peak_learning_rate = {run.peak_learning_rate!r}")
+  return "\n".join(lines) + "\n"
 
 
 def command(run: Run, gin_files: Sequence[str], gin_params: Sequence[str],
@@ -339,6 +353,9 @@ flags.DEFINE_multi_string("gin_param", [], "Extra Gin bindings of every run.")
 flags.DEFINE_integer("batch_size", 8, "Global batch (sequences) of every run.")
 flags.DEFINE_integer("sequence_length", 128, "Tokens per sequence of every run.")
 flags.DEFINE_integer("vocab_size", None, "Vocabulary size (default: the Gin VOCAB_SIZE).")
+flags.DEFINE_float("warmup_fraction", 0.1, "Warm-up steps as a fraction of each run.")
+flags.DEFINE_float("peak_learning_rate", None,
+                   "Peak learning rate of every run (default: the Gin config's).")
 flags.DEFINE_integer("max_steps", None,
                      "Cap on the steps of each run (for smoke tests; breaks the "
                      "compute-optimal budget, which the table then shows).")
@@ -357,7 +374,9 @@ def main(argv: Sequence[str]) -> None:
   vocab_size = FLAGS.vocab_size or vocab_size_from_gin(FLAGS.gin_file, FLAGS.gin_param)
   runs = plan(FLAGS.families, FLAGS.sizes, tokens_per_param=FLAGS.tokens_per_param,
               batch_size=FLAGS.batch_size, sequence_length=FLAGS.sequence_length,
-              vocab_size=vocab_size, workdir=workdir, max_steps=FLAGS.max_steps)
+              vocab_size=vocab_size, workdir=workdir, max_steps=FLAGS.max_steps,
+              warmup_fraction=FLAGS.warmup_fraction,
+              peak_learning_rate=FLAGS.peak_learning_rate)
   if FLAGS.dry_run:
     print(runs_table_markdown(runs))
     for run in runs:

@@ -77,6 +77,8 @@ def test_run_gin_rebuilds_the_planned_model(tmp_path):
     assert ModelConfig() == run.config
     assert gin.query_parameter("%TRAIN_STEPS") == run.train_steps
     assert gin.query_parameter("%SEQUENCE_LENGTH") == 64
+    assert gin.query_parameter("OptimizerConfig.warmup_steps") == math.ceil(
+        0.1 * run.train_steps)
   finally:
     gin.clear_config()
 
