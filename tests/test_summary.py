@@ -1,0 +1,100 @@
+"""`python -m model.summary`, run as users run it (a subprocess), plus its error paths."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from model import counting
+from model.config import ModelConfig
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
+
+
+def run_summary(*args: str) -> subprocess.CompletedProcess:
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "-m", "model.summary", *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=120)
+
+
+def test_griffin_14b_json_in_under_60_seconds():
+  start = time.monotonic()
+  result = run_summary("--gin_file=configs/models/griffin_14b.gin", "--json")
+  elapsed = time.monotonic() - start
+  assert result.returncode == 0, result.stderr
+  summary = json.loads(result.stdout)
+  assert abs(summary["params_non_embedding"] / 14e9 - 1) <= 0.15
+  config = ModelConfig(**{k: tuple(v) if isinstance(v, list) else v
+                          for k, v in summary["model"].items()})
+  assert summary["params_total"] == counting.analytic_param_counts(config).total
+  assert summary["params_non_embedding"] == summary["params_total"] - 32768 * 5120
+  assert summary["flops_per_token"] == pytest.approx(
+      counting.training_flops_per_token(config, 2048))
+  assert summary["seq"] == 2048 and summary["decode_state_bytes"] > 0
+  assert elapsed < 60, f"took {elapsed:.1f}s"
+
+
+def test_text_output_and_bindings_and_seq():
+  result = run_summary("--gin_file=configs/models/tiny_mqa.gin",
+                       "--gin_param=ModelConfig.depth = 3", "--seq=100")
+  assert result.returncode == 0, result.stderr
+  config = ModelConfig(vocab_size=256, width=64, depth=3, num_heads=2,
+                       block_pattern=("attention",), attention_window=None)
+  total = counting.analytic_param_counts(config).total
+  assert f"parameters, total:          {total:,}" in result.stdout
+  assert "at T=100" in result.stdout
+  # Global attention caches all 100 positions: K and V of one 32-wide head, float32.
+  assert counting.decode_state_bytes(config, 100) >= 3 * 2 * 100 * 32 * 4
+  assert f"{counting.decode_state_bytes(config, 100):,} bytes" in result.stdout
+
+
+def test_gin_files_may_bind_configurables_it_does_not_import(tmp_path):
+  trainer_config = tmp_path / "trainer.gin"
+  trainer_config.write_text("some_trainer_function.learning_rate = 0.1\n")
+  result = run_summary("--gin_file=configs/models/tiny_hawk.gin",
+                       f"--gin_file={trainer_config}", "--json")
+  assert result.returncode == 0, result.stderr
+  assert json.loads(result.stdout)["model"]["block_pattern"] == ["recurrent"]
+
+
+def test_mesh_adds_per_device_memory():
+  result = run_summary("--gin_file=configs/models/griffin_100m.gin", "--json",
+                       "--mesh=data:2,fsdp:4,tensor:1", "--batch=16", "--seq=512",
+                       "--device_memory_gb=16")
+  assert result.returncode == 0, result.stderr
+  summary = json.loads(result.stdout)
+  per_device = summary["per_device_bytes"]
+  for key in ("params", "optimizer", "gradients", "activations", "total"):
+    assert per_device[key] > 0
+  # fsdp:4 shards the float32 parameters (about 4 bytes each) over 4 of the 8 devices.
+  assert per_device["params"] < 4 * summary["params_total"] / 3
+  assert per_device["total"] >= sum(per_device[k] for k in
+                                    ("params", "optimizer", "gradients", "activations"))
+  assert summary["memory_fits"] in (True, False)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--gin_file=configs/models/no_such.gin"], "does not exist"),
+    (["--gin_file=configs/models/tiny_hawk.gin", "--gin_param=ModelConfig.width = 63"],
+     "divisible"),
+    (["--gin_file=configs/models/tiny_hawk.gin", "--gin_param=ModelConfig.widht = 64"],
+     "widht"),
+    (["--gin_file=configs/models/tiny_hawk.gin", "--gin_param=ModelConfig.width = ("],
+     "cannot parse"),
+    (["--gin_file=configs/models/tiny_hawk.gin", "--seq=abc"], "--seq"),
+    (["--gin_file=configs/models/tiny_hawk.gin", "--seq=0"], "--seq"),
+    (["--gin_file=configs/models/tiny_hawk.gin", "--no_such_flag"], "no_such_flag"),
+    (["--json"], "--gin_file"),
+    (["--gin_file=configs/models/tiny_hawk.gin", "--mesh=data:2"], "--batch"),
+    (["--gin_file=configs/models/tiny_hawk.gin", "--mesh=data:x", "--batch=2"], "integer"),
+    (["--gin_file=configs/models/tiny_hawk.gin", "--batch=2"], "--mesh"),
+])
+def test_bad_input_gives_one_clear_line(args, message):
+  result = run_summary(*args)
+  assert result.returncode == 2
+  assert result.stdout == ""
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("model.summary: error:"), result.stderr
+  assert message in lines[0]
