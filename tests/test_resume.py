@@ -1,0 +1,50 @@
+"""Exact resume: a run killed with SIGKILL (async saves in flight) and restarted with the
+same command produces, step for step, the losses of an uninterrupted run."""
+import os
+import signal
+import time
+
+from pretrain.checkpointing import complete_steps
+from trainer_helpers import assert_ok, train_losses, trainer_env  # pylint: disable=unused-import
+
+STEPS = 24          # 2N
+KILL_AFTER = 12     # N: kill once this many steps are logged
+# A save every 2 steps keeps an asynchronous save in flight most of the time.
+PARAMS = (f"TRAIN_STEPS={STEPS}", "CHECKPOINT_EVERY=2", "LOG_EVERY=1")
+
+
+def test_sigkill_then_restart_reproduces_uninterrupted_losses(trainer_env, tmp_path):
+  reference_dir = str(tmp_path / "uninterrupted")
+  assert_ok(trainer_env.run(trainer_env.train_command(reference_dir, *PARAMS)))
+  reference = train_losses(reference_dir)
+  assert sorted(reference) == list(range(1, STEPS + 1))
+
+  workdir = str(tmp_path / "killed")
+  command = trainer_env.train_command(workdir, *PARAMS)
+  process = trainer_env.popen(command)
+  deadline = time.time() + 240
+  while time.time() < deadline and len(train_losses(workdir)) < KILL_AFTER:
+    if process.poll() is not None:
+      break
+    time.sleep(0.01)
+  assert process.poll() is None, "the run ended before it could be killed"
+  os.kill(process.pid, signal.SIGKILL)
+  process.wait(timeout=60)
+  killed_at = max(train_losses(workdir))
+  assert killed_at < STEPS
+  checkpoint_dir = os.path.join(workdir, "checkpoints")
+  resumable = complete_steps(checkpoint_dir)
+  resume_step = resumable[-1] if resumable else 0
+
+  result = trainer_env.run(command)
+  assert_ok(result)
+  if resumable:
+    assert f"Resuming from the checkpoint of step {resume_step}" in result.stdout
+  # Rows after the restart are appended to the same metrics.jsonl: the last value
+  # logged for each step is the restarted run's.
+  restarted = train_losses(workdir)
+  assert sorted(restarted) == list(range(1, STEPS + 1))
+  for step in range(resume_step + 1, STEPS + 1):
+    assert abs(restarted[step] - reference[step]) <= 1e-6, (
+        step, restarted[step], reference[step], resume_step)
+  assert complete_steps(checkpoint_dir)[-1] == STEPS

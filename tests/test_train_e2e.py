@@ -1,0 +1,65 @@
+"""`python -m pretrain.train` end to end on a tiny corpus: outputs, metrics, resume, SIGTERM."""
+import glob
+import os
+import signal
+import time
+
+from pretrain.checkpointing import complete_steps
+from trainer_helpers import (assert_ok, read_metrics, train_losses,  # pylint: disable=unused-import
+                             trained_workdir, trainer_env)
+
+
+def test_run_writes_config_checkpoints_metrics_and_tensorboard(trained_workdir):
+  workdir, result = trained_workdir
+  with open(os.path.join(workdir, "config.gin"), encoding="utf-8") as f:
+    operative = f.read()
+  assert "TrainConfig.train_steps = %TRAIN_STEPS" in operative
+  assert "TRAIN_STEPS = 8" in operative and "ModelConfig.width = 32" in operative
+  assert complete_steps(os.path.join(workdir, "checkpoints")) == [4, 8]
+  assert glob.glob(os.path.join(workdir, "tensorboard", "events.out.tfevents.*"))
+
+  rows = read_metrics(workdir)
+  train_rows = [r for r in rows if "loss" in r]
+  assert [r["step"] for r in train_rows] == list(range(1, 9))
+  for row in train_rows:
+    for key in ("loss", "learning_rate", "tokens_per_second", "step_time_s", "grad_norm"):
+      assert isinstance(row[key], float) and row[key] >= 0, (key, row)
+    assert row["mfu"] is None      # CPU: no known peak
+  assert train_rows[0]["learning_rate"] == 0.0                      # warm-up starts at 0
+  assert abs(train_rows[2]["learning_rate"] - 1e-2) < 1e-8          # peak after 2 steps
+  assert train_rows[-1]["loss"] < train_rows[0]["loss"] - 0.5       # it learns
+  eval_rows = [r for r in rows if "eval_loss" in r]
+  assert [r["step"] for r in eval_rows] == [4, 8]
+  assert all(r["eval_loss"] > 0 and r["eval_tokens"] > 0 for r in eval_rows)
+
+  out = result.stdout
+  assert "step 8/8 | loss" in out and "MFU n/a" in out and "ETA" in out and "tok/s" in out
+  assert "eval_loss" in out
+  assert "Sample:\ndef " in out
+  assert "Done: 8 steps" in out
+
+
+def test_rerun_of_finished_run_resumes_without_training(trainer_env, trained_workdir):
+  workdir, _ = trained_workdir
+  before = len(read_metrics(workdir))
+  result = trainer_env.run(trainer_env.train_command(workdir))
+  assert_ok(result)
+  assert "Resuming from the checkpoint of step 8" in result.stdout
+  assert len(read_metrics(workdir)) == before   # nothing retrained
+
+
+def test_sigterm_saves_and_exits_cleanly(trainer_env, tmp_path):
+  workdir = str(tmp_path / "preempted")
+  process = trainer_env.popen(trainer_env.train_command(
+      workdir, "TRAIN_STEPS=400", "CHECKPOINT_EVERY=1000"))
+  deadline = time.time() + 240
+  while time.time() < deadline and len(train_losses(workdir)) < 3:
+    time.sleep(0.05)
+  assert process.poll() is None, process.stdout.read()
+  process.send_signal(signal.SIGTERM)
+  output, _ = process.communicate(timeout=120)
+  assert process.returncode == 0, output
+  assert "Preempted: saved step" in output
+  steps = complete_steps(os.path.join(workdir, "checkpoints"))
+  assert len(steps) == 1 and 3 <= steps[0] < 400
+  assert max(train_losses(workdir)) == steps[0]

@@ -1,0 +1,134 @@
+"""Shared pieces of the trainer's end-to-end tests: a tiny corpus and config, and runs of
+the real commands in subprocesses (2 simulated devices each, one persistent compilation
+cache and one token-store cache for the whole test session, so each program compiles
+once per session).
+"""
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORDS = ("def", "return", "class", "self", "import", "for", "in", "if", "else", "print",
+         "value", "items", "(", ")", ":", "=", "+", "\n", "    ")
+
+TINY_GIN = """
+include 'configs/base/trainer.gin'
+include 'configs/base/optimizer.gin'
+include 'configs/data/text_files.gin'
+import model.config
+
+TRAIN_FILES = '{corpus}/*.txt'
+TRAIN_STEPS = 8
+BATCH_SIZE = 4
+SEQUENCE_LENGTH = 32
+CHECKPOINT_EVERY = 4
+EVAL_EVERY = 0
+LOG_EVERY = 1
+SEED = 3
+
+ModelConfig.vocab_size = 259
+ModelConfig.width = 32
+ModelConfig.rnn_width = 32
+ModelConfig.num_heads = 2
+ModelConfig.depth = 3
+ModelConfig.attention_window = 8
+ModelConfig.scan_impl = "lax"
+
+OptimizerConfig.peak_learning_rate = 1e-2
+OptimizerConfig.warmup_steps = 2
+TrainConfig.final_eval = False
+TrainConfig.eval_batches = 2
+text_files_task.validation_fraction = 0.25
+DataPipeline.cache_dir = '{cache}'
+"""
+
+
+def make_corpus(directory, documents=24, words=400, seed=0):
+  """Small text files drawn from a Python-ish word list (learnable in a few steps)."""
+  os.makedirs(directory, exist_ok=True)
+  rng = random.Random(seed)
+  for i in range(documents):
+    with open(os.path.join(directory, f"doc{i:03d}.txt"), "w", encoding="utf-8") as f:
+      f.write(" ".join(rng.choice(WORDS) for _ in range(words)))
+  return directory
+
+
+class TrainerEnv:
+  """Paths and environment shared by every subprocess run of a test session."""
+
+  def __init__(self, root):
+    self.root = str(root)
+    self.corpus = make_corpus(os.path.join(self.root, "corpus"))
+    self.cache = os.path.join(self.root, "token_cache")
+    self.gin = os.path.join(self.root, "tiny.gin")
+    with open(self.gin, "w", encoding="utf-8") as f:
+      f.write(TINY_GIN.format(corpus=self.corpus, cache=self.cache))
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    env["JAX_PLATFORMS"] = "cpu"
+    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    env["JAX_COMPILATION_CACHE_DIR"] = os.path.join(self.root, "jax_cache")
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    env["GRIFFIN_DATA_CACHE"] = self.cache
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    self.env = env
+
+  def command(self, module, *args):
+    return [sys.executable, "-m", module, *args]
+
+  def train_command(self, workdir, *gin_params, gin_files=None):
+    args = [f"--gin_file={f}" for f in (gin_files or [self.gin])]
+    args += [f"--gin_param={p}" for p in gin_params]
+    return self.command("pretrain.train", *args, f"--workdir={workdir}")
+
+  def run(self, command, timeout=300):
+    return subprocess.run(command, env=self.env, cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+  def popen(self, command):
+    return subprocess.Popen(command, env=self.env, cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def read_metrics(workdir):
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return []
+  rows = []
+  with open(path, encoding="utf-8") as f:
+    for line in f:
+      if line.endswith("\n"):   # a line being written is not a row yet
+        rows.append(json.loads(line))
+  return rows
+
+
+def train_losses(workdir):
+  """{step: loss} of the training rows (eval rows skipped)."""
+  return {row["step"]: row["loss"] for row in read_metrics(workdir) if "loss" in row}
+
+
+def assert_ok(result):
+  assert result.returncode == 0, (
+      f"exit {result.returncode}\nstdout:\n{result.stdout[-3000:]}\n"
+      f"stderr:\n{result.stderr[-3000:]}")
+
+
+@pytest.fixture(scope="session")
+def trainer_env(tmp_path_factory):
+  return TrainerEnv(tmp_path_factory.mktemp("trainer"))
+
+
+@pytest.fixture(scope="session")
+def trained_workdir(trainer_env):
+  """A finished tiny run (8 steps, eval, sample) shared by several test modules."""
+  workdir = os.path.join(trainer_env.root, "trained")
+  result = trainer_env.run(trainer_env.train_command(
+      workdir, "EVAL_EVERY=4", "TrainConfig.final_eval=True",
+      "TrainConfig.sample_prompt='def '", "TrainConfig.sample_tokens=16"))
+  assert_ok(result)
+  return workdir, result
