@@ -77,6 +77,18 @@ def _gin_context(error: BaseException) -> str:
   return f" ({'; '.join(context)})" if context else ""
 
 
+def _gin_search_roots() -> tuple[str, str]:
+  return (REPO_ROOT, os.path.join(REPO_ROOT, "configs"))
+
+
+def check_gin_files(files: Sequence[str]) -> None:
+  """Raises ConfigError naming the first Gin file that exists nowhere on the search path."""
+  for path in files:
+    if not os.path.exists(path) and not any(
+        os.path.exists(os.path.join(root, path)) for root in _gin_search_roots()):
+      raise ConfigError(f"Gin file not found: {path}")
+
+
 def parse_gin(files: Sequence[str], bindings: Sequence[str]) -> None:
   """Parses Gin files then bindings; raises ConfigError naming the bad file or binding.
 
@@ -85,14 +97,10 @@ def parse_gin(files: Sequence[str], bindings: Sequence[str]) -> None:
   from any directory.
   """
   import gin  # pylint: disable=g-import-not-at-top
-  for root in (REPO_ROOT, os.path.join(REPO_ROOT, "configs")):
+  for root in _gin_search_roots():
     if root not in gin.config._LOCATION_PREFIXES:  # pylint: disable=protected-access
       gin.add_config_file_search_path(root)
-  for path in files:
-    if not os.path.exists(path) and not any(
-        os.path.exists(os.path.join(root, path))
-        for root in (REPO_ROOT, os.path.join(REPO_ROOT, "configs"))):
-      raise ConfigError(f"Gin file not found: {path}")
+  check_gin_files(files)
   try:
     gin.parse_config_files_and_bindings(list(files), list(bindings),
                                         finalize_config=False)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
+import types
 from typing import Any, Optional
 
 import jax
@@ -121,3 +123,14 @@ def load(workdir: str, step: Optional[int] = None) -> LoadedModel:
 
 def text_to_ids(vocabulary: Any, text: str) -> np.ndarray:
   return np.asarray(vocabulary.encode(text), np.int32)
+
+
+class _CallableModule(types.ModuleType):
+  """Lets `pretrain.load(workdir)` call `load` although `pretrain.load` is this module
+  (Python binds a package's attribute to its submodule once the submodule is imported)."""
+
+  def __call__(self, workdir: str, step: Optional[int] = None) -> LoadedModel:
+    return load(workdir, step)
+
+
+sys.modules[__name__].__class__ = _CallableModule

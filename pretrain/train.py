@@ -54,6 +54,7 @@ def main(argv: Sequence[str]) -> None:
   if not FLAGS.gin_file:
     raise cli.ConfigError("--gin_file is required, e.g. --gin_file=configs/quickstart.gin")
   workdir = os.path.abspath(os.path.expanduser(FLAGS.workdir))
+  cli.check_gin_files(FLAGS.gin_file)
   check_writable(workdir)
   cli.import_configurables()
   cli.parse_gin(FLAGS.gin_file, FLAGS.gin_param)

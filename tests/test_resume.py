@@ -5,22 +5,23 @@ import signal
 import time
 
 from pretrain.checkpointing import complete_steps
-from trainer_helpers import assert_ok, train_losses, trainer_env  # pylint: disable=unused-import
+from trainer_helpers import (assert_ok, train_losses,  # pylint: disable=unused-import
+                             trained_workdir, trainer_env)
 
-STEPS = 24          # 2N
+STEPS = 24          # 2N, as in the shared tiny config (saves every 2 steps)
 KILL_AFTER = 12     # N: kill once this many steps are logged
-# A save every 2 steps keeps an asynchronous save in flight most of the time.
-PARAMS = (f"TRAIN_STEPS={STEPS}", "CHECKPOINT_EVERY=2", "LOG_EVERY=1")
 
 
-def test_sigkill_then_restart_reproduces_uninterrupted_losses(trainer_env, tmp_path):
-  reference_dir = str(tmp_path / "uninterrupted")
-  assert_ok(trainer_env.run(trainer_env.train_command(reference_dir, *PARAMS)))
-  reference = train_losses(reference_dir)
+def test_sigkill_then_restart_reproduces_uninterrupted_losses(trainer_env, trained_workdir,
+                                                               tmp_path):
+  # (a) the uninterrupted run: the shared session run (its evaluations and final sample
+  # do not touch the training state).
+  reference = train_losses(trained_workdir[0])
   assert sorted(reference) == list(range(1, STEPS + 1))
 
+  # (b) the same run killed with SIGKILL after about N steps, then restarted.
   workdir = str(tmp_path / "killed")
-  command = trainer_env.train_command(workdir, *PARAMS)
+  command = trainer_env.train_command(workdir)
   process = trainer_env.popen(command)
   deadline = time.time() + 240
   while time.time() < deadline and len(train_losses(workdir)) < KILL_AFTER:

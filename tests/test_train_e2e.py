@@ -14,13 +14,13 @@ def test_run_writes_config_checkpoints_metrics_and_tensorboard(trained_workdir):
   with open(os.path.join(workdir, "config.gin"), encoding="utf-8") as f:
     operative = f.read()
   assert "TrainConfig.train_steps = %TRAIN_STEPS" in operative
-  assert "TRAIN_STEPS = 8" in operative and "ModelConfig.width = 32" in operative
-  assert complete_steps(os.path.join(workdir, "checkpoints")) == [4, 8]
+  assert "TRAIN_STEPS = 24" in operative and "ModelConfig.width = 32" in operative
+  assert complete_steps(os.path.join(workdir, "checkpoints")) == [20, 22, 24]  # keep 3
   assert glob.glob(os.path.join(workdir, "tensorboard", "events.out.tfevents.*"))
 
   rows = read_metrics(workdir)
   train_rows = [r for r in rows if "loss" in r]
-  assert [r["step"] for r in train_rows] == list(range(1, 9))
+  assert [r["step"] for r in train_rows] == list(range(1, 25))
   for row in train_rows:
     for key in ("loss", "learning_rate", "tokens_per_second", "step_time_s", "grad_norm"):
       assert isinstance(row[key], float) and row[key] >= 0, (key, row)
@@ -29,14 +29,14 @@ def test_run_writes_config_checkpoints_metrics_and_tensorboard(trained_workdir):
   assert abs(train_rows[2]["learning_rate"] - 1e-2) < 1e-8          # peak after 2 steps
   assert train_rows[-1]["loss"] < train_rows[0]["loss"] - 0.5       # it learns
   eval_rows = [r for r in rows if "eval_loss" in r]
-  assert [r["step"] for r in eval_rows] == [4, 8]
+  assert [r["step"] for r in eval_rows] == [12, 24]
   assert all(r["eval_loss"] > 0 and r["eval_tokens"] > 0 for r in eval_rows)
 
   out = result.stdout
-  assert "step 8/8 | loss" in out and "MFU n/a" in out and "ETA" in out and "tok/s" in out
+  assert "step 24/24 | loss" in out and "MFU n/a" in out and "ETA" in out and "tok/s" in out
   assert "eval_loss" in out
   assert "Sample:\ndef " in out
-  assert "Done: 8 steps" in out
+  assert "Done: 24 steps" in out
 
 
 def test_rerun_of_finished_run_resumes_without_training(trainer_env, trained_workdir):
@@ -44,7 +44,7 @@ def test_rerun_of_finished_run_resumes_without_training(trainer_env, trained_wor
   before = len(read_metrics(workdir))
   result = trainer_env.run(trainer_env.train_command(workdir))
   assert_ok(result)
-  assert "Resuming from the checkpoint of step 8" in result.stdout
+  assert "Resuming from the checkpoint of step 24" in result.stdout
   assert len(read_metrics(workdir)) == before   # nothing retrained
 
 

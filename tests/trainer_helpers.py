@@ -22,10 +22,10 @@ include 'configs/data/text_files.gin'
 import model.config
 
 TRAIN_FILES = '{corpus}/*.txt'
-TRAIN_STEPS = 8
+TRAIN_STEPS = 24
 BATCH_SIZE = 4
 SEQUENCE_LENGTH = 32
-CHECKPOINT_EVERY = 4
+CHECKPOINT_EVERY = 2       # an async save is in flight most of the time
 EVAL_EVERY = 0
 LOG_EVERY = 1
 SEED = 3
@@ -125,10 +125,12 @@ def trainer_env(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def trained_workdir(trainer_env):
-  """A finished tiny run (8 steps, eval, sample) shared by several test modules."""
+  """A finished tiny run (24 steps, evals, sample) shared by several test modules; also
+  the uninterrupted reference of the exact-resume test (evaluation does not touch the
+  training state)."""
   workdir = os.path.join(trainer_env.root, "trained")
   result = trainer_env.run(trainer_env.train_command(
-      workdir, "EVAL_EVERY=4", "TrainConfig.final_eval=True",
+      workdir, "EVAL_EVERY=12", "TrainConfig.final_eval=True",
       "TrainConfig.sample_prompt='def '", "TrainConfig.sample_tokens=16"))
   assert_ok(result)
   return workdir, result

@@ -1,0 +1,103 @@
+"""`pretrain.evaluate` and `pretrain.sample` on a trained workdir: the commands, exact
+chunked text-file scoring, and cached decoding that never re-runs the prefix."""
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pretrain
+from model import decoding
+from pretrain import evaluate as evaluate_lib
+from pretrain import sample as sample_lib
+from pretrain.trainer import token_losses
+from trainer_helpers import (assert_ok, read_metrics,  # pylint: disable=unused-import
+                             trained_workdir, trainer_env)
+
+TEXT = "def items(self):\n    return [value for value in self]\n" * 3
+
+
+@pytest.fixture(scope="module")
+def loaded(trained_workdir):
+  return pretrain.load(trained_workdir[0])
+
+
+def test_evaluate_command_on_validation_split_and_text_file(trainer_env, trained_workdir,
+                                                            tmp_path):
+  workdir, _ = trained_workdir
+  output = tmp_path / "eval.json"
+  result = trainer_env.run(trainer_env.command(
+      "pretrain.evaluate", f"--workdir={workdir}", f"--output={output}"))
+  assert_ok(result)
+  printed = json.loads(result.stdout.strip().splitlines()[-1])
+  assert printed == json.loads(output.read_text())
+  assert printed["step"] == 24 and printed["tokens"] > 0
+  # The training run's own evaluations covered part of the same split: same ballpark.
+  final_eval = [r["eval_loss"] for r in read_metrics(workdir) if "eval_loss" in r][-1]
+  assert abs(printed["loss"] - final_eval) < 0.5
+
+  text_file = tmp_path / "doc.txt"
+  text_file.write_text(TEXT)
+  result = trainer_env.run(trainer_env.command(
+      "pretrain.evaluate", f"--workdir={workdir}", "--step=22", f"--text_file={text_file}"))
+  assert_ok(result)
+  scored = json.loads(result.stdout.strip().splitlines()[-1])
+  assert scored["step"] == 22 and scored["tokens"] == len(TEXT.encode()) + 1
+
+
+def test_text_file_loss_equals_one_pass_over_the_document(loaded):
+  # Chunks of 16 tokens carrying the caches must score exactly like one long row.
+  loss, tokens = evaluate_lib.text_file_loss(loaded, TEXT, chunk_length=16)
+  vocabulary = loaded.vocabulary
+  targets = np.asarray(list(vocabulary.encode(TEXT)) + [vocabulary.eos_id], np.int32)
+  inputs = np.concatenate([[0], targets[:-1]]).astype(np.int32)
+  positions = np.arange(len(targets), dtype=np.int32)
+  logits = loaded.logits(inputs[None], positions[None])
+  nll, _ = token_losses(logits, jnp.asarray(targets[None]))
+  assert tokens == len(targets)
+  np.testing.assert_allclose(loss, float(jnp.mean(nll)), rtol=1e-5)
+
+
+def test_cached_greedy_decoding_matches_rerunning_the_prefix(loaded, monkeypatch):
+  prompt = np.asarray(loaded.vocabulary.encode("def "), np.int32)
+  shapes = []
+  for name in ("prefill", "decode_step"):
+    original = getattr(decoding, name)
+    def recording(config, params, tokens, positions, cache, _original=original,
+                  _name=name):
+      shapes.append((_name, tokens.shape))
+      return _original(config, params, tokens, positions, cache)
+    monkeypatch.setattr(decoding, name, recording)
+  new = sample_lib.generate(loaded.config, loaded.params, prompt, max_new_tokens=10,
+                            temperature=0.0)
+  # One prefill of the prompt, then single-token steps only (traced once in the scan).
+  assert shapes == [("prefill", (1, len(prompt))), ("decode_step", (1, 1))]
+
+  # Reference: re-run the whole prefix for every token. The row is padded to its final
+  # length (the model is causal, so padding after position i cannot change logit i) to
+  # compile one shape.
+  total = len(prompt) + 10
+  sequence = np.zeros(total, np.int32)
+  sequence[:len(prompt)] = prompt
+  positions = np.arange(total, dtype=np.int32)[None]
+  for i in range(len(prompt), total):
+    logits = loaded.logits(sequence[None], positions)
+    sequence[i] = int(jnp.argmax(logits[0, i - 1]))
+  assert new == list(sequence[len(prompt):])
+
+
+def test_sample_command(trainer_env, trained_workdir):
+  workdir, _ = trained_workdir
+  result = trainer_env.run(trainer_env.command(
+      "pretrain.sample", f"--workdir={workdir}", "--prompt=def ", "--max_new_tokens=12",
+      "--temperature=0.7", "--seed=1"))
+  assert_ok(result)
+  assert result.stdout.startswith("def ")
+  assert len(result.stdout.rstrip("\n")) > len("def ")
+
+
+def test_load_of_missing_step_is_a_clear_error(trained_workdir):
+  with pytest.raises(pretrain.load.UserError, match="No complete checkpoint of step 7"):
+    pretrain.load(trained_workdir[0], step=7)

@@ -1,0 +1,116 @@
+"""Failure behaviour: each user-fixable problem is a short message and an exit code, and a
+diverged run keeps its newest good checkpoint."""
+import os
+
+import gin
+import jax
+import numpy as np
+import pytest
+
+from pretrain import cli
+from pretrain.checkpointing import complete_steps
+from trainer_helpers import (assert_ok, train_losses,  # pylint: disable=unused-import
+                             trained_workdir, trainer_env)
+
+
+def _assert_one_line_error(result, code, *fragments):
+  assert result.returncode == code, (result.returncode, result.stdout, result.stderr)
+  assert "Traceback" not in result.stderr, result.stderr
+  errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+  assert len(errors) == 1, result.stderr
+  for fragment in fragments:
+    assert fragment in result.stderr, (fragment, result.stderr)
+  return errors[0]
+
+
+def test_missing_gin_file(trainer_env, tmp_path):
+  result = trainer_env.run(trainer_env.train_command(
+      str(tmp_path / "w"), gin_files=[trainer_env.gin, "configs/no_such.gin"]))
+  _assert_one_line_error(result, 2, "Gin file not found: configs/no_such.gin")
+  assert not (tmp_path / "w").exists()
+
+
+def test_unwritable_workdir_reported_before_compute(trainer_env, tmp_path):
+  blocker = tmp_path / "a_file"
+  blocker.write_text("not a directory")
+  result = trainer_env.run(trainer_env.train_command(str(blocker / "workdir")))
+  _assert_one_line_error(result, 1, "is not writable", str(blocker / "workdir"))
+
+
+def test_unknown_binding(trainer_env, tmp_path):
+  result = trainer_env.run(trainer_env.train_command(str(tmp_path / "w"),
+                                                     "ModelConfig.widht=64"))
+  _assert_one_line_error(result, 2, "widht")
+
+
+def test_glob_matching_no_file(trainer_env, tmp_path):
+  result = trainer_env.run(trainer_env.train_command(
+      str(tmp_path / "w"), f"TRAIN_FILES='{tmp_path}/nothing/*.txt'"))
+  _assert_one_line_error(result, 1, f"{tmp_path}/nothing/*.txt")
+
+
+def test_checkpoint_of_another_model_names_parameters(trainer_env, trained_workdir):
+  workdir, _ = trained_workdir
+  with open(os.path.join(workdir, "config.gin"), encoding="utf-8") as f:
+    config_before = f.read()
+  result = trainer_env.run(trainer_env.train_command(workdir, "ModelConfig.width=48"))
+  assert result.returncode == 1, result.stderr
+  assert "Traceback" not in result.stderr
+  assert "different model configuration" in result.stderr
+  assert "embedder/embedding" in result.stderr or "checkpoint (1, 32) vs model (1, 48)" in (
+      result.stderr)
+  assert len(result.stderr.strip().splitlines()) < 25
+  with open(os.path.join(workdir, "config.gin"), encoding="utf-8") as f:
+    assert f.read() == config_before
+
+
+def test_divergence_stops_and_keeps_newest_good_checkpoint(trainer_env, tmp_path):
+  workdir = str(tmp_path / "diverging")
+  result = trainer_env.run(trainer_env.train_command(
+      workdir, "OptimizerConfig.peak_learning_rate=1e30", "CHECKPOINT_EVERY=1",
+      "OptimizerConfig.clip_norm=None"))
+  line = _assert_one_line_error(result, 1, "Training diverged at step",
+                                "newest good checkpoint")
+  diverged_step = int(line.split("diverged at step ")[1].split(":")[0])
+  steps = complete_steps(os.path.join(workdir, "checkpoints"))
+  assert steps and steps[-1] < diverged_step
+  # The kept checkpoint is loadable and finite.
+  from pretrain.load import load  # pylint: disable=g-import-not-at-top
+  model = load(workdir)
+  assert model.step == steps[-1]
+  for leaf in jax.tree.leaves(model.params):
+    assert np.all(np.isfinite(np.asarray(leaf)))
+
+
+def test_bad_value_is_one_line_naming_the_field(trainer_env):
+  from model.config import ModelConfig  # pylint: disable=g-import-not-at-top
+  gin.clear_config()
+  try:
+    cli.parse_gin([trainer_env.gin], ["ModelConfig.width = -4"])
+    with pytest.raises(ValueError) as info:
+      ModelConfig()
+  finally:
+    gin.clear_config()
+  assert cli._report(info.value) == 2  # pylint: disable=protected-access
+
+
+def test_empty_corpus_is_a_data_error(tmp_path):
+  from pretrain.data import DataError  # pylint: disable=g-import-not-at-top
+  from pretrain.data.pipeline import DataPipeline  # pylint: disable=g-import-not-at-top
+  from pretrain.data.tasks import text_files_task  # pylint: disable=g-import-not-at-top
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  for i in range(3):
+    (empty / f"{i}.txt").write_text("")
+  with pytest.raises(DataError) as info:
+    DataPipeline(task=text_files_task(train_files=str(empty / "*.txt")),
+                 sequence_length=16, batch_size=2, cache_dir=str(tmp_path / "cache"))
+  assert cli._report(info.value) == 1  # pylint: disable=protected-access
+
+
+def test_report_prints_gin_context_on_one_line(capsys):
+  error = ValueError("ModelConfig.width must be a positive integer, got -4\n"
+                     "  In call to configurable 'ModelConfig' (<class 'model.config.X'>)")
+  assert cli._report(error) == 2  # pylint: disable=protected-access
+  err = capsys.readouterr().err.strip()
+  assert len(err.splitlines()) == 1 and "ModelConfig.width" in err
