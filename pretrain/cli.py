@@ -121,16 +121,19 @@ def _known_errors() -> tuple[type[BaseException], ...]:
 
 def _report(error: BaseException) -> int:
   """Prints `error` briefly; returns the exit code."""
-  message = str(error).strip() or type(error).__name__
   if isinstance(error, UserError):
-    print(f"error: {message}", file=sys.stderr)
+    # Written for the user; may list several items (e.g. mismatching parameters).
+    print(f"error: {str(error).strip() or type(error).__name__}", file=sys.stderr)
     return error.exit_code
-  if isinstance(error, (ValueError, TypeError)) and "In call to configurable" in message:
+  one_line = f"{_first_line(error)}{_gin_context(error)}"
+  if isinstance(error, _known_errors()):   # the data pipeline's DataError
+    print(f"error: {one_line}", file=sys.stderr)
+    return 1
+  if isinstance(error, (ValueError, TypeError)) and "In call to configurable" in str(error):
     # A Gin-bound value rejected by its dataclass/function: the user's config is wrong.
-    print(f"error: bad configuration value: {_first_line(error)}{_gin_context(error)}",
-          file=sys.stderr)
+    print(f"error: bad configuration value: {one_line}", file=sys.stderr)
     return 2
-  print(f"error: {message}", file=sys.stderr)
+  print(f"error: {one_line}", file=sys.stderr)
   return 1
 
 

@@ -77,7 +77,6 @@ def flag_settings(window: Optional[str], logits_soft_cap: Optional[float],
 
 def read_recurrentgemma(path: str) -> dict:
   """The checkpoint's tree as host numpy arrays (no accelerator memory used)."""
-  import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   if not os.path.isdir(path):
@@ -86,9 +85,14 @@ def read_recurrentgemma(path: str) -> dict:
   checkpointer = ocp.PyTreeCheckpointer()
   try:
     metadata = checkpointer.metadata(path)
+    metadata = getattr(metadata, "item_metadata", metadata)   # StepMetadata -> tree
     tree = getattr(metadata, "tree", metadata)
-    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-    return checkpointer.restore(path, restore_args=restore_args)
+    def host_args(node):  # a RestoreArgs per array leaf of the nested dicts
+      if isinstance(node, dict):
+        return {key: host_args(value) for key, value in node.items()}
+      return ocp.RestoreArgs(restore_type=np.ndarray)
+    return checkpointer.restore(path, args=ocp.args.PyTreeRestore(
+        restore_args=host_args(dict(tree))))
   except (FileNotFoundError, ValueError) as error:
     raise cli.UserError(f"Cannot read the RecurrentGemma checkpoint {path}: "
                         f"{str(error).splitlines()[0]}") from None
