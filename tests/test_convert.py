@@ -12,6 +12,7 @@ from recurrentgemma.jax import griffin
 from recurrentgemma.jax import utils as rg_utils
 
 import pretrain
+from pretrain import convert
 from pretrain.checkpointing import complete_steps
 from trainer_helpers import assert_ok, train_losses, trainer_env  # pylint: disable=unused-import
 
@@ -50,14 +51,11 @@ def reference(tmp_path_factory):
   return model, params, path
 
 
-def test_convert_then_load_matches_reference_logits(trainer_env, reference, tmp_path):
+def test_convert_then_load_matches_reference_logits(reference, tmp_path):
   model, params, path = reference
   workdir = str(tmp_path / "converted")
-  result = trainer_env.run(trainer_env.command(
-      "pretrain.convert", "recurrentgemma", f"--checkpoint={path}", f"--workdir={workdir}",
-      f"--window={WINDOW}", f"--logits_soft_cap={SOFT_CAP}",
-      "--embeddings_scale_by_sqrt_dim=true", "--vocab=byte"))
-  assert_ok(result)
+  settings = convert.flag_settings(str(WINDOW), SOFT_CAP, True)
+  convert.convert_recurrentgemma(path, workdir, settings, vocab="byte")
   assert complete_steps(os.path.join(workdir, "checkpoints")) == [0]
 
   loaded = pretrain.load(workdir)

@@ -24,8 +24,7 @@ def loaded(trained_workdir):
   return pretrain.load(trained_workdir[0])
 
 
-def test_evaluate_command_on_validation_split_and_text_file(trainer_env, trained_workdir,
-                                                            tmp_path):
+def test_evaluate_command_on_validation_split(trainer_env, trained_workdir, tmp_path):
   workdir, _ = trained_workdir
   output = tmp_path / "eval.json"
   result = trainer_env.run(trainer_env.command(
@@ -38,13 +37,6 @@ def test_evaluate_command_on_validation_split_and_text_file(trainer_env, trained
   final_eval = [r["eval_loss"] for r in read_metrics(workdir) if "eval_loss" in r][-1]
   assert abs(printed["loss"] - final_eval) < 0.5
 
-  text_file = tmp_path / "doc.txt"
-  text_file.write_text(TEXT)
-  result = trainer_env.run(trainer_env.command(
-      "pretrain.evaluate", f"--workdir={workdir}", "--step=22", f"--text_file={text_file}"))
-  assert_ok(result)
-  scored = json.loads(result.stdout.strip().splitlines()[-1])
-  assert scored["step"] == 22 and scored["tokens"] == len(TEXT.encode()) + 1
 
 
 def test_text_file_loss_equals_one_pass_over_the_document(loaded):
@@ -58,6 +50,25 @@ def test_text_file_loss_equals_one_pass_over_the_document(loaded):
   nll, _ = token_losses(logits, jnp.asarray(targets[None]))
   assert tokens == len(targets)
   np.testing.assert_allclose(loss, float(jnp.mean(nll)), rtol=1e-5)
+
+
+def test_evaluate_main_on_a_text_file_and_an_older_step(trained_workdir, tmp_path, capsys):
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  text_file = tmp_path / "doc.txt"
+  text_file.write_text(TEXT)
+  output = tmp_path / "out.json"
+  if "text_file" not in flags.FLAGS:
+    evaluate_lib.define_flags()
+  flags.FLAGS(["evaluate", f"--workdir={trained_workdir[0]}", "--step=22",
+               f"--text_file={text_file}", f"--output={output}"])
+  try:
+    evaluate_lib.main(["evaluate"])
+  finally:
+    flags.FLAGS.unparse_flags()
+  scored = json.loads(output.read_text())
+  assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == scored
+  assert scored["step"] == 22 and scored["tokens"] == len(TEXT.encode()) + 1
+  assert 0 < scored["loss"] < 10
 
 
 def test_cached_greedy_decoding_matches_rerunning_the_prefix(loaded, monkeypatch):

@@ -39,15 +39,6 @@ def test_run_writes_config_checkpoints_metrics_and_tensorboard(trained_workdir):
   assert "Done: 24 steps" in out
 
 
-def test_rerun_of_finished_run_resumes_without_training(trainer_env, trained_workdir):
-  workdir, _ = trained_workdir
-  before = len(read_metrics(workdir))
-  result = trainer_env.run(trainer_env.train_command(workdir))
-  assert_ok(result)
-  assert "Resuming from the checkpoint of step 24" in result.stdout
-  assert len(read_metrics(workdir)) == before   # nothing retrained
-
-
 def test_sigterm_saves_and_exits_cleanly(trainer_env, tmp_path):
   workdir = str(tmp_path / "preempted")
   process = trainer_env.popen(trainer_env.train_command(

@@ -49,7 +49,9 @@ DataPipeline.cache_dir = '{cache}'
 
 def make_corpus(directory, documents=24, words=400, seed=0):
   """Small text files drawn from a Python-ish word list (learnable in a few steps)."""
-  os.makedirs(directory, exist_ok=True)
+  if os.path.isdir(directory):   # written once per session (the token store keys on it)
+    return directory
+  os.makedirs(directory)
   rng = random.Random(seed)
   for i in range(documents):
     with open(os.path.join(directory, f"doc{i:03d}.txt"), "w", encoding="utf-8") as f:
@@ -118,9 +120,18 @@ def assert_ok(result):
       f"stderr:\n{result.stderr[-3000:]}")
 
 
+def _shared_root(tmp_path_factory):
+  """One directory per test session. Test modules import these fixtures, which gives
+  each module its own fixture instance; keeping their state on disk under a fixed path
+  of the session still lets all modules share one corpus, caches and trained run."""
+  root = tmp_path_factory.getbasetemp() / "trainer_shared"
+  root.mkdir(exist_ok=True)
+  return root
+
+
 @pytest.fixture(scope="session")
 def trainer_env(tmp_path_factory):
-  return TrainerEnv(tmp_path_factory.mktemp("trainer"))
+  return TrainerEnv(_shared_root(tmp_path_factory))
 
 
 @pytest.fixture(scope="session")
@@ -129,8 +140,14 @@ def trained_workdir(trainer_env):
   the uninterrupted reference of the exact-resume test (evaluation does not touch the
   training state)."""
   workdir = os.path.join(trainer_env.root, "trained")
-  result = trainer_env.run(trainer_env.train_command(
-      workdir, "EVAL_EVERY=12", "TrainConfig.final_eval=True",
-      "TrainConfig.sample_prompt='def '", "TrainConfig.sample_tokens=16"))
-  assert_ok(result)
-  return workdir, result
+  finished = os.path.join(trainer_env.root, "trained_run.json")
+  if not os.path.exists(finished):
+    result = trainer_env.run(trainer_env.train_command(
+        workdir, "EVAL_EVERY=12", "TrainConfig.final_eval=True",
+        "TrainConfig.sample_prompt='def '", "TrainConfig.sample_tokens=16"))
+    assert_ok(result)
+    with open(finished, "w", encoding="utf-8") as f:
+      json.dump({"stdout": result.stdout, "stderr": result.stderr}, f)
+  with open(finished, encoding="utf-8") as f:
+    outputs = json.load(f)
+  return workdir, subprocess.CompletedProcess([], 0, outputs["stdout"], outputs["stderr"])
