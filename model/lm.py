@@ -65,6 +65,7 @@ stacked on a leading [num_scanned_units] axis, "remainder": tuple of unstacked c
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import flax.linen as nn
@@ -161,10 +162,16 @@ def _dummy_inputs() -> tuple[jax.Array, jax.Array]:
   return jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32)
 
 
+@functools.lru_cache(maxsize=16)
+def _compiled_init(config: ModelConfig):
+  """One jitted initialiser per config, so repeated initialisations compile once."""
+  return jax.jit(lambda rng: nn.meta.unbox(
+      LanguageModel(config).init(rng, *_dummy_inputs())["params"]))
+
+
 def init_params(config: ModelConfig, rng: jax.Array) -> Any:
   """Freshly initialised float32 parameters (plain arrays, no partitioning boxes)."""
-  variables = jax.jit(LanguageModel(config).init)(rng, *_dummy_inputs())
-  return nn.meta.unbox(variables["params"])
+  return _compiled_init(config)(rng)
 
 
 def param_logical_axes(config: ModelConfig) -> Any:

@@ -105,10 +105,10 @@ def test_global_attention_needs_a_max_length():
   with pytest.raises(ValueError, match="max_length"):
     decoding.init_cache(PRESETS["mqa"], 1, jnp.float32)
   config = PRESETS["mqa"]
-  params = lm.init_params(config, jax.random.PRNGKey(0))
+  params = jax.eval_shape(lambda: lm.init_params(config, jax.random.PRNGKey(0)))
   with pytest.raises(ValueError, match="max_length"):
-    decoding.prefill(config, params, jnp.zeros((1, 3), jnp.int32),
-                     jnp.arange(3, dtype=jnp.int32)[None])
+    jax.eval_shape(functools.partial(decoding.prefill, config), params,
+                   jnp.zeros((1, 3), jnp.int32), jnp.arange(3, dtype=jnp.int32)[None])
 
 
 def test_recurrent_state_has_constant_size():
