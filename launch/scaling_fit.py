@@ -176,7 +176,7 @@ def plot_scaling(points: Mapping[str, tuple[Sequence[float], Sequence[float]]],
     if family in fits:
       fit = fits[family]
       grid = np.geomspace(min(flops) / 1.5, max(flops) * 1.5, 100)
-      err = f" ± {fit.alpha_err:.2f}" if fit.alpha_err is not None else ""
+      err = f" ± {fit.alpha_err:.2g}" if fit.alpha_err is not None else ""
       ax.plot(grid, fit.predict(grid), "--", color=colour,
               label=f"{family} fit: α = {fit.alpha:.3f}{err}")
   ax.set_xscale("log")
