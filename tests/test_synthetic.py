@@ -145,6 +145,21 @@ def test_pipeline_batches_weight_only_the_answers(tmp_path):
     assert targets[-1] == inputs[first + 1]
 
 
+def test_pipeline_carries_the_memory_horizon_loss_mask(tmp_path):
+  name = synthetic.memory_horizon_task(length=8, resets=1, num_train=8, num_validation=2)
+  pipeline = DataPipeline(task=name, sequence_length=16, batch_size=4,
+                          cache_dir=str(tmp_path))
+  batch = pipeline.batch(0)
+  for inputs, targets, weights in zip(batch["inputs"], batch["targets"], batch["weights"]):
+    assert np.all(weights[0::2] == 0)                      # number/reset inputs: no loss
+    answered = np.flatnonzero(weights)
+    assert len(answered) == 7                               # 8 inputs, one is the reset
+    assert np.all(inputs[answered] != 51) and np.all(inputs[answered] >= 1)
+    expected, answers = brute_force_memory_targets(targets)
+    assert [a for a, e in zip(answers, expected) if e is not None] == [
+        e for e in expected if e is not None]
+
+
 def test_data_configs_parse_and_register(tmp_path):
   for family in ("memory_horizon", "selective_copying", "induction_heads", "phonebook"):
     gin.clear_config()
