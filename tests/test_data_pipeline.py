@@ -280,6 +280,28 @@ def test_loss_mask_feature_sets_weights(tmp_path):
   assert weights[~real].sum() == 0
 
 
+def test_documents_of_one_static_length(tmp_path):
+  """A source whose documents all share one static shape still packs (dense batches)."""
+  vocabulary = seqio.PassThroughVocabulary(10)
+  documents = [np.full([4], i % 7 + 3, np.int32) for i in range(6)]
+
+  def dataset_fn(split, shuffle_files, seed=None):
+    del split, shuffle_files, seed
+    return tf.data.Dataset.from_tensor_slices({"targets": np.stack(documents)})
+
+  name = "test_static_length_task"
+  if name in seqio.TaskRegistry.names():
+    seqio.TaskRegistry.remove(name)
+  seqio.TaskRegistry.add(
+      name, source=seqio.FunctionDataSource(dataset_fn, splits=["train"]),
+      preprocessors=[], output_features={"targets": seqio.Feature(vocabulary, add_eos=False)})
+  data = pipeline.DataPipeline(task=name, sequence_length=8, batch_size=2,
+                               cache_dir=str(tmp_path / "cache"))
+  rows = data.train_store.read(np.arange(data.num_train_rows))
+  real = rows["segment_ids"] > 0
+  np.testing.assert_array_equal(rows["targets"][real], np.concatenate(documents))
+
+
 def test_mixture_of_text_tasks(tmp_path):
   write_corpus(tmp_path / "a", count=6, seed=1)
   write_corpus(tmp_path / "b", count=6, seed=2)

@@ -150,6 +150,10 @@ def _documents(provider: seqio.DatasetProviderBase, split: str,
                 deterministic=True)
 
 
+def _as_ragged(values: tf.Tensor) -> tf.RaggedTensor:
+  return values if isinstance(values, tf.RaggedTensor) else tf.RaggedTensor.from_tensor(values)
+
+
 def packed_groups(provider: seqio.DatasetProviderBase, split: str,
                   sequence_length: int, max_documents: Optional[int] = None
                   ) -> Iterator[Tuple[packing.PackedRows, int]]:
@@ -170,8 +174,10 @@ def packed_groups(provider: seqio.DatasetProviderBase, split: str,
 
   pending_tokens = 0
   for batch in ds:
-    tokens = batch["tokens"]
+    # ragged_batch yields a dense tensor when every document has the same length.
+    tokens = _as_ragged(batch["tokens"])
     mask = batch.get("loss_mask")
+    mask = None if mask is None else _as_ragged(mask)
     pending.append((tokens.flat_values.numpy(), tokens.row_lengths().numpy(),
                     None if mask is None else mask.flat_values.numpy()))
     pending_tokens += pending[-1][0].size
