@@ -111,10 +111,12 @@ def test_microbatch_accumulation_equals_big_batch():
   config = _tiny_config(width=16, rnn_width=16, depth=3)
   model = LanguageModel(config)
   params = init_params(config, jax.random.key(1))
-  # Plain SGD with rate 1: the parameter change is exactly minus the gradient (Adam's
-  # first step would reduce it to signs and hide small differences).
-  schedule = optax.constant_schedule(1.0)
-  tx = optax.sgd(1.0)
+  # Plain SGD: the parameter change is minus rate x gradient (Adam's first step would
+  # reduce it to signs and hide small differences). A large rate keeps the float32
+  # rounding of `params - update` far below the gradient differences we test.
+  rate = 1e3
+  schedule = optax.constant_schedule(rate)
+  tx = optax.sgd(rate)
   batch = _batch(np.random.default_rng(0), rows=8, length=12, vocab=64)
   state = trainer.TrainState(jnp.int32(0), params, tx.init(params))
   results = {}
@@ -135,6 +137,6 @@ def test_microbatch_accumulation_equals_big_batch():
   np.testing.assert_allclose(float(acc["grad_norm"]), float(big["grad_norm"]), rtol=1e-5)
   for before, a, b in zip(jax.tree.leaves(params), jax.tree.leaves(acc_state.params),
                           jax.tree.leaves(big_state.params)):
-    grad_acc, grad_big = np.asarray(before - a), np.asarray(before - b)
+    grad_acc, grad_big = np.asarray(before - a) / rate, np.asarray(before - b) / rate
     scale = np.abs(grad_big).max()
     np.testing.assert_allclose(grad_acc, grad_big, rtol=1e-4, atol=1e-5 * scale)
