@@ -346,12 +346,15 @@ def main(argv: Optional[list[str]] = None) -> int:
                       help="compute dtype; default: the preset's")
   parser.add_argument("--vocab_size", type=int, help="default: the preset's")
   parser.add_argument("--scan_impl", help="our ModelConfig.scan_impl; default: the preset's")
+  parser.add_argument("--depth_scan_unroll", type=int,
+                      help="our ModelConfig.depth_scan_unroll; default: the preset's")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--json", help="also write the results to this JSON file")
   args = parser.parse_args(argv)
 
   config = load_model_config(args.preset, remat=args.remat, dtype=args.dtype,
-                             vocab_size=args.vocab_size, scan_impl=args.scan_impl)
+                             vocab_size=args.vocab_size, scan_impl=args.scan_impl,
+                             depth_scan_unroll=args.depth_scan_unroll)
   result = run(config, args.batch, args.seq, args.steps, args.warmup, args.seed)
   print(format_table(result))
   if args.json:

@@ -52,6 +52,10 @@ class ModelConfig:
     scan_impl: linear-recurrence engine, see `model.scan.linear_scan`.
     remat: rematerialisation policy of each scanned unit of `block_pattern` (depth is
       always scanned, see `model.lm`).
+    depth_scan_unroll: repeating units per iteration of the depth scan. 1 keeps the
+      program size and compile time independent of depth (the default, right for
+      accelerators and deep models); unrolling trades compile time for step time, which
+      pays on CPU where the loop blocks fusion across layers (benchmarks/train_step.py).
   """
   vocab_size: int = 256
   width: int = 128
@@ -71,6 +75,7 @@ class ModelConfig:
   dtype: str = "float32"
   scan_impl: str = "auto"
   remat: str = "none"
+  depth_scan_unroll: int = 1
 
   def __post_init__(self):
     object.__setattr__(self, "block_pattern", tuple(str(b) for b in self.block_pattern))
@@ -85,7 +90,7 @@ class ModelConfig:
         raise ValueError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
 
     for name in ("vocab_size", "width", "rnn_width", "num_heads", "depth",
-                 "mlp_expansion", "conv_width", "gateloop_head_dim"):
+                 "mlp_expansion", "conv_width", "gateloop_head_dim", "depth_scan_unroll"):
       positive(name)
     if self.width % self.num_heads:
       raise ValueError(

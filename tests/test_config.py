@@ -21,6 +21,7 @@ from model.config import ModelConfig
     (dict(scan_impl="cuda"), "scan_impl"),
     (dict(logits_soft_cap=0.0), "logits_soft_cap"),
     (dict(depth=0), "depth must be a positive integer"),
+    (dict(depth_scan_unroll=0), "depth_scan_unroll must be a positive integer"),
 ])
 def test_bad_settings_raise_value_error_naming_the_field(changes, field):
   with pytest.raises(ValueError, match=field.replace("(", r"\(").replace(")", r"\)")):

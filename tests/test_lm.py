@@ -131,6 +131,16 @@ def test_remat_policies_give_identical_gradients(griffin_params):
       np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
 
 
+def test_unrolled_depth_scan_gives_identical_gradients():
+  config = GRIFFIN.replace(depth=7, width=16, rnn_width=16)  # 2 scanned units + 1 block
+  params = lm.init_params(config, jax.random.PRNGKey(1))
+  tokens, positions = tokens_and_positions([[9, 7]], seed=5)
+  reference = _jitted_grad(config)(params, tokens, positions)
+  unrolled = _jitted_grad(config.replace(depth_scan_unroll=2))(params, tokens, positions)
+  for a, b in zip(jax.tree.leaves(reference), jax.tree.leaves(unrolled)):
+    np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
+
+
 def test_gradient_matches_finite_differences(griffin_params):
   tokens, positions = tokens_and_positions([[5, 11]], seed=4)
   grad = _jitted_grad(GRIFFIN)(griffin_params, tokens, positions)
