@@ -8,6 +8,15 @@
 With `attention_window = w`, a query sees the keys t-w … t (w+1 of them), as in
 RecurrentGemma. Scores, masking and softmax are float32 whatever the compute dtype.
 
+Training calls (no cache) of local attention longer than the window are computed in
+blocks of w queries, each attending to its own and the previous block's keys
+(`_blocked_local_attention`): 2·w·T scores instead of T², and when the mesh splits time
+into shards of whole blocks, the previous block is a one-block halo that XLA sends with a
+collective-permute. Global attention (and any call of at most w tokens, or with a cache)
+uses the full masked score matrix; under a sequence-split mesh the partitioner then
+gathers the keys and values over the time shards, which is affordable because the single
+K/V head is 1/N of the query width.
+
 Decoding cache (`AttentionCache`): a ring buffer of S slots holding RoPE'd keys and values;
 slot `i % S` holds the token with running index i. S = window for local attention (the
 current token is attended from the call's own keys, so S previous keys suffice), and a
@@ -27,6 +36,7 @@ import jax.numpy as jnp
 
 from model import partitioning as P
 from model.config import ModelConfig
+from model.conv1d import delayed
 from model.conv1d import document_starts
 from model.rope import apply_rope
 
@@ -81,6 +91,88 @@ def _write(cache: AttentionCache, keys: jax.Array, values: jax.Array, index: jax
       doc_start=doc_start[:, -1])
 
 
+def _attend(queries: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array,
+            dtype: Any) -> jax.Array:
+  """Masked softmax attention of [..., T, N, d] queries over [..., S, d] shared keys/values.
+
+  mask [..., T, S] (True = may attend); scores and softmax in float32. Returns
+  [..., T, N, d] in `dtype`.
+  """
+  logits = jnp.einsum("...tnh,...sh->...nts", queries, keys,
+                      preferred_element_type=jnp.float32)
+  logits = logits * queries.shape[-1] ** -0.5
+  logits = jnp.where(jnp.expand_dims(mask, -3), logits, MASKED_LOGIT)
+  probs = jax.nn.softmax(logits, axis=-1).astype(dtype)
+  return jnp.einsum("...nts,...sh->...tnh", probs, values.astype(dtype))
+
+
+def _blocked(config: ModelConfig, length: int) -> bool:
+  """Whether a cache-less call of `length` tokens takes the blocked local path.
+
+  Global attention and calls no longer than the window (where the full matrix is the
+  same work) take the full-matrix path.
+  """
+  window = config.attention_window
+  return window is not None and length > window
+
+
+def _blocked_local_attention(queries: jax.Array, keys: jax.Array, values: jax.Array,
+                             segment_pos: jax.Array, window: int, dtype: Any) -> jax.Array:
+  """Sliding-window attention computed block by block.
+
+  Queries are cut into blocks of C = window tokens; block b attends to the keys of blocks
+  b-1 and b (2C keys), which hold every key its queries may see (t-C .. t). The masks are
+  those of the full-matrix path restricted to that window, so the result is the same,
+  while the work is 2·C·T scores instead of T². Everything is local to a block except the
+  previous block's keys, values and reset flags, so with the time axis split over whole
+  blocks per shard, the only communication is that one-block halo. A length that is not a
+  multiple of C is padded at the end (causality keeps the padding out of real tokens'
+  results); under a sequence mesh, choose T/shards a multiple of C to avoid that reshard.
+
+  Args:
+    queries: [B, T, N, d] (RoPE applied); keys, values: [B, T, d].
+    segment_pos: int [B, T]; 0 starts a document.
+    window: the attention window C.
+    dtype: compute dtype of the probabilities and output.
+
+  Returns:
+    [B, T, N, d].
+  """
+  batch, length, heads, head_dim = queries.shape
+  blocks = -(-length // window)
+  padding = blocks * window - length
+  if padding:
+    pad_time = lambda x: jnp.pad(x, [(0, 0), (0, padding)] + [(0, 0)] * (x.ndim - 2))
+    queries, keys, values, segment_pos = map(pad_time,
+                                             (queries, keys, values, segment_pos))
+
+  def by_block(x):  # [B, T, ...] -> [B, T/C, C, ...]
+    return x.reshape(batch, blocks, window, *x.shape[2:])
+
+  def with_previous(x, axes):  # [B, T, ...] -> [B, T/C, 2C, ...]: block b-1, block b
+    return jnp.concatenate([by_block(delayed(x, window, axes)), by_block(x)], axis=2)
+
+  block_queries = P.constrain(by_block(queries),
+                              (P.BATCH, P.LENGTH, None, P.ACT_HEADS, None))
+  kv_axes, block_kv_axes = (P.BATCH, P.LENGTH, None), (P.BATCH, P.LENGTH, None, None)
+  block_keys = P.constrain(with_previous(keys, kv_axes), block_kv_axes)
+  block_values = P.constrain(with_previous(values, kv_axes), block_kv_axes)
+  # Key j of block b's window is token (b-1)C + j; query i is token bC + i.
+  starts = with_previous(segment_pos == 0, (P.BATCH, P.LENGTH))  # [B, T/C, 2C]
+  key_slot = jnp.arange(2 * window, dtype=jnp.int32)
+  # The latest document start in the window at or before each key slot (0 if none: the
+  # document began before the window, so every key in it up to the query counts).
+  doc_start = jax.lax.cummax(jnp.where(starts, key_slot, 0), axis=2)
+  query_slot = key_slot[window:]
+  mask = ((key_slot[None, :] <= query_slot[:, None])
+          & (query_slot[:, None] - key_slot[None, :] <= window))
+  mask = mask & (key_slot[None, :] >= doc_start[:, :, window:, None])
+  first_block = jnp.arange(blocks) == 0  # its previous block lies before the sequence
+  mask = mask & ~(first_block[:, None, None] & (key_slot < window))[None]
+  encoded = _attend(block_queries, block_keys, block_values, mask, dtype)
+  return encoded.reshape(batch, blocks * window, heads, head_dim)[:, :length]
+
+
 class AttentionBlock(nn.Module):
   """Local or global MQA temporal block; q/k/v LeCun-normal, W_out variance 2/depth."""
   config: ModelConfig
@@ -101,28 +193,26 @@ class AttentionBlock(nn.Module):
                           (P.BATCH, P.LENGTH, P.ACT_HEADS, None))
     keys = apply_rope(keys[:, :, None], segment_pos)[:, :, 0]
 
-    if cache is None:
-      index = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-      doc_start = document_starts(segment_pos, index, 0)
-      all_keys, all_values, key_index = keys, values, index
+    index = None
+    if cache is None and _blocked(cfg, length):
+      encoded = _blocked_local_attention(queries, keys, values, segment_pos,
+                                         cfg.attention_window, cfg.dtype)
     else:
-      index = cache.next_index[:, None] + jnp.arange(length, dtype=jnp.int32)
-      doc_start = document_starts(segment_pos, index, cache.doc_start)
-      all_keys = jnp.concatenate([cache.keys.astype(keys.dtype), keys], axis=1)
-      all_values = jnp.concatenate([cache.values.astype(values.dtype), values], axis=1)
-      key_index = jnp.concatenate([cache.key_index, index], axis=1)
-
-    query_index, key_index = index[:, :, None], key_index[:, None, :]
-    mask = (key_index <= query_index) & (key_index >= doc_start[:, :, None])
-    if cfg.attention_window is not None:
-      mask &= query_index - key_index <= cfg.attention_window
-
-    logits = jnp.einsum("btnh,bsh->bnts", queries, all_keys,
-                        preferred_element_type=jnp.float32)
-    logits = logits * head_dim ** -0.5
-    logits = jnp.where(mask[:, None], logits, MASKED_LOGIT)
-    probs = jax.nn.softmax(logits, axis=-1).astype(cfg.dtype)
-    encoded = jnp.einsum("bnts,bsh->btnh", probs, all_values.astype(cfg.dtype))
+      if cache is None:
+        index = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+        doc_start = document_starts(segment_pos, index, 0)
+        all_keys, all_values, key_index = keys, values, index
+      else:
+        index = cache.next_index[:, None] + jnp.arange(length, dtype=jnp.int32)
+        doc_start = document_starts(segment_pos, index, cache.doc_start)
+        all_keys = jnp.concatenate([cache.keys.astype(keys.dtype), keys], axis=1)
+        all_values = jnp.concatenate([cache.values.astype(values.dtype), values], axis=1)
+        key_index = jnp.concatenate([cache.key_index, index], axis=1)
+      query_index, key_index = index[:, :, None], key_index[:, None, :]
+      mask = (key_index <= query_index) & (key_index >= doc_start[:, :, None])
+      if cfg.attention_window is not None:
+        mask &= query_index - key_index <= cfg.attention_window
+      encoded = _attend(queries, all_keys, all_values, mask, cfg.dtype)
     encoded = encoded.reshape(batch, length, cfg.width)
     out = P.Dense(cfg.width, (P.Q_HEADS, P.EMBED), kernel_scale=2.0 / cfg.depth,
                   dtype=cfg.dtype, name="out")(encoded)
@@ -131,6 +221,9 @@ class AttentionBlock(nn.Module):
       return out, None
     if cache is None:
       cache = _empty_cache(cfg, batch, keys.dtype, cache_size(cfg, None))
+    if index is None:  # the blocked path keeps no running indices; the cache needs them
+      index = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+      doc_start = document_starts(segment_pos, index, 0)
     return out, _write(cache, keys, values, index, doc_start)
 
   @staticmethod

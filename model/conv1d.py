@@ -11,6 +11,11 @@ Decoding state: the last W-1 inputs [B, W-1, C]. A call with a state sees the st
 the inputs just before its first token (and as belonging to the same document unless a
 token of the call starts a new one), so prefill-then-step equals one long call. When
 the state is written, inputs from before the last token's document are zeroed.
+
+Sequence parallelism: every term is a delayed copy of the input (and of the reset flags)
+by at most W-1 steps, so when the mesh splits time each shard needs only the last W-1
+inputs of its left neighbour, which `delayed` exchanges with a collective-permute
+(tests/test_sequence_parallel_model.py checks the compiled program).
 """
 from __future__ import annotations
 
@@ -42,6 +47,44 @@ def document_starts(segment_pos: jax.Array, index: jax.Array,
   return jax.lax.cummax(starts.astype(jnp.int32), axis=1)
 
 
+def delayed(x: jax.Array, shift: int, axes: P.Axes, history: Optional[jax.Array] = None,
+            fill: Any = 0) -> jax.Array:
+  """x delayed by `shift` steps along time (axis 1): out[:, t] = x[:, t - shift].
+
+  Steps before the first come from `history` (the inputs just before x, [B, H, ...] with
+  H ≥ shift) or, without one, are `fill`.
+
+  When the mesh in scope splits time (`axes`, the logical names of x's dimensions, map
+  axis 1 to a mesh axis) and each shard holds at least `shift` steps, each shard sends its
+  last `shift` steps to its right neighbour with one `ppermute` (a halo exchange; its
+  transpose in the backward pass is the same exchange leftwards). XLA's partitioner would
+  also accept the pad-and-slice below on a split array, but it may move most of a shard
+  per shift in the backward pass instead of the halo.
+  """
+  if shift == 0:
+    return x
+  length = x.shape[1]
+  if history is not None:
+    extended = jnp.concatenate([history, x], axis=1)
+    start = history.shape[1] - shift
+    return extended[:, start:start + length]
+  layout = P.sequence_sharding(length, axes)
+  if layout is None or length // layout.shards < shift:
+    pad = [(0, 0)] * x.ndim
+    pad[1] = (shift, 0)
+    return jnp.pad(x, pad, constant_values=fill)[:, :length]
+
+  def local(x):
+    halo = jax.lax.ppermute(x[:, -shift:], layout.axis,
+                            [(i, i + 1) for i in range(layout.shards - 1)])
+    first = jax.lax.axis_index(layout.axis) == 0
+    halo = jnp.where(first, jnp.asarray(fill, x.dtype), halo)
+    return jnp.concatenate([halo, x[:, :-shift]], axis=1)
+
+  return jax.shard_map(local, mesh=layout.mesh, in_specs=layout.spec,
+                       out_specs=layout.spec)(x)
+
+
 class Conv1D(nn.Module):
   """Depthwise causal convolution of temporal width `config.conv_width` over D_RNN channels.
 
@@ -63,29 +106,31 @@ class Conv1D(nn.Module):
                            (P.RNN,)).astype(dtype)
     x = x.astype(dtype)
     history = width - 1
-    if cache is None:
-      state = jnp.zeros((batch, history, channels), dtype)
-    else:
-      state = cache.astype(dtype)
-    extended = jnp.concatenate([state, x], axis=1)  # token t sits at t + history
-    index = jnp.arange(length, dtype=jnp.int32)
-    # Without a cache the zero state is harmless; with one it belongs to the document.
-    doc_start = document_starts(segment_pos, index, -history)
-
+    state = None if cache is None else cache.astype(dtype)
+    # keep[s][b, t]: input x_{t-s} belongs to t's document, i.e. no document starts in
+    # (t-s, t]. Built from shifted reset flags rather than a cumulative max over time, so
+    # every step is local to a window of W tokens (see `delayed`).
+    activation = (P.BATCH, P.LENGTH, P.ACT_RNN)
+    continues = segment_pos != 0
+    keep = [jnp.ones_like(continues)]
+    for shift in range(1, width):
+      keep.append(keep[-1] & delayed(continues, shift - 1, activation[:2], fill=True))
+    # Inputs x_{t-s} that count for token t, for s = 0 .. W-1.
+    taps = [jnp.where(keep[shift][..., None],
+                      delayed(x, shift, activation, history=state), 0)
+            for shift in range(width)]
     out = jnp.zeros_like(x)
     for shift in range(width):
-      window = jax.lax.dynamic_slice_in_dim(extended, history - shift, length, axis=1)
-      keep = (index[None, :] - shift >= doc_start)[..., None]
-      out = out + jnp.where(keep, window, 0) * kernel[width - 1 - shift]
+      out = out + taps[shift] * kernel[width - 1 - shift]
     out = out + bias
     if not return_cache:
       return out, None
-    if history == 0:
+    # The new state is x_{T-1-s} for s = W-2 .. 0 as the last token sees them (zero before
+    # its document).
+    new_state = [taps[shift][:, -1:] for shift in reversed(range(history))]
+    if not new_state:
       return out, jnp.zeros((batch, 0, channels), dtype)
-    tail_index = jnp.arange(length - history, length, dtype=jnp.int32)
-    keep = (tail_index[None, :] >= doc_start[:, -1:])[..., None]
-    new_state = jnp.where(keep, extended[:, -history:], 0)
-    return out, new_state
+    return out, jnp.concatenate(new_state, axis=1)
 
   @staticmethod
   def init_cache(config: ModelConfig, batch_size: int, dtype: Any) -> jax.Array:

@@ -3,10 +3,14 @@
 Every parameter is declared with logical axis names (docs/INTERNALS.md) so the sharding
 rules in `sharding/` can map them to mesh axes; every key activation is constrained with
 logical names, which is a no-op until a mesh and rules are in scope.
+
+`sequence_sharding` tells a temporal layer whether the mesh in scope splits time, so the
+layer can switch to a shard-local algorithm (the RG-LRU's scan over shards) instead of
+letting the partitioner gather the whole sequence.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import flax.linen as nn
 import jax
@@ -36,6 +40,7 @@ ACT_VOCAB = "act_vocab"
 
 Initializer = Callable[..., jax.Array]
 Axes = Sequence[Optional[str]]
+MeshAxes = Union[None, str, tuple[str, ...]]
 
 
 def logical_param(module: nn.Module, name: str, init: Initializer, shape: Sequence[int],
@@ -88,3 +93,57 @@ class Dense(nn.Module):
                            self.kernel_axes[1:])
       y = y + bias.astype(self.dtype)
     return y
+
+
+class SequenceSharding(NamedTuple):
+  """How the mesh in scope lays out an activation whose axis 1 is `length`.
+
+  Attributes:
+    mesh: the abstract mesh set by `jax.sharding.set_mesh` (sharding.rules).
+    axis: the one mesh axis (of size > 1) that splits `length`.
+    spec: the activation's PartitionSpec over mesh axes, from the logical-axis rules.
+  """
+  mesh: jax.sharding.AbstractMesh
+  axis: str
+  spec: jax.sharding.PartitionSpec
+
+  @property
+  def shards(self) -> int:
+    return self.mesh.shape[self.axis]
+
+
+def sequence_sharding(length: int, axes: Axes) -> Optional[SequenceSharding]:
+  """The time split of an activation with logical `axes` (axes[1] == LENGTH), if any.
+
+  Read while tracing from the mesh and logical-axis rules in scope (both set by
+  `sharding.rules.activation_sharding` and by the trainer). None when there is no mesh,
+  when `length` is not split (no rule, or mesh axes of size 1), or when `length` tokens
+  do not divide evenly over the shards (a decoding step of one token): the caller then
+  runs its single-device algorithm and the partitioner moves data as it must.
+
+  Raises:
+    ValueError: `length` is split over more than one mesh axis of size > 1.
+  """
+  if len(axes) < 2 or axes[1] != LENGTH:
+    raise ValueError(f"sequence_sharding: axes {tuple(axes)} must have {LENGTH!r} second")
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return None
+  spec = nn.logical_to_mesh_axes(tuple(axes))
+  split = [name for name in mesh_axis_names(spec[1]) if mesh.shape[name] > 1]
+  if not split:
+    return None
+  if len(split) > 1:
+    raise ValueError(f"the logical axis {LENGTH!r} is split over mesh axes {split}; the "
+                     "sequence-parallel layers support one mesh axis for time. Map "
+                     f"{LENGTH!r} to a single mesh axis in logical_axis_rules.")
+  if length % mesh.shape[split[0]]:
+    return None
+  return SequenceSharding(mesh, split[0], spec)
+
+
+def mesh_axis_names(entry: MeshAxes) -> tuple[str, ...]:
+  """One PartitionSpec entry as a tuple of mesh axis names (empty = replicated)."""
+  if entry is None:
+    return ()
+  return (entry,) if isinstance(entry, str) else tuple(entry)

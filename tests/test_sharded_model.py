@@ -3,7 +3,8 @@
 For each mesh, a tiny Griffin and a tiny Hawk compute logits and parameter gradients
 with parameters, batch and activations laid out by the default rules; both must match
 the unsharded computation (float32, 1e-5 relative), and every parameter array must be
-split across devices exactly as the rules say.
+split across devices exactly as the rules say. The sequence meshes split time, with
+packed documents starting inside shards and exactly on shard boundaries.
 """
 import functools
 
@@ -34,16 +35,29 @@ MESHES = {
     "tensor8": dict(data=1, tensor=8),
     "data2_fsdp2_tensor2": dict(data=2, fsdp=2, tensor=2),
     "data2_tensor4": dict(data=2, tensor=4),
+    # Sequence parallelism: the RG-LRU scans over shards, Conv1D and local attention
+    # exchange halos (8 tokens = 2 attention blocks per shard on the first mesh).
+    "sequence8": dict(data=1, sequence=8),
+    "data2_sequence2_tensor2": dict(data=2, sequence=2, tensor=2),
 }
-BATCH, LENGTH = 8, 12
+BATCH, LENGTH = 8, 64
+# Document starts per row (position 0) besides t = 0: inside shards, exactly on the
+# boundaries of 8- and 32-token shards, documents spanning several shards, one-token
+# documents; the last rows are random.
+DOCUMENT_STARTS = ([], [5, 8, 19, 32, 33, 50], [31, 40], [3, 4, 16, 17, 45, 63],
+                   [7, 9, 24, 56])
 
 
 def _inputs():
   rng = np.random.default_rng(0)
   tokens = rng.integers(0, 64, size=(BATCH, LENGTH), dtype=np.int32)
-  # Packed rows: documents of lengths 5 and 7 in even rows, one document in odd rows.
-  positions = np.tile(np.arange(LENGTH, dtype=np.int32), (BATCH, 1))
-  positions[::2, 5:] = np.arange(LENGTH - 5)
+  starts = list(DOCUMENT_STARTS) + [
+      sorted(rng.choice(np.arange(1, LENGTH), size=6, replace=False))
+      for _ in range(BATCH - len(DOCUMENT_STARTS))]
+  positions = np.zeros((BATCH, LENGTH), np.int32)
+  for row, row_starts in enumerate(starts):
+    for start, end in zip([0] + list(row_starts), list(row_starts) + [LENGTH]):
+      positions[row, start:end] = np.arange(end - start)
   targets = np.roll(tokens, -1, axis=1)
   return tokens, positions, targets
 
@@ -106,7 +120,8 @@ def test_sharded_model_equals_single_device(model_name, mesh_name):
       shards = int(np.prod([mesh.shape[a] for a in axes]))
       assert shard_shape[dim] * shards == array.shape[dim], where
       sharded_any |= shards > 1
-  if mesh_name != "data8":
+  # Parameters are split only over fsdp and tensor (data and sequence replicate them).
+  if mesh.shape["fsdp"] * mesh.shape["tensor"] > 1:
     assert sharded_any
 
   batch = partition.make_global_batch(
@@ -115,8 +130,8 @@ def test_sharded_model_equals_single_device(model_name, mesh_name):
     step = jax.jit(_step(config), out_shardings=((None, None), shardings))
     (loss, logits), grads = step(params, batch["tokens"], batch["positions"], batch["targets"])
 
-  # The activation constraints really shard the logits: batch over the data axes,
-  # vocab over tensor.
+  # The activation constraints really shard the logits: batch over the data axes, time
+  # over sequence, vocab over tensor.
   assert logits.sharding.is_equivalent_to(
       jax.sharding.NamedSharding(mesh, _expected_spec(P("batch", "length", "act_vocab"))), 3)
   _assert_close(loss, ref_loss, "loss")
