@@ -339,26 +339,31 @@ def vocab_size_from_gin(gin_files: Sequence[str], gin_params: Sequence[str]) -> 
 
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("families", ["griffin", "hawk", "mqa"],
-                  f"Model families, from {sorted(FAMILY_PATTERNS)}.")
-flags.DEFINE_list("sizes", ["0.5m", "1m", "2m"],
-                  "Target non-embedding parameter counts, e.g. 0.5m,1m,2m.")
-flags.DEFINE_float("tokens_per_param", 20.0,
-                   "Compute-optimal budget: tokens per non-embedding parameter.")
-flags.DEFINE_string("workdir", None, "Sweep directory (runs/ and the results).")
-flags.DEFINE_bool("dry_run", False, "Print the launch commands instead of running them.")
-flags.DEFINE_multi_string("gin_file", ["configs/quickstart.gin"],
-                          "Trainer/data Gin files of every run (the model is the sweep's).")
-flags.DEFINE_multi_string("gin_param", [], "Extra Gin bindings of every run.")
-flags.DEFINE_integer("batch_size", 8, "Global batch (sequences) of every run.")
-flags.DEFINE_integer("sequence_length", 128, "Tokens per sequence of every run.")
-flags.DEFINE_integer("vocab_size", None, "Vocabulary size (default: the Gin VOCAB_SIZE).")
-flags.DEFINE_float("warmup_fraction", 0.1, "Warm-up steps as a fraction of each run.")
-flags.DEFINE_float("peak_learning_rate", None,
-                   "Peak learning rate of every run (default: the Gin config's).")
-flags.DEFINE_integer("max_steps", None,
-                     "Cap on the steps of each run (for smoke tests; breaks the "
-                     "compute-optimal budget, which the table then shows).")
+
+
+def define_flags() -> None:
+  """Command-line flags, defined only when run as a program so that importing this
+  module next to other entry points (tests, notebooks) cannot clash."""
+  flags.DEFINE_list("families", ["griffin", "hawk", "mqa"],
+                    f"Model families, from {sorted(FAMILY_PATTERNS)}.")
+  flags.DEFINE_list("sizes", ["0.5m", "1m", "2m"],
+                    "Target non-embedding parameter counts, e.g. 0.5m,1m,2m.")
+  flags.DEFINE_float("tokens_per_param", 20.0,
+                     "Compute-optimal budget: tokens per non-embedding parameter.")
+  flags.DEFINE_string("workdir", None, "Sweep directory (runs/ and the results).")
+  flags.DEFINE_bool("dry_run", False, "Print the launch commands instead of running them.")
+  flags.DEFINE_multi_string("gin_file", ["configs/quickstart.gin"],
+                            "Trainer/data Gin files of every run (the model is the sweep's).")
+  flags.DEFINE_multi_string("gin_param", [], "Extra Gin bindings of every run.")
+  flags.DEFINE_integer("batch_size", 8, "Global batch (sequences) of every run.")
+  flags.DEFINE_integer("sequence_length", 128, "Tokens per sequence of every run.")
+  flags.DEFINE_integer("vocab_size", None, "Vocabulary size (default: the Gin VOCAB_SIZE).")
+  flags.DEFINE_float("warmup_fraction", 0.1, "Warm-up steps as a fraction of each run.")
+  flags.DEFINE_float("peak_learning_rate", None,
+                     "Peak learning rate of every run (default: the Gin config's).")
+  flags.DEFINE_integer("max_steps", None,
+                       "Cap on the steps of each run (for smoke tests; breaks the "
+                       "compute-optimal budget, which the table then shows).")
 
 
 def main(argv: Sequence[str]) -> None:
@@ -389,4 +394,5 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

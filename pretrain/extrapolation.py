@@ -132,13 +132,18 @@ def resolve_task(workdir: str, task: Optional[str]) -> str:
 
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("workdir", None, "Run directory of the trained model.")
-flags.DEFINE_string("task", None, "Synthetic task (default: the training task).")
-flags.DEFINE_list("multiples", ["1", "2", "4", "8", "32"], "Length multiples.")
-flags.DEFINE_integer("examples", 64, "Held-out examples per multiple.")
-flags.DEFINE_integer("tokens_per_batch", 16384, "Tokens per forward pass.")
-flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest).")
-flags.DEFINE_string("output", None, "Also write the results as JSON here.")
+
+
+def define_flags() -> None:
+  """Command-line flags, defined only when run as a program so that importing this
+  module next to other entry points (tests, notebooks) cannot clash."""
+  flags.DEFINE_string("workdir", None, "Run directory of the trained model.")
+  flags.DEFINE_string("task", None, "Synthetic task (default: the training task).")
+  flags.DEFINE_list("multiples", ["1", "2", "4", "8", "32"], "Length multiples.")
+  flags.DEFINE_integer("examples", 64, "Held-out examples per multiple.")
+  flags.DEFINE_integer("tokens_per_batch", 16384, "Tokens per forward pass.")
+  flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest).")
+  flags.DEFINE_string("output", None, "Also write the results as JSON here.")
 
 
 def main(argv: Sequence[str]) -> None:
@@ -172,4 +177,5 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
+  define_flags()
   cli.run(main)

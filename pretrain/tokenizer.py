@@ -24,16 +24,21 @@ from absl import flags
 from pretrain.data import corpus_files
 from pretrain.data.errors import DataError
 
-_INPUT_GLOB = flags.DEFINE_string(
-    "input_glob", None, "Files to train on (recursive **, {stdlib} placeholder).")
-_VOCAB_SIZE = flags.DEFINE_integer("vocab_size", None, "Number of pieces.")
-_OUTPUT = flags.DEFINE_string(
-    "output", None, "Model path; `.model` is appended if missing (a `.vocab` "
-    "listing is written next to it).")
-_MODEL_TYPE = flags.DEFINE_enum("model_type", "bpe", ["unigram", "bpe"],
-                                "SentencePiece algorithm.")
-_MAX_LINES = flags.DEFINE_integer(
-    "max_lines", 2_000_000, "Lines sampled (evenly) from the corpus for training.")
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """Command-line flags, defined only when run as a program so that importing this
+  module next to other entry points (tests, notebooks) cannot clash."""
+  flags.DEFINE_string(
+      "input_glob", None, "Files to train on (recursive **, {stdlib} placeholder).")
+  flags.DEFINE_integer("vocab_size", None, "Number of pieces.")
+  flags.DEFINE_string(
+      "output", None, "Model path; `.model` is appended if missing (a `.vocab` "
+      "listing is written next to it).")
+  flags.DEFINE_enum("model_type", "bpe", ["unigram", "bpe"], "SentencePiece algorithm.")
+  flags.DEFINE_integer(
+      "max_lines", 2_000_000, "Lines sampled (evenly) from the corpus for training.")
 
 
 def corpus_lines(input_glob: str) -> Iterator[str]:
@@ -93,17 +98,18 @@ def train_sentencepiece(input_glob: str, vocab_size: int, output: str,
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  missing = [f"--{f.name}" for f in (_INPUT_GLOB, _VOCAB_SIZE, _OUTPUT)
-             if f.value is None]
+  missing = [f"--{name}" for name in ("input_glob", "vocab_size", "output")
+             if FLAGS[name].value is None]
   if missing:
     sys.exit(f"error: {', '.join(missing)} required")
   try:
-    path = train_sentencepiece(_INPUT_GLOB.value, _VOCAB_SIZE.value, _OUTPUT.value,
-                               _MODEL_TYPE.value, _MAX_LINES.value)
+    path = train_sentencepiece(FLAGS.input_glob, FLAGS.vocab_size, FLAGS.output,
+                               FLAGS.model_type, FLAGS.max_lines)
   except DataError as e:
     sys.exit(f"error: {e}")
   print(f"wrote {path}")
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)
