@@ -136,3 +136,22 @@ def test_prefill_under_sequence_mesh_equals_single_device(block_class, lru_varia
     scale = np.abs(want).max() + 1e-30
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * scale,
                                err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("length", [10, 13, 16])
+def test_blocked_local_attention_equals_full_matrix(length):
+  """Blocked local attention (cache-less calls, T > window, T padded to whole blocks)
+  equals the full-matrix path, reached here by prefilling through an empty cache."""
+  config = dataclasses.replace(CONFIG, width=16, num_heads=2, block_pattern=("attention",))
+  block = AttentionBlock(config)
+  rng = np.random.default_rng(length)
+  x = rng.normal(size=(2, length, config.width)).astype(np.float32)
+  positions = np.tile(np.arange(length, dtype=np.int32), (2, 1))
+  for start in (3, 4, 9):  # documents shorter than, equal to and longer than a block
+    positions[1, start:] = np.arange(length - start)
+  params = block.init(jax.random.PRNGKey(2), x[:, :1], positions[:, :1])
+  params = jax.tree.map(lambda p: p + 0.1, params)  # non-trivial biases and weights
+  blocked, _ = block.apply(params, x, positions)
+  empty = AttentionBlock.init_cache(config, 2, jnp.float32)
+  full, _ = block.apply(params, x, positions, cache=empty)
+  np.testing.assert_allclose(np.asarray(blocked), np.asarray(full), rtol=1e-5, atol=1e-5)
