@@ -10,7 +10,8 @@ RecurrentGemma. Scores, masking and softmax are float32 whatever the compute dty
 
 Training calls (no cache) of local attention longer than the window are computed in
 blocks of w queries, each attending to its own and the previous block's keys
-(`_blocked_local_attention`): 2·w·T scores instead of T², and when the mesh splits time
+(`_blocked_local_attention`): 2·w·T scores instead of T² (less work from T = 4w on),
+and when the mesh splits time
 into shards of whole blocks, the previous block is a one-block halo that XLA sends with a
 collective-permute. Global attention (and any call of at most w tokens, or with a cache)
 uses the full masked score matrix; under a sequence-split mesh the partitioner then
@@ -123,7 +124,8 @@ def _blocked_local_attention(queries: jax.Array, keys: jax.Array, values: jax.Ar
   Queries are cut into blocks of C = window tokens; block b attends to the keys of blocks
   b-1 and b (2C keys), which hold every key its queries may see (t-C .. t). The masks are
   those of the full-matrix path restricted to that window, so the result is the same,
-  while the work is 2·C·T scores instead of T². Everything is local to a block except the
+  while the work is 2·C·T scores instead of T² (the same at T = 2C, half at 4C, a quarter
+  at 8C). Everything is local to a block except the
   previous block's keys, values and reset flags, so with the time axis split over whole
   blocks per shard, the only communication is that one-block halo. A length that is not a
   multiple of C is padded at the end (causality keeps the padding out of real tokens'
