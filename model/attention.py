@@ -12,10 +12,11 @@ Training calls (no cache) of local attention longer than the window are computed
 blocks of w queries, each attending to its own and the previous block's keys
 (`_blocked_local_attention`): 2·w·T scores instead of T² (less work from T = 4w on).
 When the mesh splits time into shards of whole blocks, the previous block is a one-block
-halo sent to the right neighbour with a ppermute (`model.conv1d.delayed`). Global attention (and any call of at most w tokens, or with a cache)
-uses the full masked score matrix; under a sequence-split mesh the partitioner then
-gathers the keys and values over the time shards, which is affordable because the single
-K/V head is 1/N of the query width.
+halo sent to the right neighbour with a ppermute (`model.conv1d.delayed`). Global
+attention (and any call of at most w tokens, or with a cache) uses the full masked score
+matrix; under a sequence-split mesh the partitioner then gathers the keys and values over
+the time shards, which is affordable because the single K/V head is 1/N of the query
+width.
 
 Decoding cache (`AttentionCache`): a ring buffer of S slots holding RoPE'd keys and values;
 slot `i % S` holds the token with running index i. S = window for local attention (the
