@@ -24,7 +24,8 @@ so the layer cannot decide to forget at a reset token.
 Documents are independent: at a document start (segment position 0) the transition is
 0, which empties the state before the new token's k v^T enters it.
 
-The recurrence runs on the shared engine `model.scan.linear_scan` with complex64 inputs;
+The recurrence runs on the shared engine (`model.recurrence.mesh_aware_linear_scan`, so a
+sequence mesh splits it over shards) with complex64 inputs;
 the decoding cache is the complex state itself, so a model decodes one token at a time
 in constant memory.
 """
@@ -38,7 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from model import partitioning as P
-from model import scan
+from model import recurrence
 from model.config import ModelConfig
 
 # Initial state-transition magnitude sigmoid(b_gamma) is drawn uniformly from this range
@@ -167,8 +168,8 @@ class GateLoopBlock(nn.Module):
                          (batch, length, heads, head_dim, head_dim))
     a = a.reshape(batch, length, heads * head_dim * head_dim)
 
-    state, last_state = scan.linear_scan(
-        a, kv.astype(jnp.complex64), cache, impl=config.scan_impl)
+    state, last_state = recurrence.mesh_aware_linear_scan(
+        a, kv.astype(jnp.complex64), cache, config.scan_impl)
 
     # Real q and real projection weights (paper appendix C): Re(q^T H) = q^T Re(H).
     state = jnp.real(state).reshape(batch, length, heads, head_dim, head_dim)

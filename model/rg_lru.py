@@ -27,7 +27,7 @@ the same engine and the output is [Re h ‖ Im h].
 [0.9², 0.999²], i.e. uniform in area on a ring, as RecurrentGemma does.
 
 Sequence parallelism: when the mesh in scope splits time, the recurrence runs as a scan
-over shards (see `mesh_aware_linear_scan`); the gates are per-token and need no communication.
+over shards (see `model.recurrence.mesh_aware_linear_scan`); the gates are per-token and need no communication.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from model import partitioning as P
-from model import scan
+from model import recurrence
 from model.config import ModelConfig
 
 GATE_EXPONENT = 8.0
@@ -105,29 +105,6 @@ class BlockDiagonalLinear(nn.Module):
     return y.reshape(*y.shape[:-2], self.features)
 
 
-def mesh_aware_linear_scan(a: jax.Array, x: jax.Array, h0: Optional[jax.Array], impl: str
-                           ) -> tuple[jax.Array, jax.Array]:
-  """h_t = a_t h_{t-1} + x_t over [B, T, C]; split over shards when the mesh splits time.
-
-  For any recurrent layer whose [B, T, C] inputs are laid out as (BATCH, LENGTH,
-  ACT_RNN).
-
-  Under a mesh whose `sequence` axis splits T (sharding.rules maps `length` to it), each
-  shard scans its own slice and only the [shards, B, C] carries cross devices
-  (`model.scan.sequence_sharded_linear_scan`); the shard_map specs are the activation's
-  own layout, so nothing is resharded on the way in or out. Otherwise (one device, no
-  time split, or a decoding call whose few tokens do not divide over the shards) the
-  plain engine runs.
-  """
-  layout = P.sequence_sharding(x.shape[1], (P.BATCH, P.LENGTH, P.ACT_RNN))
-  if layout is None:
-    return scan.linear_scan(a, x, h0, impl=impl)
-  return scan.sequence_sharded_linear_scan(
-      a, x, h0, mesh=layout.mesh, axis_name=layout.axis, impl=impl,
-      batch_axes=P.mesh_axis_names(layout.spec[0]),
-      channel_axes=P.mesh_axis_names(layout.spec[2]))
-
-
 class RGLRU(nn.Module):
   """The RG-LRU (real) or CG-LRU (complex) recurrence over D_RNN channels."""
   config: ModelConfig
@@ -162,7 +139,7 @@ class RGLRU(nn.Module):
     else:
       a = jnp.exp(log_a)
     a = jnp.where(reset, jnp.zeros_like(a), a)
-    h, h_last = mesh_aware_linear_scan(a, x * gate_x * normaliser, cache,
+    h, h_last = recurrence.mesh_aware_linear_scan(a, x * gate_x * normaliser, cache,
                                        cfg.scan_impl)
     if self.is_complex:
       h = jnp.concatenate([jnp.real(h), jnp.imag(h)], axis=-1)

@@ -18,6 +18,7 @@ import pytest
 
 from model.attention import AttentionBlock
 from model.config import ModelConfig
+from model.gateloop import GateLoopBlock
 from model.recurrent_block import RecurrentBlock
 from sharding import mesh as mesh_lib
 from sharding import partition
@@ -96,6 +97,13 @@ def test_recurrent_block_moves_only_carries_and_conv_halo():
   assert not [(op, shape) for op, shape in ops if _time_dims(shape)], ops
 
 
+def test_gateloop_moves_only_carries():
+  ops = _collectives(_block_program(GateLoopBlock(CONFIG), _mesh()))
+  gathers = [shape for op, shape in ops if op == "all-gather"]
+  assert gathers and all(shape == (SHARDS, BATCH, CONFIG.width) for shape in gathers), ops
+  assert not [(op, shape) for op, shape in ops if _time_dims(shape)], ops
+
+
 def test_local_attention_exchanges_one_block():
   ops = _collectives(_block_program(AttentionBlock(CONFIG), _mesh()))
   assert not [op for op, _ in ops if op in ("all-gather", "all-to-all")], ops
@@ -118,7 +126,8 @@ def test_global_attention_gathers_keys_and_values():
 
 
 @pytest.mark.parametrize("block_class,lru_variant", [
-    (RecurrentBlock, "real"), (RecurrentBlock, "complex"), (AttentionBlock, "real")])
+    (RecurrentBlock, "real"), (RecurrentBlock, "complex"), (AttentionBlock, "real"),
+    (GateLoopBlock, "real")])
 def test_prefill_under_sequence_mesh_equals_single_device(block_class, lru_variant):
   """Outputs and decoding caches of a time-split prefill match the unsplit ones."""
   block = block_class(dataclasses.replace(CONFIG, lru_variant=lru_variant))
