@@ -269,22 +269,42 @@ def evaluate_batches(setup: Setup, params: Any, batches: Iterable[Mapping[str, n
 
 # -- the loop --------------------------------------------------------------------------
 class _PreemptionFlag:
-  """Set by SIGTERM; the loop saves at the next step boundary and stops."""
+  """Whether to save and stop at a step boundary because SIGTERM arrived.
+
+  With one process a Python SIGTERM handler sets a flag. With several, each host gets
+  its own notice at its own moment, and a host that stopped alone would leave the
+  others blocked in the next step's collectives; so the decision goes through JAX's
+  preemption sync service instead (it catches SIGTERM itself and lets every process
+  agree on the first step all of them can still reach), and all save that same step.
+  """
 
   def __init__(self):
-    self.requested = False
+    self._multi_process = jax.process_count() > 1
+    self._flag_set = False
     self._previous = None
 
   def __enter__(self):
+    if self._multi_process:
+      return self
     def handler(signum, frame):
       del frame
       logging.warning("Received signal %d: saving a checkpoint and stopping", signum)
-      self.requested = True
+      self._flag_set = True
     try:
       self._previous = signal.signal(signal.SIGTERM, handler)
     except ValueError:  # not the main thread: no handler, no preemption saves
       self._previous = None
     return self
+
+  def should_stop(self, step: int) -> bool:
+    """Called by every process before each step (`step` = completed steps)."""
+    if self._multi_process:
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      if multihost_utils.reached_preemption_sync_point(step):
+        logging.warning("Preemption notice: all processes save step %d and stop", step)
+        return True
+      return False
+    return self._flag_set
 
   def __exit__(self, *exc):
     if self._previous is not None:
@@ -442,7 +462,7 @@ def train(workdir: str,
   try:
     with _PreemptionFlag() as preemption, setup.activation_context():
       for step_index in range(start_step, cfg.train_steps):
-        if preemption.requested:
+        if preemption.should_stop(step_index):
           preempted = True
           break
         batch = setup.global_batch(
@@ -478,8 +498,14 @@ def train(workdir: str,
     if cfg.sample_prompt:
       # Outside the activation context: a one-sequence batch is not split over devices.
       from pretrain import sample as sample_lib  # pylint: disable=g-import-not-at-top
+      params = state.params
+      if jax.process_count() > 1:
+        # Parameters span other hosts' devices, which this process cannot compute on:
+        # every process gathers a full host copy and samples locally (same seed, same text).
+        from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+        params = multihost_utils.process_allgather(params, tiled=True)
       sample_text = sample_lib.sample_text(
-          model_cfg, state.params, pipeline.vocabulary, cfg.sample_prompt,
+          model_cfg, params, pipeline.vocabulary, cfg.sample_prompt,
           max_new_tokens=cfg.sample_tokens, temperature=0.8, seed=cfg.seed)
       writer.info(f"Sample:\n{cfg.sample_prompt}{sample_text}")
     writer.info(f"Done: {step} steps in {time.perf_counter() - loop_start:.1f}s"
