@@ -54,6 +54,7 @@ def import_configurables() -> None:
   import model.config
   import pretrain.checkpointing
   import pretrain.data.pipeline
+  import pretrain.data.synthetic
   import pretrain.data.tasks
   import pretrain.data.vocabularies
   import pretrain.optimizer

@@ -7,7 +7,9 @@ Without --text_file it reads the run's validation split, as configured by
 one document: tokens are scored exactly as in training (the first one predicted from the
 document-start input 0, EOS last), in chunks of the training sequence length that carry
 the decoding caches from chunk to chunk, so every token sees its whole prefix while memory
-stays bounded. Prints and writes {"step", "loss", "tokens"}.
+stays bounded. Prints and writes {"step", "loss", "tokens"}; for a run trained on a
+synthetic task (`pretrain.data.synthetic`) the validation loss counts the answer positions
+only and the result adds their arg-max "accuracy".
 """
 from __future__ import annotations
 
@@ -71,9 +73,50 @@ def text_file_loss(model: Any, text: str, chunk_length: Optional[int] = None
   return total / count, count
 
 
-def validation_loss(model: Any, workdir: str) -> tuple[float, int]:
-  """(mean NLL, tokens) over the whole validation split of the run's data config."""
+def answer_metrics(setup: Any, params: Any, batches: Any) -> dict[str, float]:
+  """{"loss", "tokens", "accuracy"} over `batches` of a synthetic task.
+
+  The weights select the task's answer positions, so the loss and the arg-max accuracy
+  (`synthetic.accuracy_sums`) both count those only; one forward pass gives both.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from pretrain import trainer  # pylint: disable=g-import-not-at-top
+  from pretrain.data import synthetic  # pylint: disable=g-import-not-at-top
+
+  def sums(params, batch):
+    logits, _ = setup.model.apply({"params": params}, batch["inputs"], batch["positions"])
+    nll, _ = trainer.token_losses(logits, batch["targets"])
+    weights = batch["weights"].astype(jnp.float32)
+    correct, total = synthetic.accuracy_sums(logits, batch["targets"], weights)
+    return {"nll": jnp.sum(nll * weights), "correct": correct, "weight": total}
+
+  features = trainer.BATCH_FEATURES
+  sums_fn = jax.jit(sums, in_shardings=(setup.param_shardings,
+                                        setup.batch_shardings(features)),
+                    out_shardings=setup.replicated)
+  totals = None
+  with setup.activation_context():
+    for local in batches:
+      part = sums_fn(params, setup.global_batch({k: local[k] for k in features}))
+      totals = part if totals is None else jax.tree.map(jnp.add, totals, part)
+  if totals is None:
+    raise cli.UserError("The evaluation data produced no batch")
+  values = {k: trainer.host_scalar(v) for k, v in totals.items()}
+  if values["weight"] == 0:
+    raise cli.UserError("The evaluation data holds no answer position")
+  return {"loss": values["nll"] / values["weight"], "tokens": int(values["weight"]),
+          "accuracy": values["correct"] / values["weight"]}
+
+
+def validation_metrics(model: Any, workdir: str) -> dict[str, float]:
+  """{"loss", "tokens"} over the whole validation split of the run's data config.
+
+  When the run trained on a synthetic task (`pretrain.data.synthetic`), also the
+  "accuracy" at the task's answer positions, which is what those tasks are about.
+  """
+  from pretrain import trainer  # pylint: disable=g-import-not-at-top
+  from pretrain.data import synthetic  # pylint: disable=g-import-not-at-top
   config_path = os.path.join(workdir, "config.gin")
   if not os.path.exists(config_path):
     raise cli.UserError(f"{config_path} does not exist, so the run's validation data is "
@@ -82,8 +125,11 @@ def validation_loss(model: Any, workdir: str) -> tuple[float, int]:
   cli.parse_gin([config_path], [])
   train_config = trainer.TrainConfig()
   pipeline = trainer.build_pipeline(train_config, model.setup)
-  return trainer.evaluate_batches(model.setup, model.params,
-                                  pipeline.validation_batches(None))
+  batches = pipeline.validation_batches(None)
+  if pipeline.task_name in synthetic.SPECS:
+    return answer_metrics(model.setup, model.params, batches)
+  loss, tokens = trainer.evaluate_batches(model.setup, model.params, batches)
+  return {"loss": loss, "tokens": tokens}
 
 
 def main(argv: Sequence[str]) -> None:
@@ -101,9 +147,10 @@ def main(argv: Sequence[str]) -> None:
       raise cli.UserError(f"Cannot read --text_file {FLAGS.text_file}: "
                           f"{error.strerror or error}") from None
     loss, tokens = text_file_loss(model, text)
+    metrics = {"loss": loss, "tokens": tokens}
   else:
-    loss, tokens = validation_loss(model, FLAGS.workdir)
-  result = {"step": model.step, "loss": loss, "tokens": tokens}
+    metrics = validation_metrics(model, FLAGS.workdir)
+  result = {"step": model.step, **metrics}
   print(json.dumps(result))
   if FLAGS.output:
     with open(FLAGS.output, "w", encoding="utf-8") as f:

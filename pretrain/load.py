@@ -38,17 +38,35 @@ def model_config_from_dict(values: dict[str, Any]) -> ModelConfig:
 
 
 def vocabulary_spec(vocabulary: Any) -> str:
-  """'byte', or the path of a SentencePiece model: what `get_vocabulary` takes."""
+  """How the checkpoint metadata records a vocabulary, for `make_vocabulary`.
+
+  'byte'; 'passthrough:<size>' for the identity vocabulary of synthetic tasks (their
+  token ids are the model's ids, so the size is all there is to it); otherwise the
+  absolute path of a SentencePiece model.
+  """
   import seqio  # pylint: disable=g-import-not-at-top
   if isinstance(vocabulary, seqio.SentencePieceVocabulary):
     return os.path.abspath(vocabulary.sentencepiece_model_file)
   if isinstance(vocabulary, seqio.ByteVocabulary):
     return "byte"
-  raise UserError(f"Cannot record vocabulary {type(vocabulary).__name__}: only byte and "
-                  "SentencePiece vocabularies are supported")
+  if isinstance(vocabulary, seqio.PassThroughVocabulary):
+    return f"{_PASSTHROUGH_PREFIX}{vocabulary.vocab_size}"
+  raise UserError(f"Cannot record vocabulary {type(vocabulary).__name__}: only byte, "
+                  "pass-through and SentencePiece vocabularies are supported")
+
+
+_PASSTHROUGH_PREFIX = "passthrough:"
 
 
 def make_vocabulary(spec: str) -> Any:
+  """The vocabulary a `vocabulary_spec` string describes."""
+  if spec.startswith(_PASSTHROUGH_PREFIX):
+    import seqio  # pylint: disable=g-import-not-at-top
+    size = spec[len(_PASSTHROUGH_PREFIX):]
+    if not size.isdigit() or int(size) < 1:
+      raise UserError(f"Bad pass-through vocabulary {spec!r} in the checkpoint metadata: "
+                      "expected 'passthrough:<positive size>'")
+    return seqio.PassThroughVocabulary(int(size))
   from pretrain.data.vocabularies import get_vocabulary  # pylint: disable=g-import-not-at-top
   return get_vocabulary(None if spec == "byte" else spec)
 

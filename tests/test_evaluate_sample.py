@@ -112,3 +112,52 @@ def test_sample_command(trainer_env, trained_workdir):
 def test_load_of_missing_step_is_a_clear_error(trained_workdir):
   with pytest.raises(pretrain.load.UserError, match="No complete checkpoint of step 7"):
     pretrain.load(trained_workdir[0], step=7)
+
+
+def test_vocabulary_specs_round_trip_including_pass_through():
+  import seqio
+  from pretrain import load as load_lib
+  for vocabulary, spec in ((seqio.PassThroughVocabulary(52), "passthrough:52"),
+                           (seqio.ByteVocabulary(), "byte")):
+    assert load_lib.vocabulary_spec(vocabulary) == spec
+    rebuilt = load_lib.make_vocabulary(spec)
+    assert type(rebuilt) is type(vocabulary)
+    assert rebuilt.vocab_size == vocabulary.vocab_size
+  with pytest.raises(load_lib.UserError, match="passthrough:<positive size>"):
+    load_lib.make_vocabulary("passthrough:many")
+
+
+def test_answer_metrics_count_only_weighted_positions_across_batches():
+  from model.config import ModelConfig
+  from pretrain.trainer import Setup
+  config = ModelConfig(vocab_size=18, width=16, rnn_width=16, num_heads=2, depth=2,
+                       block_pattern=("recurrent", "attention"), attention_window=8,
+                       scan_impl="lax")
+  setup = Setup(config)
+  params = setup.init_params(seed=1)
+  rng = np.random.default_rng(0)
+  batches = []
+  for _ in range(2):
+    targets = rng.integers(2, 18, size=(8, 12)).astype(np.int32)
+    inputs = np.concatenate([np.zeros((8, 1), np.int32), targets[:, :-1]], 1)
+    weights = (rng.random((8, 12)) < 0.3).astype(np.float32)
+    weights[-2:] = 0.0                                  # padding rows
+    batches.append({"inputs": inputs, "targets": targets, "weights": weights,
+                    "positions": np.tile(np.arange(12, dtype=np.int32), (8, 1)),
+                    "segment_ids": np.ones((8, 12), np.int32)})
+  result = evaluate_lib.answer_metrics(setup, params, iter(batches))
+
+  nll, correct, count = 0.0, 0.0, 0.0
+  for batch in batches:
+    logits = np.asarray(setup.model.apply({"params": params}, batch["inputs"],
+                                          batch["positions"])[0], np.float64)
+    log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    picked = np.take_along_axis(log_probs, batch["targets"][..., None], -1)[..., 0]
+    nll -= np.sum(picked * batch["weights"])
+    correct += np.sum((logits.argmax(-1) == batch["targets"]) * batch["weights"])
+    count += batch["weights"].sum()
+  assert result["tokens"] == count
+  np.testing.assert_allclose(result["loss"], nll / count, rtol=1e-5)
+  assert result["accuracy"] == pytest.approx(correct / count)
+  with pytest.raises(pretrain.load.UserError, match="no batch"):
+    evaluate_lib.answer_metrics(setup, params, iter([]))
