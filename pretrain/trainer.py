@@ -498,14 +498,8 @@ def train(workdir: str,
     if cfg.sample_prompt:
       # Outside the activation context: a one-sequence batch is not split over devices.
       from pretrain import sample as sample_lib  # pylint: disable=g-import-not-at-top
-      params = state.params
-      if jax.process_count() > 1:
-        # Parameters span other hosts' devices, which this process cannot compute on:
-        # every process gathers a full host copy and samples locally (same seed, same text).
-        from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-        params = multihost_utils.process_allgather(params, tiled=True)
       sample_text = sample_lib.sample_text(
-          model_cfg, params, pipeline.vocabulary, cfg.sample_prompt,
+          model_cfg, state.params, pipeline.vocabulary, cfg.sample_prompt,
           max_new_tokens=cfg.sample_tokens, temperature=0.8, seed=cfg.seed)
       writer.info(f"Sample:\n{cfg.sample_prompt}{sample_text}")
     writer.info(f"Done: {step} steps in {time.perf_counter() - loop_start:.1f}s"
