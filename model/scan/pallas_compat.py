@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import gin
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -20,15 +21,29 @@ def squeezed_dim() -> Any:
   return squeezed() if squeezed is not None else None
 
 
-def platform() -> str:
-  """"tpu", "gpu" or "cpu" for the default backend."""
-  backend = jax.default_backend()
-  if backend in ("gpu", "cuda", "rocm"):
-    return "gpu"
-  return backend
+_PLATFORMS = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "cpu": "cpu"}
+
+
+@gin.configurable
+def lowering_platform(platform: Optional[str] = None) -> str:
+  """"tpu", "gpu" or "cpu": the platform the kernels are traced and lowered for.
+
+  Tracing has to know the target (tiling, strategy and compiler parameters differ),
+  but `jax.export` and AOT lowering trace on the host. None means the default
+  backend; binding a platform (`lowering_platform.platform = "tpu"`) cross-lowers
+  from a host without that device, e.g. to export a TPU or GPU program from a CPU
+  machine. Interpret mode follows the target ("cpu") unless
+  `ScanOptions.pallas_interpret` says otherwise.
+  """
+  name = platform if platform is not None else jax.default_backend()
+  if name not in _PLATFORMS:
+    raise ValueError(f"lowering_platform: unknown platform {name!r}; bind one of "
+                     f"{sorted(_PLATFORMS)} or None (the default backend).")
+  return _PLATFORMS[name]
 
 
 def triton_available() -> bool:
+  """Whether this JAX ships the Pallas Triton backend (deprecated from JAX 0.11)."""
   try:
     from jax.experimental.pallas import triton as pltriton  # pylint: disable=g-import-not-at-top
   except ImportError:
@@ -37,8 +52,8 @@ def triton_available() -> bool:
 
 
 def resolve_gpu_backend(requested: str) -> str:
-  """"triton" where this JAX ships it (the kernels use its pointer-style row access),
-  else "mosaic_gpu"."""
+  """"triton" where this JAX ships it, else "mosaic_gpu" (an explicit request is
+  checked against what this JAX ships)."""
   if requested == "auto":
     return "triton" if triton_available() else "mosaic_gpu"
   if requested == "triton" and not triton_available():

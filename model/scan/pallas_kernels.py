@@ -1,9 +1,12 @@
 """Pallas kernel bodies of the linear scan: forward, chunk summary and fused backward.
 
-Each kernel sees one time chunk [C, bd] of one batch row and one lane-dense channel
-block, walks it in groups of G rows (G = 8 or 16 on TPU, where a group is one
-sublane tile and rows are sliced statically inside it; G = 1 on GPU, where each row
-is one pointer-offset load) and keeps the state in float32 registers.
+Each kernel sees one time chunk of one batch row and one channel block, laid out as
+[C, rows, 128]: time on the leading (untiled) axis, the channel block as `rows`
+sublanes of 128 lanes. A step reads and writes `ref[t]`, one [rows, 128] tile, so
+the time index is a dynamic index on an untiled axis: a plain address offset for
+Mosaic TPU, Triton and Mosaic GPU alike. Nothing slices or concatenates rows inside
+a tile, which Mosaic's (8, 128) vector layouts do not support in general. The state
+lives in float32 registers.
 
 A value is a tuple of components, (v,) for real and (re, im) for complex scans, so
 one body serves both; complex products are spelled out on real/imaginary parts.
@@ -35,8 +38,7 @@ class Tiling:
 
   Attributes:
     chunk: time steps C per block.
-    block: channels bd per block.
-    group: rows G loaded and stored together.
+    rows: 128-lane rows per channel block (the block holds 128 * rows channels).
     num_chunks: time blocks in the (padded) sequence.
     components: 1 for real, 2 for complex (real/imaginary planes).
     reverse: the forward scan runs from the last step to the first.
@@ -44,16 +46,11 @@ class Tiling:
       of coming in as a per-chunk start state (GPU reduce-then-scan).
   """
   chunk: int
-  block: int
-  group: int
+  rows: int
   num_chunks: int
   components: int
   reverse: bool
   sequential: bool
-
-  @property
-  def num_groups(self) -> int:
-    return self.chunk // self.group
 
 
 def _mul(a: Value, b: Value) -> Value:
@@ -70,62 +67,74 @@ def _add(a: Value, b: Value) -> Value:
   return tuple(u + v for u, v in zip(a, b))
 
 
-def _load_group(refs: Sequence, start, group: int) -> Value:
-  return tuple(r[pl.ds(start, group), :].astype(jnp.float32) for r in refs)
+def _load(refs: Sequence, t) -> Value:
+  """Step t of a [C, rows, 128] block (any dtype) as float32 [rows, 128] tiles."""
+  return tuple(r[t].astype(jnp.float32) for r in refs)
 
 
-def _row(value: Value, r: int, group: int) -> Value:
-  return value if group == 1 else tuple(v[r:r + 1] for v in value)
+def _read(refs: Sequence) -> Value:
+  """A whole [rows, 128] state block as float32."""
+  return tuple(r[...].astype(jnp.float32) for r in refs)
 
 
-def _store_group(refs: Sequence, start, rows: list[Value], group: int) -> None:
-  for c, ref in enumerate(refs):
-    block = rows[0][c] if group == 1 else jnp.concatenate([row[c] for row in rows], 0)
-    ref[pl.ds(start, group), :] = block.astype(ref.dtype)
+def _store(refs: Sequence, t, value: Value) -> None:
+  for ref, v in zip(refs, value):
+    ref[t] = v.astype(ref.dtype)
 
 
-def _group_start(i, tiling: Tiling, ascending: bool):
-  g = i if ascending else tiling.num_groups - 1 - i
-  return pl.multiple_of(g * tiling.group, tiling.group), g
+def _write(refs: Sequence, value: Value) -> None:
+  for ref, v in zip(refs, value):
+    ref[...] = v.astype(ref.dtype)
 
 
-def forward_rows(a_refs, x_refs, h_refs, h: Value, tiling: Tiling,
-                 decay_product: bool = False, backward_carry: bool = False):
-  """Scans one chunk from state `h`; stores every state when `h_refs` is given.
+def _step_index(i, tiling: Tiling, ascending: bool):
+  """Time index of the i-th step of a sweep over a chunk."""
+  return i if ascending else tiling.chunk - 1 - i
 
-  With `backward_carry` the step is the backward carry c <- conj(a) (x + c) (used to
-  summarise a chunk of the backward pass); `decay_product` also returns the product
-  of the step's decays over the chunk. Returns the final state (and the product).
+
+def forward_rows(a_refs, x_refs, h_refs, h: Value, tiling: Tiling) -> Value:
+  """Scans one chunk from state `h`, storing every state; returns the final state."""
+  ascending = not tiling.reverse
+
+  def body(i, h):
+    t = _step_index(i, tiling, ascending)
+    h = _add(_mul(_load(a_refs, t), h), _load(x_refs, t))
+    _store(h_refs, t, h)
+    return h
+
+  return jax.lax.fori_loop(0, tiling.chunk, body, h)
+
+
+def summary_rows(a_refs, x_refs, tiling: Tiling, backward: bool) -> tuple[Value, Value]:
+  """(decay product P, result L from a zero state) of one chunk.
+
+  Forward steps are h <- a h + x in scan order; backward steps are the carry
+  c <- conj(a) (x + c) against scan order. The first step is peeled (from a zero
+  state it is exactly x, or conj(a) x, and P starts as that step's decay) so the
+  loop carry starts from loaded values: Mosaic GPU needs a loop carry's register
+  layout to match on entry and exit, and a constant has a different one.
   """
-  group = tiling.group
-  ascending = not tiling.reverse if not backward_carry else tiling.reverse
-  order = range(group) if ascending else range(group - 1, -1, -1)
+  ascending = tiling.reverse if backward else not tiling.reverse
+
+  def decay(t) -> Value:
+    a = _load(a_refs, t)
+    return _conj(a) if backward else a
+
+  def step(t, local: Value) -> Value:
+    a, x = decay(t), _load(x_refs, t)
+    return _mul(a, _add(x, local)) if backward else _add(_mul(a, local), x)
+
+  first = _step_index(0, tiling, ascending)
+  prod = decay(first)
+  local = _mul(prod, _load(x_refs, first)) if backward else _load(x_refs, first)
 
   def body(i, carry):
-    h, prod = carry if decay_product else (carry, None)
-    start, _ = _group_start(i, tiling, ascending)
-    a_blk = _load_group(a_refs, start, group)
-    x_blk = _load_group(x_refs, start, group)
-    rows = [None] * group
-    for r in order:
-      a_r = _row(a_blk, r, group)
-      x_r = _row(x_blk, r, group)
-      if backward_carry:
-        a_r = _conj(a_r)
-        h = _mul(a_r, _add(x_r, h))
-      else:
-        h = _add(_mul(a_r, h), x_r)
-      if decay_product:
-        prod = _mul(a_r, prod)
-      rows[r] = h
-    if h_refs is not None:
-      _store_group(h_refs, start, rows, group)
-    return (h, prod) if decay_product else h
+    local, prod = carry
+    t = _step_index(i, tiling, ascending)
+    return step(t, local), _mul(decay(t), prod)
 
-  if not decay_product:
-    return jax.lax.fori_loop(0, tiling.num_groups, body, h)
-  identity = tuple(jnp.full_like(v, 1.0 if c == 0 else 0.0) for c, v in enumerate(h))
-  return jax.lax.fori_loop(0, tiling.num_groups, body, (h, identity))
+  local, prod = jax.lax.fori_loop(1, tiling.chunk, body, (local, prod))
+  return prod, local
 
 
 def backward_rows(a_refs, dy_refs, h_refs, edge: Value, dx_refs, da_refs, c: Value,
@@ -134,38 +143,25 @@ def backward_rows(a_refs, dy_refs, h_refs, edge: Value, dx_refs, da_refs, c: Val
 
   `edge` is the state before the chunk's first step in scan order (h0 or the last
   state of the neighbouring chunk); `c` is the carry entering from the chunk after.
-  Returns the carry leaving the chunk.
+  The sweep runs against scan order, so the chunk's first step in scan order comes
+  last; it is peeled off the loop because its previous state is `edge`, not a row
+  of `h_refs`. Returns the carry leaving the chunk.
   """
-  group, chunk = tiling.group, tiling.chunk
   scan_ascending = not tiling.reverse
-  order = range(group - 1, -1, -1) if scan_ascending else range(group)
+  prev_offset = -1 if scan_ascending else 1
+
+  def step(t, h_prev: Value, c: Value) -> Value:
+    g = _add(_load(dy_refs, t), c)
+    _store(dx_refs, t, g)
+    _store(da_refs, t, _mul(g, _conj(h_prev)))
+    return _mul(_conj(_load(a_refs, t)), g)
 
   def body(i, c):
-    start, g = _group_start(i, tiling, not scan_ascending)
-    a_blk = _load_group(a_refs, start, group)
-    dy_blk = _load_group(dy_refs, start, group)
-    h_blk = _load_group(h_refs, start, group)
-    if scan_ascending:   # prev of row r is row r-1; row 0 needs the group before.
-      neighbour = _load_group(h_refs, jnp.maximum(start - group, 0), group)
-      outer = tuple(jnp.where(g == 0, e, _row(neighbour, group - 1, group)[k])
-                    for k, e in enumerate(edge))
-    else:                # prev of row r is row r+1; the last row needs the group after.
-      neighbour = _load_group(h_refs, jnp.minimum(start + group, chunk - group), group)
-      outer = tuple(jnp.where(g == tiling.num_groups - 1, e, _row(neighbour, 0, group)[k])
-                    for k, e in enumerate(edge))
-    dx_rows, da_rows = [None] * group, [None] * group
-    for r in order:
-      inner = r - 1 if scan_ascending else r + 1
-      h_prev = outer if inner in (-1, group) else _row(h_blk, inner, group)
-      g_r = _add(_row(dy_blk, r, group), c)
-      dx_rows[r] = g_r
-      da_rows[r] = _mul(g_r, _conj(h_prev))
-      c = _mul(_conj(_row(a_blk, r, group)), g_r)
-    _store_group(dx_refs, start, dx_rows, group)
-    _store_group(da_refs, start, da_rows, group)
-    return c
+    t = _step_index(i, tiling, not scan_ascending)
+    return step(t, _load(h_refs, t + prev_offset), c)
 
-  return jax.lax.fori_loop(0, tiling.num_groups, body, c)
+  c = jax.lax.fori_loop(0, tiling.chunk - 1, body, c)
+  return step(_step_index(tiling.chunk - 1, tiling, not scan_ascending), edge, c)
 
 
 def _split(refs: Sequence, n: int, *counts: int) -> list[Sequence]:
@@ -179,9 +175,9 @@ def _split(refs: Sequence, n: int, *counts: int) -> list[Sequence]:
 def forward_kernel(*refs, tiling: Tiling):
   """h for one chunk. Refs: a, x, init | h, (last) | (state scratch).
 
-  Sequential: `init` is h0 [1, bd], the state lives in scratch across time blocks
-  and `last` receives the final state. Chunked: `init` is this chunk's true start
-  state from the scan over chunk summaries.
+  Sequential: `init` is h0 [rows, 128], the state lives in scratch across time
+  blocks and `last` receives the final state. Chunked: `init` is this chunk's true
+  start state from the scan over chunk summaries.
   """
   n = tiling.components
   if tiling.sequential:
@@ -191,35 +187,25 @@ def forward_kernel(*refs, tiling: Tiling):
 
     @pl.when(k == 0)
     def _():
-      for s, i in zip(state_refs, init_refs):
-        s[...] = i[...].astype(jnp.float32)
+      _write(state_refs, _read(init_refs))
 
-    h = forward_rows(a_refs, x_refs, h_refs, tuple(s[...] for s in state_refs), tiling)
-    for s, v in zip(state_refs, h):
-      s[...] = v
+    h = forward_rows(a_refs, x_refs, h_refs, _read(state_refs), tiling)
+    _write(state_refs, h)
 
     @pl.when(k == tiling.num_chunks - 1)
     def _():
-      for last, v in zip(last_refs, h):
-        last[...] = v
+      _write(last_refs, h)
   else:
     a_refs, x_refs, init_refs, h_refs = _split(refs, n, 1, 1, 1, 1)
-    forward_rows(a_refs, x_refs, h_refs,
-                 tuple(i[...].astype(jnp.float32) for i in init_refs), tiling)
+    forward_rows(a_refs, x_refs, h_refs, _read(init_refs), tiling)
 
 
 def summary_kernel(*refs, tiling: Tiling, backward: bool):
-  """Chunk summary for reduce-then-scan: the decay product P and the result L of the
-  chunk from a zero state (forward) or zero carry (backward). Refs: a, x | P, L."""
-  n = tiling.components
-  a_refs, x_refs, p_refs, l_refs = _split(refs, n, 1, 1, 1, 1)
-  zero = tuple(jnp.zeros((1, tiling.block), jnp.float32) for _ in range(n))
-  local, prod = forward_rows(a_refs, x_refs, None, zero, tiling, decay_product=True,
-                             backward_carry=backward)
-  for ref, v in zip(p_refs, prod):
-    ref[...] = v
-  for ref, v in zip(l_refs, local):
-    ref[...] = v
+  """Chunk summary for reduce-then-scan (see `summary_rows`). Refs: a, x | P, L."""
+  a_refs, x_refs, p_refs, l_refs = _split(refs, tiling.components, 1, 1, 1, 1)
+  prod, local = summary_rows(a_refs, x_refs, tiling, backward)
+  _write(p_refs, prod)
+  _write(l_refs, local)
 
 
 def backward_kernel(*refs, tiling: Tiling):
@@ -234,21 +220,18 @@ def backward_kernel(*refs, tiling: Tiling):
 
     @pl.when(k == 0)
     def _():
-      for s, i in zip(carry_refs, init_refs):
-        s[...] = i[...].astype(jnp.float32)
+      _write(carry_refs, _read(init_refs))
 
-    c = tuple(s[...] for s in carry_refs)
+    c = _read(carry_refs)
   else:
     a_refs, dy_refs, h_refs, edge_refs, init_refs, dx_refs, da_refs = _split(
         refs, n, 1, 1, 1, 1, 1, 1, 1)
-    c = tuple(i[...].astype(jnp.float32) for i in init_refs)
-  edge = tuple(e[...].astype(jnp.float32) for e in edge_refs)
-  c = backward_rows(a_refs, dy_refs, h_refs, edge, dx_refs, da_refs, c, tiling)
+    c = _read(init_refs)
+  c = backward_rows(a_refs, dy_refs, h_refs, _read(edge_refs), dx_refs, da_refs, c,
+                    tiling)
   if tiling.sequential:
-    for s, v in zip(carry_refs, c):
-      s[...] = v
+    _write(carry_refs, c)
 
     @pl.when(k == tiling.num_chunks - 1)
     def _():
-      for out, v in zip(dh0_refs, c):
-        out[...] = v
+      _write(dh0_refs, c)

@@ -3,11 +3,14 @@
 Why a kernel: the recurrence moves 3 values per element for ~3 FLOPs, so it is memory
 bound; a kernel that keeps the state on chip reads a and x once and writes h once.
 
-Layout: arrays are [B, T, D] with channels on lanes, tiled in blocks of `bd` channels
-(128 or more; D is padded up to a multiple) and C time steps (T padded with a = 1,
-x = 0, which leaves the state unchanged, so the last state is still right). Decays are
-float32 even for bf16 x (bf16 rounds every a above ~0.998 to 1). Complex scans run on
-separate real and imaginary planes.
+Layout: [B, T, D] is padded to [B, Tp, 128 R] (T with a = 1, x = 0, which leaves
+the state unchanged, so the last state is still right; D with zeros) and viewed,
+for free, as [B, Tp, R, 128]: time on an untiled axis, channels as R rows of 128
+lanes. A block is C time steps by `rows` rows; a step of the kernel is one
+[rows, 128] tile at a dynamic time index (see `pallas_kernels`). On TPU a block
+has 8 rows or more (one full (8, 128) float32 tile; Mosaic's block-shape rule),
+unless it spans all R. Decays are float32 even for bf16 x (bf16 rounds every a
+above ~0.998 to 1). Complex scans run on separate real and imaginary planes.
 
 Strategies (ScanOptions.pallas_strategy):
 - "sequential" (TPU, Mosaic): grid (B, D/bd, T/C), time innermost and "arbitrary";
@@ -25,7 +28,8 @@ same two strategies. h is saved in x's dtype, so bf16 runs see bf16-rounded h_{t
 in da (within the 1e-2 bf16 tolerance).
 
 On CPU every kernel runs in Pallas interpret mode (tests only). The TPU (Mosaic),
-GPU Triton and Mosaic GPU lowerings are selected by `pallas_compat`.
+GPU Triton and Mosaic GPU lowerings are selected by `pallas_compat`, which can also
+cross-lower from a CPU host (tests/test_scan_lowering.py exports them there).
 """
 from __future__ import annotations
 
@@ -52,12 +56,26 @@ def _next_power_of_two(n: int) -> int:
   return 1 << max(n - 1, 0).bit_length()
 
 
+_LANES = 128
+
+
+def _block_rows(lanes: int, requested: int, target: str) -> int:
+  """128-lane rows per channel block: the requested block, at most the width
+  (rounded up to a power of two, as Triton block shapes must be). On TPU a block
+  narrower than the whole width needs a multiple of 8 rows (Mosaic tiles are
+  (8, 128)), so it grows to 8 rows there."""
+  rows = min(requested, _next_power_of_two(lanes))
+  if target == "tpu" and rows < lanes:
+    rows = min(max(rows, 8), _next_power_of_two(lanes))
+  return rows
+
+
 class _Launch:
   """Static launch description: tiling, padding and where the kernels lower to."""
 
-  def __init__(self, batch: int, time: int, channels: int, x_dtype, components: int,
+  def __init__(self, batch: int, time: int, channels: int, components: int,
                reverse: bool, options: engine.ScanOptions):
-    target = pallas_compat.platform()
+    target = pallas_compat.lowering_platform()
     self.interpret = (options.pallas_interpret if options.pallas_interpret is not None
                       else target == "cpu")
     strategy = options.pallas_strategy
@@ -72,45 +90,45 @@ class _Launch:
                         if target == "gpu" else None)
     sequential = strategy == "sequential"
     chunk = min(options.pallas_time_chunk, max(16, _next_power_of_two(time)))
-    block = min(options.pallas_channel_block, _next_power_of_two(_round_up(channels, 128)))
-    # TPU tiles hold 8 rows of 32-bit or 16 rows of 16-bit values; GPU loads one row.
-    group = 1 if not sequential else (8 if jnp.dtype(x_dtype).itemsize >= 4 else 16)
+    lanes = _round_up(channels, _LANES) // _LANES
+    rows = _block_rows(lanes, options.pallas_channel_block // _LANES, target)
     self.batch, self.time, self.channels = batch, time, channels
     self.padded_time = _round_up(time, chunk)
-    self.padded_channels = _round_up(channels, block)
-    self.tiling = Tiling(chunk=chunk, block=block, group=group,
-                         num_chunks=self.padded_time // chunk, components=components,
-                         reverse=reverse, sequential=sequential)
+    self.padded_rows = _round_up(lanes, rows)
+    self.padded_channels = self.padded_rows * _LANES
+    self.tiling = Tiling(chunk=chunk, rows=rows, num_chunks=self.padded_time // chunk,
+                         components=components, reverse=reverse, sequential=sequential)
 
   @property
   def grid(self) -> tuple[int, int, int]:
-    return (self.batch, self.padded_channels // self.tiling.block, self.tiling.num_chunks)
+    return (self.batch, self.padded_rows // self.tiling.rows, self.tiling.num_chunks)
+
+  def _chunk_index(self, k, ascending: bool):
+    """Sequential launches visit time chunks in sweep order; chunked ones in any."""
+    flip = self.tiling.sequential and not ascending
+    return self.tiling.num_chunks - 1 - k if flip else k
 
   def time_block(self, ascending: bool) -> pl.BlockSpec:
-    """[B, T, D] block of one chunk; sequential launches visit chunks in sweep order."""
-    nc = self.tiling.num_chunks
-    flip = self.tiling.sequential and not ascending
-    return pl.BlockSpec(
-        (pallas_compat.squeezed_dim(), self.tiling.chunk, self.tiling.block),
-        lambda b, d, k: (b, nc - 1 - k if flip else k, d))
+    """[B, Tp, R, 128] block of one chunk: [C, rows, 128] in the kernel."""
+    sq = pallas_compat.squeezed_dim()
+    return pl.BlockSpec((sq, self.tiling.chunk, self.tiling.rows, _LANES),
+                        lambda b, d, k: (b, self._chunk_index(k, ascending), d, 0))
 
   def state_block(self) -> pl.BlockSpec:
-    """[B, 1, D] block: h0, last state, their cotangents."""
-    return pl.BlockSpec((pallas_compat.squeezed_dim(), 1, self.tiling.block),
-                        lambda b, d, k: (b, 0, d))
+    """[B, R, 128] block: h0, last state, their cotangents."""
+    return pl.BlockSpec((pallas_compat.squeezed_dim(), self.tiling.rows, _LANES),
+                        lambda b, d, k: (b, d, 0))
 
   def chunk_state_block(self, ascending: bool) -> pl.BlockSpec:
-    """[B, T/C, 1, D] block: one state per chunk (summaries, start states, edges)."""
-    nc = self.tiling.num_chunks
-    flip = self.tiling.sequential and not ascending
+    """[B, T/C, R, 128] block: one state per chunk (summaries, start states, edges)."""
     sq = pallas_compat.squeezed_dim()
-    return pl.BlockSpec((sq, sq, 1, self.tiling.block),
-                        lambda b, d, k: (b, nc - 1 - k if flip else k, 0, d))
+    return pl.BlockSpec((sq, sq, self.tiling.rows, _LANES),
+                        lambda b, d, k: (b, self._chunk_index(k, ascending), d, 0))
 
   def call(self, kernel, in_specs, out_specs, out_shape, scratch: int = 0):
     semantics = ("parallel", "parallel",
                  "arbitrary" if self.tiling.sequential else "parallel")
-    scratch_shapes = [pallas_compat.state_scratch((1, self.tiling.block))
+    scratch_shapes = [pallas_compat.state_scratch((self.tiling.rows, _LANES))
                       for _ in range(scratch)]
     return pl.pallas_call(
         functools.partial(kernel, tiling=self.tiling), grid=self.grid,
@@ -120,12 +138,12 @@ class _Launch:
             self.target, semantics, self.gpu_backend)))
 
   def shape(self, dtype, *, per_chunk: bool = False, state: bool = False):
-    b, dp = self.batch, self.padded_channels
+    b, r = self.batch, self.padded_rows
     if state:
-      return jax.ShapeDtypeStruct((b, 1, dp), dtype)
+      return jax.ShapeDtypeStruct((b, r, _LANES), dtype)
     if per_chunk:
-      return jax.ShapeDtypeStruct((b, self.tiling.num_chunks, 1, dp), dtype)
-    return jax.ShapeDtypeStruct((b, self.padded_time, dp), dtype)
+      return jax.ShapeDtypeStruct((b, self.tiling.num_chunks, r, _LANES), dtype)
+    return jax.ShapeDtypeStruct((b, self.padded_time, r, _LANES), dtype)
 
 
 def _as_complex(value):
@@ -139,23 +157,20 @@ def _components(z, n: int):
 def _scan_over_chunks(prod, local, init, ascending: bool):
   """Start state of every chunk and the final state, from per-chunk summaries.
 
-  prod, local: component tuples [B, N, 1, D]; init: component tuple [B, 1, D].
+  prod, local: component tuples [B, N, R, 128]; init: component tuple [B, R, 128].
   """
   n = len(prod)
-  p = _as_complex(tuple(v[:, :, 0] for v in prod))
-  l = _as_complex(tuple(v[:, :, 0] for v in local))
-  h0 = _as_complex(tuple(v[:, 0] for v in init))
+  p, l, h0 = _as_complex(prod), _as_complex(local), _as_complex(init)
   ends, final = engine.associative_linear_scan(p, l, h0, not ascending, p.dtype)
   if ascending:
     starts = jnp.concatenate([h0[:, None], ends[:, :-1]], axis=1)
   else:
     starts = jnp.concatenate([ends[:, 1:], h0[:, None]], axis=1)
-  starts = tuple(v[:, :, None] for v in _components(starts, n))
-  return starts, tuple(v[:, None] for v in _components(final, n))
+  return _components(starts, n), _components(final, n)
 
 
 def _forward(launch: _Launch, a, x, h0):
-  """a, x: component tuples [B, Tp, Dp]; h0: [B, 1, Dp]. Returns (h, last)."""
+  """a, x: component tuples [B, Tp, R, 128]; h0: [B, R, 128]. Returns (h, last)."""
   n, t = launch.tiling.components, launch.tiling
   ascending = not t.reverse
   h_shape = [launch.shape(x[0].dtype)] * n
@@ -180,17 +195,16 @@ def _forward(launch: _Launch, a, x, h0):
 
 
 def _chunk_edges(launch: _Launch, h, h0):
-  """State before each chunk's first step in scan order: [B, T/C, 1, Dp] per component."""
+  """State before each chunk's first step in scan order: [B, T/C, R, 128] each."""
   c, nc = launch.tiling.chunk, launch.tiling.num_chunks
   edges = []
   for h_c, h0_c in zip(h, h0):
     if launch.tiling.reverse:
       inner = h_c[:, c::c].astype(_F32)
-      e = jnp.concatenate([inner, h0_c], axis=1)
+      edges.append(jnp.concatenate([inner, h0_c[:, None]], axis=1))
     else:
       inner = h_c[:, c - 1:(nc - 1) * c:c].astype(_F32)
-      e = jnp.concatenate([h0_c, inner], axis=1)
-    edges.append(e[:, :, None])
+      edges.append(jnp.concatenate([h0_c[:, None], inner], axis=1))
   return tuple(edges)
 
 
@@ -244,25 +258,27 @@ _scan.defvjp(_scan_fwd, _scan_bwd)
 def _run(a: tuple, x: tuple, h0: Optional[tuple], reverse: bool):
   """Pads component tuples, launches, and crops. Returns (h tuple, last tuple)."""
   batch, time, channels = x[0].shape
-  launch = _Launch(batch, time, channels, x[0].dtype, len(x), reverse,
-                   engine.ScanOptions())
+  launch = _Launch(batch, time, channels, len(x), reverse, engine.ScanOptions())
   pad_t, pad_d = launch.padded_time - time, launch.padded_channels - channels
+  rows = (launch.padded_rows, _LANES)
 
   def pad(v, value):
-    if not (pad_t or pad_d):
-      return v
-    return jnp.pad(v, ((0, 0), (0, pad_t), (0, pad_d)), constant_values=value)
+    if pad_t or pad_d:
+      v = jnp.pad(v, ((0, 0), (0, pad_t), (0, pad_d)), constant_values=value)
+    return v.reshape(batch, launch.padded_time, *rows)
 
   # Padded steps have a = 1 (real part) and x = 0: the state passes through unchanged.
   a_p = tuple(pad(v.astype(_F32), 1.0 if c == 0 else 0.0) for c, v in enumerate(a))
   x_p = tuple(pad(v, 0) for v in x)
   if h0 is None:
-    h0_p = tuple(jnp.zeros((batch, 1, launch.padded_channels), _F32) for _ in x)
+    h0_p = tuple(jnp.zeros((batch, *rows), _F32) for _ in x)
   else:
-    h0_p = tuple(jnp.pad(v.astype(_F32), ((0, 0), (0, pad_d)))[:, None] for v in h0)
+    h0_p = tuple(jnp.pad(v.astype(_F32), ((0, 0), (0, pad_d))).reshape(batch, *rows)
+                 for v in h0)
   h, last = _scan(launch, a_p, x_p, h0_p)
-  return (tuple(v[:, :time, :channels] for v in h),
-          tuple(v[:, 0, :channels] for v in last))
+  flat = lambda v, *lead: v.reshape(*lead, launch.padded_channels)
+  return (tuple(flat(v, batch, launch.padded_time)[:, :time, :channels] for v in h),
+          tuple(flat(v, batch)[:, :channels] for v in last))
 
 
 def pallas_linear_scan(a: jax.Array, x: jax.Array, h0: Optional[jax.Array] = None, *,
