@@ -246,6 +246,26 @@ def test_tpu_wide_channels_use_full_sublane_tiles():
     _assert_whole_tile_accesses(kernel, rows=8)
 
 
+@pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.parametrize("x_dtype", ["float32", "bfloat16", "complex64"])
+def test_exports_at_production_tiling(target, x_dtype):
+  """Time chunks of 128 and 1024-channel blocks (T = 512, D = 1100): the sizes
+  where device limits bite (Mosaic GPU stages whole blocks in shared memory and
+  must shrink them; TPU blocks are full (8, 128) tiles)."""
+  reason = _skip_reason(target)
+  if reason:
+    pytest.skip(reason)
+  _, strategy, _, call_name, _ = TARGETS[target]
+  _bind(target, pallas_time_chunk=128, pallas_channel_block=1024)
+  exported = _export(target, "forward+backward", (2, 512, 1100), x_dtype, reverse=True)
+  calls = _custom_calls(exported)
+  assert [_target(c) for c, _, _ in calls] == (
+      [call_name] * KERNELS[(strategy, "forward+backward")])
+  if call_name == TPU_CALL:
+    for call, _, _ in calls:
+      _assert_whole_tile_accesses(_mosaic_module(call), rows=8)
+
+
 def test_tpu_tiling_interpreted_matches_reference():
   """The multi-row TPU tiling (8-row blocks, padded channel rows) computes the same
   values and gradients as the float64 reference, run in interpret mode."""

@@ -9,11 +9,13 @@ for free, as [B, Tp, R, 128]: time on an untiled axis, channels as R rows of 128
 lanes. A block is C time steps by `rows` rows; a step of the kernel is one
 [rows, 128] tile at a dynamic time index (see `pallas_kernels`). On TPU a block
 has 8 rows or more (one full (8, 128) float32 tile; Mosaic's block-shape rule),
-unless it spans all R. Decays are float32 even for bf16 x (bf16 rounds every a
-above ~0.998 to 1). Complex scans run on separate real and imaginary planes.
+unless it spans all R. Mosaic GPU stages whole blocks in shared memory, so there a
+block is one row and the chunk shrinks until the backward's blocks fit. Decays are
+float32 even for bf16 x (bf16 rounds every a above ~0.998 to 1). Complex scans run
+on separate real and imaginary planes.
 
 Strategies (ScanOptions.pallas_strategy):
-- "sequential" (TPU, Mosaic): grid (B, D/bd, T/C), time innermost and "arbitrary";
+- "sequential" (TPU, Mosaic): grid (B, R/rows, T/C), time innermost and "arbitrary";
   the state lives in a VMEM scratch across time blocks. One pass: read a, x, write h.
 - "chunked" (GPU): reduce then scan. A summary kernel gives each time chunk its decay
   product and final state from zero; a tiny associative scan over chunks (XLA, on
@@ -70,10 +72,30 @@ def _block_rows(lanes: int, requested: int, target: str) -> int:
   return rows
 
 
+# Mosaic GPU stages every block of a grid step in shared memory (227 KiB per block on
+# H100/H200, the limit its lowering enforces); the biggest kernel's blocks stay
+# under this, leaving room for its barriers.
+_MOSAIC_GPU_SMEM_BUDGET = 192 * 1024
+_MIN_CHUNK = 16
+
+
+def _mosaic_gpu_chunk(chunk: int, components: int, x_itemsize: int) -> int:
+  """The longest chunk, at most the requested one, whose fused-backward blocks (one
+  128-channel row) fit `_MOSAIC_GPU_SMEM_BUDGET`: per step a and da (float32) and
+  dy, h, dx (x's dtype), plus two float32 per-chunk states."""
+
+  def needed(c: int) -> int:
+    return components * _LANES * (c * (8 + 3 * x_itemsize) + 2 * 4)
+
+  while chunk > _MIN_CHUNK and needed(chunk) > _MOSAIC_GPU_SMEM_BUDGET:
+    chunk //= 2
+  return chunk
+
+
 class _Launch:
   """Static launch description: tiling, padding and where the kernels lower to."""
 
-  def __init__(self, batch: int, time: int, channels: int, components: int,
+  def __init__(self, batch: int, time: int, channels: int, x_dtype, components: int,
                reverse: bool, options: engine.ScanOptions):
     target = pallas_compat.lowering_platform()
     self.interpret = (options.pallas_interpret if options.pallas_interpret is not None
@@ -89,9 +111,14 @@ class _Launch:
     self.gpu_backend = (pallas_compat.resolve_gpu_backend(options.pallas_gpu_backend)
                         if target == "gpu" else None)
     sequential = strategy == "sequential"
-    chunk = min(options.pallas_time_chunk, max(16, _next_power_of_two(time)))
+    chunk = min(options.pallas_time_chunk, max(_MIN_CHUNK, _next_power_of_two(time)))
     lanes = _round_up(channels, _LANES) // _LANES
     rows = _block_rows(lanes, options.pallas_channel_block // _LANES, target)
+    if self.gpu_backend == "mosaic_gpu" and not self.interpret:
+      # One row per block: Mosaic GPU gives float32 and 16-bit loads of a multi-row
+      # tile different register layouts, and arithmetic between them fails to lower.
+      rows = 1
+      chunk = _mosaic_gpu_chunk(chunk, components, jnp.dtype(x_dtype).itemsize)
     self.batch, self.time, self.channels = batch, time, channels
     self.padded_time = _round_up(time, chunk)
     self.padded_rows = _round_up(lanes, rows)
@@ -258,7 +285,8 @@ _scan.defvjp(_scan_fwd, _scan_bwd)
 def _run(a: tuple, x: tuple, h0: Optional[tuple], reverse: bool):
   """Pads component tuples, launches, and crops. Returns (h tuple, last tuple)."""
   batch, time, channels = x[0].shape
-  launch = _Launch(batch, time, channels, len(x), reverse, engine.ScanOptions())
+  launch = _Launch(batch, time, channels, x[0].dtype, len(x), reverse,
+                   engine.ScanOptions())
   pad_t, pad_d = launch.padded_time - time, launch.padded_channels - channels
   rows = (launch.padded_rows, _LANES)
 
