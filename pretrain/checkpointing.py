@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import shutil
 from typing import Any, Mapping, Optional
 
@@ -63,6 +64,10 @@ class CheckpointConfig:
 
 
 def checkpoint_dir(workdir: str) -> epath.Path:
+  """`workdir/checkpoints`, absolute: Orbax's tensorstore (OCDBT) layer rejects relative
+  paths, and every command takes `--workdir` relative to the current directory."""
+  if "://" not in workdir:  # leave gs:// and other remote URLs alone
+    workdir = os.path.abspath(os.path.expanduser(workdir))
   return epath.Path(workdir) / "checkpoints"
 
 

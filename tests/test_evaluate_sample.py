@@ -109,6 +109,16 @@ def test_sample_command(trainer_env, trained_workdir):
   assert len(result.stdout.rstrip("\n")) > len("def ")
 
 
+def test_load_takes_a_workdir_relative_to_the_current_directory(trained_workdir, loaded,
+                                                               monkeypatch):
+  workdir = trained_workdir[0]
+  monkeypatch.chdir(os.path.dirname(workdir))
+  relative = pretrain.load(os.path.basename(workdir))
+  assert relative.step == loaded.step
+  for a, b in zip(jax.tree.leaves(relative.params), jax.tree.leaves(loaded.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_load_of_missing_step_is_a_clear_error(trained_workdir):
   with pytest.raises(pretrain.load.UserError, match="No complete checkpoint of step 7"):
     pretrain.load(trained_workdir[0], step=7)
