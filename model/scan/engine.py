@@ -47,9 +47,12 @@ class ScanOptions:
   Attributes:
     lax_unroll: unroll factor of `impl="lax"` (1 was fastest on CPU, see module doc).
     pallas_time_chunk: time steps per Pallas block, a power of two >= 16 (shorter
-      sequences use one block of the next power of two).
+      sequences use one block of the next power of two). Mosaic GPU may shrink it so
+      the backward's blocks fit in shared memory.
     pallas_channel_block: channels per Pallas block, a power of two >= 128
-      (lane-dense; narrower layers use one padded block of 128).
+      (lane-dense; narrower layers use one padded block of 128). On TPU a block grows
+      to 8 rows of 128 (1024 channels) unless it spans all of D, as Mosaic's block-shape
+      rule requires; Mosaic GPU uses one row of 128.
     pallas_strategy: "auto", "sequential" (one pass, state carried across time blocks
       in on-chip scratch: the TPU design) or "chunked" (reduce-then-scan over time
       chunks, many independent programs: the GPU design).
