@@ -15,23 +15,11 @@ import pretrain
 from pretrain import convert
 from pretrain.checkpointing import complete_steps
 from trainer_helpers import assert_ok, train_losses, trainer_env  # pylint: disable=unused-import
+from recurrentgemma_helpers import perturbed
 
 R, A = common.TemporalBlockType.RECURRENT, common.TemporalBlockType.ATTENTION
 VOCAB = 260      # >= the byte vocabulary's 259 ids, so the tiny corpus can train it
 WINDOW, SOFT_CAP = 8, 30.0
-
-
-def _perturb(params, key):
-  """Noise on the zero/structured inits (biases, scales, a_param) so mapping errors show."""
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-  keys = jax.random.split(key, len(leaves))
-  out = []
-  for (path, x), k in zip(leaves, keys):
-    name = jax.tree_util.keystr(path)
-    if any(s in name for s in ("['b']", "['bias']", "['scale']", "['a_param']")):
-      x = x + 0.3 * jax.random.normal(k, x.shape, x.dtype)
-    out.append(x)
-  return jax.tree_util.tree_unflatten(treedef, out)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +32,7 @@ def reference(tmp_path_factory):
       scan_type=common.ScanType.LINEAR_NATIVE)
   model = griffin.Griffin(config, gradient_checkpointing=False)
   dummy = jnp.zeros((1, 1), jnp.int32)
-  params = _perturb(jax.jit(model.init)(jax.random.PRNGKey(0), dummy, dummy)["params"],
+  params = perturbed(jax.jit(model.init)(jax.random.PRNGKey(0), dummy, dummy)["params"],
                     jax.random.PRNGKey(1))
   path = str(tmp_path_factory.mktemp("rg") / "checkpoint")
   rg_utils.save_parameters(path, params)

@@ -17,6 +17,7 @@ from recurrentgemma.jax import griffin
 from model import lm
 from model import recurrentgemma_params as rg_params
 from model.config import ModelConfig
+from recurrentgemma_helpers import perturbed
 
 R, A = common.TemporalBlockType.RECURRENT, common.TemporalBlockType.ATTENTION
 BATCH, LENGTH, VOCAB = 2, 32, 128
@@ -36,19 +37,6 @@ def _segment_positions() -> jax.Array:
   row0 = np.concatenate([np.arange(12), np.arange(10), np.arange(10)])
   row1 = np.concatenate([np.arange(3, 8), np.arange(27)])  # starts mid-document
   return jnp.asarray(np.stack([row0, row1]), jnp.int32)
-
-
-def _perturbed(params, rng):
-  """Adds noise to biases, norm scales and a_param (zero or structured at init)."""
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-  keys = jax.random.split(rng, len(leaves))
-  out = []
-  for (path, x), key in zip(leaves, keys):
-    name = jax.tree_util.keystr(path)
-    if any(s in name for s in ("['b']", "['bias']", "['scale']", "['a_param']")):
-      x = x + 0.3 * jax.random.normal(key, x.shape, x.dtype)
-    out.append(x)
-  return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def _loss(logits, targets):
@@ -72,7 +60,7 @@ class Case:
     reference = griffin.Griffin(self.reference_config, gradient_checkpointing=False)
     dummy = jnp.zeros((1, 1), jnp.int32)  # shapes only; a short trace keeps init cheap
     init = jax.jit(reference.init)(jax.random.PRNGKey(0), dummy, dummy)
-    self.reference_params = _perturbed(init["params"], jax.random.PRNGKey(3))
+    self.reference_params = perturbed(init["params"], jax.random.PRNGKey(3))
     self.config = rg_params.config_from_recurrentgemma_params(
         self.reference_params, window=spec["window"], logits_soft_cap=spec["soft_cap"],
         embeddings_scale_by_sqrt_dim=spec["scale"])
