@@ -368,12 +368,12 @@ def define_flags() -> None:
 
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    raise SystemExit(f"launch.sweep: error: unexpected arguments {argv[1:]}")
   if not FLAGS.workdir:
-    raise app.UsageError("--workdir is required")
+    raise SystemExit("launch.sweep: error: --workdir is required")
   unknown = sorted(set(FLAGS.families) - set(FAMILY_PATTERNS))
   if unknown:
-    raise app.UsageError(f"unknown families {unknown}; expected some of "
+    raise SystemExit(f"launch.sweep: error: unknown families {unknown}; expected some of "
                          f"{sorted(FAMILY_PATTERNS)}")
   workdir = os.path.abspath(os.path.expanduser(FLAGS.workdir))
   vocab_size = FLAGS.vocab_size or vocab_size_from_gin(FLAGS.gin_file, FLAGS.gin_param)

@@ -158,6 +158,8 @@ def main(argv: Sequence[str]) -> None:
   if any(m < 1 for m in multiples):
     raise cli.ConfigError(f"--multiples must be >= 1, got {multiples}")
   workdir = os.path.abspath(os.path.expanduser(FLAGS.workdir))
+  if not os.path.isdir(workdir):
+    raise cli.ConfigError(f"--workdir {workdir} does not exist; point it at a trained run")
   task = resolve_task(workdir, FLAGS.task)
   spec = synthetic.spec_of(task)
   # The module, whether or not the package re-exports `load` under the same name.
