@@ -15,6 +15,11 @@ Examples:
   python benchmarks/scan.py --quick                      # CPU-sized
   python benchmarks/scan.py                              # full grid (accelerator)
   python benchmarks/scan.py --channels=1024 --lengths=512,2048 --impls=lax:1,associative
+  python benchmarks/scan.py --impls=pallas:chunked,pallas:lookback   # GPU strategies
+
+"pallas" is the kernel with the strategy `ScanOptions` picks for the device;
+"pallas:S" forces launch strategy S (sequential, chunked or lookback); a strategy
+the device cannot run is reported as skipped, with the reason.
 
 On CPU the Pallas kernel only runs in interpret mode, which is not a performance
 number: it is skipped unless --include_interpret, and then marked "interpret".
@@ -26,12 +31,15 @@ import statistics
 import time
 from typing import Callable
 
+import gin
 import jax
 import jax.numpy as jnp
 
 from model.scan import linear_scan
 
-ALL_IMPLS = ("lax:1", "lax:8", "lax:128", "associative", "pallas", "recurrentgemma")
+ALL_IMPLS = ("lax:1", "lax:8", "lax:128", "associative", "pallas", "pallas:chunked",
+             "pallas:lookback", "recurrentgemma")
+_PALLAS_STRATEGIES = ("pallas:sequential", "pallas:chunked", "pallas:lookback")
 
 
 def _recurrentgemma_scan(a, x, h0):
@@ -43,8 +51,14 @@ def _recurrentgemma_scan(a, x, h0):
 
 
 def _scan_fn(impl: str) -> Callable:
+  """The scan of `impl`; "pallas:S" is the Pallas kernel with launch strategy S."""
   if impl == "recurrentgemma":
     return _recurrentgemma_scan
+  name, _, strategy = impl.partition(":")
+  gin.clear_config()
+  if name == "pallas" and strategy:
+    gin.bind_parameter("ScanOptions.pallas_strategy", strategy)
+    return lambda a, x, h0: linear_scan(a, x, h0, impl="pallas")
   return lambda a, x, h0: linear_scan(a, x, h0, impl=impl)
 
 
@@ -107,9 +121,10 @@ def main() -> None:
   if args.quick:
     args.channels, args.lengths, args.repeats = "1024", "512,2048", 3
   impls = args.impls.split(",")
-  unknown = set(impls) - set(ALL_IMPLS)
+  unknown = {i for i in impls if i not in ALL_IMPLS and i not in _PALLAS_STRATEGIES}
   if unknown:
-    parser.error(f"unknown --impls {sorted(unknown)}; choose from {ALL_IMPLS}")
+    parser.error(f"unknown --impls {sorted(unknown)}; choose from "
+                 f"{sorted(set(ALL_IMPLS) | set(_PALLAS_STRATEGIES))}")
   on_cpu = jax.default_backend() == "cpu"
   dtype = jnp.dtype(args.dtype)
   print(f"# device: {jax.devices()[0].device_kind} ({jax.default_backend()}), "
@@ -128,12 +143,19 @@ def main() -> None:
         floor = _copy_seconds(num_bytes, args.repeats)
         results = {}
         for impl in impls:
-          interpret = impl == "pallas" and on_cpu
+          interpret = impl.startswith("pallas") and on_cpu
           if interpret and not args.include_interpret:
-            print(f"| pallas | {mode} | {length} | {channels} | skipped: CPU runs Pallas "
-                  "only in interpret mode | | | | |")
+            print(f"| {impl} | {mode} | {length} | {channels} | skipped: CPU runs "
+                  "Pallas only in interpret mode | | | | |")
             continue
-          compile_s, seconds = _time(_modes(_scan_fn(impl))[mode], (a, x, h0), args.repeats)
+          try:
+            compile_s, seconds = _time(_modes(_scan_fn(impl))[mode], (a, x, h0),
+                                       args.repeats)
+          except ValueError as e:  # A strategy this device cannot run (named in e).
+            reason = str(e).splitlines()[0]
+            print(f"| {impl} | {mode} | {length} | {channels} | skipped: {reason} "
+                  "| | | | |")
+            continue
           results[impl] = (seconds, compile_s, interpret)
         reference = results.get("recurrentgemma", (None,))[0]
         for impl, (seconds, compile_s, interpret) in results.items():

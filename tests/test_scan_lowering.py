@@ -11,7 +11,8 @@ compiler parameters, and the exported module is inspected:
   whole [rows, 128] tiles (the layout rule the kernels rely on: time on an untiled
   axis, no slicing inside an (8, 128) tile).
 - GPU Triton: every kernel is a `__gpu$xla.gpu.triton` call whose Triton module
-  parses and verifies.
+  parses and verifies; the look-back kernels use acquire-release GPU-scope atomics,
+  volatile reads of published states and a thread barrier before each flag raise.
 - GPU Mosaic GPU: every kernel is a `mosaic_gpu_v2` call (Pallas verifies the
   module while lowering it).
 
@@ -53,13 +54,16 @@ TARGETS = {
                     ("jax.experimental.pallas.tpu", "jaxlib.mlir._mlir_libs._tpu_ext")),
     "cuda-triton": ("cuda", "chunked", "triton", TRITON_CALL,
                     ("jax.experimental.pallas.triton", "jaxlib.triton.dialect")),
+    "cuda-triton-lookback": ("cuda", "lookback", "triton", TRITON_CALL,
+                             ("jax.experimental.pallas.triton", "jaxlib.triton.dialect")),
     "cuda-mosaic_gpu": ("cuda", "chunked", "mosaic_gpu", MOSAIC_GPU_CALL,
                         ("jax.experimental.pallas.mosaic_gpu",
                          "jaxlib.mlir._mlir_libs._mosaic_gpu_ext")),
 }
 # Kernel launches per export: sequential = one pass each way; chunked = summary + pass.
 KERNELS = {("sequential", "forward"): 1, ("sequential", "forward+backward"): 2,
-           ("chunked", "forward"): 2, ("chunked", "forward+backward"): 4}
+           ("chunked", "forward"): 2, ("chunked", "forward+backward"): 4,
+           ("lookback", "forward"): 1, ("lookback", "forward+backward"): 2}
 
 
 def _missing_module(names) -> Optional[str]:
@@ -225,6 +229,16 @@ def test_exports_with_device_kernels(target, direction, x_dtype):
       assert semantics.endswith(f"<{last}>"), semantics
       # D = 200 is two rows of 128 lanes; on TPU the block spans both (full width).
       _assert_whole_tile_accesses(kernel, rows=2)
+    elif call_name == TRITON_CALL and strategy == "lookback":
+      kernel = _triton_module_verifies(call)
+      # The ticket, the flag reads and the two flag raises are GPU-scope
+      # acquire-release atomics; published states are read back volatile.
+      atomics = re.findall(r"tt\.atomic_rmw (\w+), (\w+), (\w+)", kernel)
+      assert {op for op, _, _ in atomics} == {"add", "max"}, atomics
+      assert all(sem == "acq_rel" and scope == "gpu" for _, sem, scope in atomics)
+      assert "scf.while" in kernel and "isVolatile = true" in kernel
+      # Threads sync before each of the two flag raises.
+      assert kernel.count("gpu.barrier") == 2, kernel.count("gpu.barrier")
     elif call_name == TRITON_CALL:
       assert "scf.for" in _triton_module_verifies(call)
 
@@ -286,3 +300,21 @@ def test_tpu_tiling_interpreted_matches_reference():
   for name, g, w in zip(["h", "h_last", "da", "dx", "dh0"], got, want):
     err = np.abs(np.asarray(g, np.float64) - w).max() / np.abs(w).max()
     assert err <= 1e-5, f"{name}: relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("platform,strategy,backend,message", [
+    ("tpu", "lookback", "auto", "needs global atomics"),
+    ("cuda", "lookback", "mosaic_gpu", "needs global atomics"),
+    ("cuda", "sequential", "auto", "Pallas GPU lacks"),
+])
+def test_strategy_a_target_cannot_run_is_refused(platform, strategy, backend, message):
+  """Asking for a strategy the target has no primitives for fails while tracing,
+  naming the strategy and what to use instead."""
+  gin.clear_config()
+  with gin.unlock_config():
+    gin.bind_parameter("lowering_platform.platform", platform)
+    gin.bind_parameter("ScanOptions.pallas_strategy", strategy)
+    gin.bind_parameter("ScanOptions.pallas_gpu_backend", backend)
+  x = jnp.ones((1, 16, 128), jnp.float32)
+  with pytest.raises(ValueError, match=f"pallas_strategy='{strategy}'.*{message}"):
+    jax.eval_shape(lambda a, x: linear_scan(a, x, impl="pallas"), x, x)

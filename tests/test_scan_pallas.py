@@ -1,8 +1,8 @@
 """The Pallas scan (interpret mode on CPU) against the float64 reference.
 
-Both launch strategies run: "sequential" (the TPU design: 8/16-row groups, state in
-scratch across time blocks) and "chunked" (the GPU design: reduce then scan, one row
-per step). Time chunks of 16 with T = 37 give three chunks and a padded tail; D = 130
+All three launch strategies run: "sequential" (the TPU design: 8/16-row groups,
+state in scratch across time blocks), "chunked" (reduce then scan, one row per step)
+and "lookback" (single pass, chunks chained through published states). Time chunks of 16 with T = 37 give three chunks and a padded tail; D = 130
 or 200 is padded to 256 lanes.
 """
 import gin
@@ -23,6 +23,9 @@ CASES = [
     ("chunked", 2, 130, "float32", True, False, False),
     ("chunked", 1, 200, "bfloat16", False, True, False),
     ("chunked", 1, 130, "complex64", False, True, True),
+    ("lookback", 2, 200, "float32", False, True, False),
+    ("lookback", 1, 130, "bfloat16", True, True, False),
+    ("lookback", 2, 130, "complex64", True, False, True),
 ]
 
 
@@ -98,3 +101,52 @@ def test_pairs_and_short_sequences(pallas_options):
                                    h0.astype(np.complex64))
   _assert_close(np.asarray(h_re) + 1j * np.asarray(h_im), h_ref, 1e-5, "h")
   _assert_close(np.asarray(l_re) + 1j * np.asarray(l_im), last_ref, 1e-5, "h_last")
+
+
+@pytest.mark.parametrize("components", [1, 2])
+def test_look_back_composes_published_chunk_maps(components):
+  """The look-back walk on hand-made flags, as a GPU would see them mid-flight.
+
+  In interpret mode programs run one after another, so a real launch only ever
+  finds its predecessor finished (flag 2). Here lane 0's chunk 3 finds chunks 2 and
+  1 with only their maps published (flag 1) and chunk 0 finished; lane 1's chunk 4
+  finds maps only, all the way back to h0.
+  """
+  from jax.experimental import pallas as pl
+  from model.scan import pallas_kernels
+  from model.scan import pallas_lookback
+
+  lanes, num_chunks = 2, 5
+  grid = pallas_lookback.Grid(pallas_kernels.Tiling(
+      chunk=16, rows=1, num_chunks=num_chunks, components=components, reverse=False,
+      sequential=False), batch=1, row_blocks=lanes)
+  rng = np.random.default_rng(5)
+  draw = lambda *shape: [rng.normal(size=shape).astype(np.float32)
+                         for _ in range(components)]
+  prod, local, inclusive = (draw(lanes, num_chunks, 1, 128) for _ in range(3))
+  base = draw(lanes, 1, 128)
+  flags = np.array([[2, 1, 1, 0, 0], [1, 1, 1, 1, 0]], np.int32).reshape(-1)
+  positions = (3, 4)
+
+  def kernel(flags_ref, *refs):
+    prod_refs, local_refs, inclusive_refs, base_refs, out_refs = (
+        refs[i * components:(i + 1) * components] for i in range(5))
+    for lane, position in enumerate(positions):
+      start = pallas_lookback.look_back(
+          flags_ref, prod_refs, local_refs, inclusive_refs, grid, jnp.int32(lane),
+          jnp.int32(position), tuple(r[lane] for r in base_refs))
+      for ref, value in zip(out_refs, start):
+        ref[lane] = value
+
+  out = pl.pallas_call(
+      kernel, out_shape=[jax.ShapeDtypeStruct((lanes, 1, 128), jnp.float32)] * components,
+      interpret=True)(flags, *prod, *local, *inclusive, *base)
+
+  as_complex = lambda planes: planes[0] + (1j * planes[1] if components == 2 else 0)
+  p, l, i, h0 = (as_complex(v).astype(np.complex128) for v in (prod, local, inclusive, base))
+  want_lane0 = p[0, 2] * (p[0, 1] * i[0, 0] + l[0, 1]) + l[0, 2]
+  want_lane1 = h0[1]
+  for j in range(4):
+    want_lane1 = p[1, j] * want_lane1 + l[1, j]
+  _assert_close(as_complex(out)[0], want_lane0, 1e-5, "lane 0 start (via inclusive)")
+  _assert_close(as_complex(out)[1], want_lane1, 1e-5, "lane 1 start (via h0)")

@@ -79,10 +79,13 @@ def test_eight_sequence_shards_match_single_device(reverse, complex_):
   assert all(shape == "8,2,6" for shape in gathered), gathered
 
 
-def test_pallas_inside_sequence_batch_and_channel_sharding():
-  """Pallas (interpret) as the local scan, with data and tensor sharding as well."""
+@pytest.mark.parametrize("strategy", ["auto", "lookback"])
+def test_pallas_inside_sequence_batch_and_channel_sharding(strategy):
+  """Pallas (interpret) as the local scan, with data and tensor sharding as well;
+  "lookback" checks that each shard's kernel gets its own zeroed flags and counter."""
   with gin.unlock_config():
     gin.bind_parameter("ScanOptions.pallas_time_chunk", 16)
+    gin.bind_parameter("ScanOptions.pallas_strategy", strategy)
   try:
     mesh = _mesh(data=2, sequence=2, tensor=2)
     a, x, h0, w = _inputs(1, 2, 64, 256)

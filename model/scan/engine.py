@@ -54,8 +54,12 @@ class ScanOptions:
       to 8 rows of 128 (1024 channels) unless it spans all of D, as Mosaic's block-shape
       rule requires; Mosaic GPU uses one row of 128.
     pallas_strategy: "auto", "sequential" (one pass, state carried across time blocks
-      in on-chip scratch: the TPU design) or "chunked" (reduce-then-scan over time
-      chunks, many independent programs: the GPU design).
+      in on-chip scratch: the TPU design), "chunked" (reduce-then-scan over time
+      chunks, many independent programs; reads a and x twice) or "lookback" (GPU
+      Triton: single pass, many programs chained by decoupled look-back through
+      global atomics; chunks of at most 32 steps and 128 channels, held in
+      registers). "auto" is "sequential" on TPU and "chunked" on GPU: "lookback"
+      moves the fewest bytes but has not yet run on a GPU (benchmarks/RESULTS.md).
     pallas_gpu_backend: "auto" (Triton where this JAX still ships it, else Mosaic
       GPU), "triton" or "mosaic_gpu".
     pallas_interpret: None = interpret mode exactly when running on CPU.
@@ -77,9 +81,9 @@ class ScanOptions:
         or self.pallas_channel_block < 128):
       raise ValueError("ScanOptions.pallas_channel_block must be a power of two >= 128 "
                        f"(lane-dense, Triton block shapes), got {self.pallas_channel_block}.")
-    if self.pallas_strategy not in ("auto", "sequential", "chunked"):
-      raise ValueError("ScanOptions.pallas_strategy must be 'auto', 'sequential' or "
-                       f"'chunked', got {self.pallas_strategy!r}.")
+    if self.pallas_strategy not in ("auto", "sequential", "chunked", "lookback"):
+      raise ValueError("ScanOptions.pallas_strategy must be 'auto', 'sequential', "
+                       f"'chunked' or 'lookback', got {self.pallas_strategy!r}.")
     if self.pallas_gpu_backend not in ("auto", "triton", "mosaic_gpu"):
       raise ValueError("ScanOptions.pallas_gpu_backend must be 'auto', 'triton' or "
                        f"'mosaic_gpu', got {self.pallas_gpu_backend!r}.")

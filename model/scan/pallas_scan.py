@@ -22,11 +22,15 @@ Strategies (ScanOptions.pallas_strategy):
   [B, T/C, D]) gives every chunk its true start state; the chunk kernel then re-scans
   each chunk from it. Every (batch, channel block, chunk) is an independent program,
   so the GPU is full even at B = 1, at the price of reading a and x twice.
+- "lookback" (GPU Triton): as many programs as "chunked", in a single pass: each
+  program takes its chunk's start state from its predecessors' published states
+  through global atomics (`pallas_lookback`). "auto" stays "chunked" on GPU until
+  the look-back kernel has been measured on one.
 
 Backward (custom VJP): g_t = dy_t + conj(a_{t+1}) g_{t+1} run against scan order,
 dx = g, da = g conj(h_{t-1}), dh0 = conj(a_0) g_0, as one fused kernel that reads dy,
 a and h once (h_{t-1} at chunk edges comes from a [B, T/C, D] side input), with the
-same two strategies. h is saved in x's dtype, so bf16 runs see bf16-rounded h_{t-1}
+same strategies. h is saved in x's dtype, so bf16 runs see bf16-rounded h_{t-1}
 in da (within the 1e-2 bf16 tolerance).
 
 On CPU every kernel runs in Pallas interpret mode (tests only). The TPU (Mosaic),
@@ -59,6 +63,13 @@ def _next_power_of_two(n: int) -> int:
 
 
 _LANES = 128
+
+
+def _lookback():
+  """`pallas_lookback`, imported on use: it needs Pallas Triton, which later JAX
+  releases may not ship (the other strategies do not)."""
+  from model.scan import pallas_lookback  # pylint: disable=g-import-not-at-top
+  return pallas_lookback
 
 
 def _block_rows(lanes: int, requested: int, target: str) -> int:
@@ -106,14 +117,30 @@ class _Launch:
     if strategy == "sequential" and target == "gpu" and not self.interpret:
       raise ValueError("ScanOptions.pallas_strategy='sequential' needs an on-chip "
                        "scratch carried across grid steps, which Pallas GPU lacks; use "
-                       "'chunked' or 'auto' on GPU.")
+                       "'chunked', 'lookback' or 'auto' on GPU.")
     self.target = target
     self.gpu_backend = (pallas_compat.resolve_gpu_backend(options.pallas_gpu_backend)
                         if target == "gpu" else None)
+    if strategy == "lookback" and not pallas_compat.triton_available():
+      raise ValueError("ScanOptions.pallas_strategy='lookback' is written with Pallas "
+                       f"Triton's atomics, which this JAX ({jax.__version__}) does not "
+                       "ship; use 'auto'.")
+    if strategy == "lookback" and not self.interpret and self.gpu_backend != "triton":
+      raise ValueError("ScanOptions.pallas_strategy='lookback' needs global atomics, "
+                       "which this project's kernels use through Pallas Triton only "
+                       f"(target {target!r}, GPU backend {self.gpu_backend!r}); use "
+                       "'auto' here, or pallas_gpu_backend='triton' on GPU.")
+    self.strategy = strategy
     sequential = strategy == "sequential"
     chunk = min(options.pallas_time_chunk, max(_MIN_CHUNK, _next_power_of_two(time)))
+    if strategy == "lookback":
+      chunk = min(chunk, _lookback().MAX_CHUNK)
     lanes = _round_up(channels, _LANES) // _LANES
     rows = _block_rows(lanes, options.pallas_channel_block // _LANES, target)
+    if strategy == "lookback":
+      # One 128-channel row per program: the chunk sits in registers, and more,
+      # narrower programs are what the GPU wants anyway.
+      rows = 1
     if self.gpu_backend == "mosaic_gpu" and not self.interpret:
       # One row per block: Mosaic GPU gives float32 and 16-bit loads of a multi-row
       # tile different register layouts, and arithmetic between them fails to lower.
@@ -125,6 +152,15 @@ class _Launch:
     self.padded_channels = self.padded_rows * _LANES
     self.tiling = Tiling(chunk=chunk, rows=rows, num_chunks=self.padded_time // chunk,
                          components=components, reverse=reverse, sequential=sequential)
+
+  @property
+  def lookback_grid(self):
+    return _lookback().Grid(self.tiling, self.batch,
+                            self.padded_rows // self.tiling.rows, self.interpret)
+
+  def lookback_params(self):
+    return None if self.interpret else pallas_compat.compiler_params(
+        self.target, ("parallel",), self.gpu_backend)
 
   @property
   def grid(self) -> tuple[int, int, int]:
@@ -201,6 +237,9 @@ def _forward(launch: _Launch, a, x, h0):
   n, t = launch.tiling.components, launch.tiling
   ascending = not t.reverse
   h_shape = [launch.shape(x[0].dtype)] * n
+  if launch.strategy == "lookback":
+    return _lookback().forward(launch.lookback_grid, a, x, h0,
+                                   compiler_params=launch.lookback_params())
   if t.sequential:
     outs = launch.call(
         pallas_kernels.forward_kernel,
@@ -238,6 +277,9 @@ def _chunk_edges(launch: _Launch, h, h0):
 def _backward(launch: _Launch, a, h, h0, dy, dlast):
   """Cotangents (da, dx, dh0) of `_forward`'s (h, last)."""
   n, t = launch.tiling.components, launch.tiling
+  if launch.strategy == "lookback":
+    return _lookback().backward(launch.lookback_grid, a, h, h0, dy, dlast,
+                                    compiler_params=launch.lookback_params())
   sweep_ascending = t.reverse
   edges = _chunk_edges(launch, h, h0)
   out_shape = [launch.shape(dy[0].dtype)] * n + [launch.shape(_F32)] * n
