@@ -283,7 +283,7 @@ def run(config: ModelConfig, batch: int, seq: int, steps: int, warmup: int,
         "median_step_s": median, "tokens_per_s": tokens / median,
         "first_loss": first_losses[runner.name], "step_s": runner.step_s}
   return {
-      "config": dataclasses.asdict(config),
+      "config": {**dataclasses.asdict(config), "depth_unroll": config.depth_unroll},
       "batch": batch, "seq": seq, "steps": steps, "warmup": warmup,
       "reference": reference_name, "models": models,
       "ratio_tokens_per_s": models["ours"]["tokens_per_s"]
@@ -308,7 +308,8 @@ def format_table(result: dict) -> str:
       f"depth {cfg['depth']}, rnn {cfg['rnn_width']}, heads {cfg['num_heads']}, gate blocks "
       f"{cfg['num_gate_blocks'] or cfg['num_heads']}, window {cfg['attention_window']}, "
       f"vocab {cfg['vocab_size']}, dtype {cfg['dtype']}, remat {cfg['remat']}, "
-      f"scan_impl {cfg['scan_impl']}",
+      f"scan_impl {cfg['scan_impl']}, depth scan {cfg['depth_unroll']} unit(s) per "
+      f"iteration of {max(cfg['depth'] // len(cfg['block_pattern']), 1)}",
       f"Device: {result['device']}, JAX {result['jax_version']}; {result['steps']} timed "
       f"steps after {result['warmup']} warm-up",
       f"Reference: {result['reference']}",

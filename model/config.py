@@ -24,6 +24,8 @@ REMAT_POLICIES = ("none", "full", "save_matmuls")
 SCAN_IMPLS = ("auto", "lax", "associative", "pallas")
 DTYPES = ("float32", "bfloat16", "float16")
 LRU_VARIANTS = ("real", "complex")
+# `depth_scan_unroll=None` unrolls models up to this many layers (griffin_100m's 12).
+AUTO_UNROLL_MAX_DEPTH = 12
 
 
 @gin.configurable
@@ -53,9 +55,12 @@ class ModelConfig:
     remat: rematerialisation policy of each scanned unit of `block_pattern` (depth is
       always scanned, see `model.lm`).
     depth_scan_unroll: repeating units per iteration of the depth scan. 1 keeps the
-      program size and compile time independent of depth (the default, right for
-      accelerators and deep models); unrolling trades compile time for step time, which
-      pays on CPU where the loop blocks fusion across layers (benchmarks/train_step.py).
+      program size and compile time independent of depth (right for deep models);
+      unrolling trades compile time for step time. None (the default) unrolls the
+      whole depth up to AUTO_UNROLL_MAX_DEPTH layers and scans one unit per
+      iteration beyond: on the 2-core CPU the scanned depth cost 11% (griffin_100m)
+      to 18% (quickstart) of a loss gradient, and at those depths unrolling compiled
+      in about the same time (benchmarks/RESULTS.md, "Depth scan").
   """
   vocab_size: int = 256
   width: int = 128
@@ -75,7 +80,7 @@ class ModelConfig:
   dtype: str = "float32"
   scan_impl: str = "auto"
   remat: str = "none"
-  depth_scan_unroll: int = 1
+  depth_scan_unroll: Optional[int] = None
 
   def __post_init__(self):
     object.__setattr__(self, "block_pattern", tuple(str(b) for b in self.block_pattern))
@@ -90,8 +95,10 @@ class ModelConfig:
         raise ValueError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
 
     for name in ("vocab_size", "width", "rnn_width", "num_heads", "depth",
-                 "mlp_expansion", "conv_width", "gateloop_head_dim", "depth_scan_unroll"):
+                 "mlp_expansion", "conv_width", "gateloop_head_dim"):
       positive(name)
+    if self.depth_scan_unroll is not None:
+      positive("depth_scan_unroll")
     if self.width % self.num_heads:
       raise ValueError(
           f"ModelConfig.width={self.width} must be divisible by num_heads={self.num_heads}")
@@ -161,6 +168,14 @@ class ModelConfig:
   def num_scanned_units(self) -> int:
     """Full repetitions of the block pattern (scanned over depth)."""
     return self.depth // len(self.block_pattern)
+
+  @property
+  def depth_unroll(self) -> int:
+    """Units per iteration of the depth scan, with `depth_scan_unroll=None` resolved."""
+    units = max(self.num_scanned_units, 1)
+    if self.depth_scan_unroll is None:
+      return units if self.depth <= AUTO_UNROLL_MAX_DEPTH else 1
+    return min(self.depth_scan_unroll, units)
 
   @property
   def remainder_block_types(self) -> tuple[str, ...]:

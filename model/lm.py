@@ -9,8 +9,10 @@ Document boundaries come only from `positions` (each token's position in its doc
 Depth is scanned. The repeating unit of `config.block_pattern` (R, R, A for Griffin) is one
 module applied with `nn.scan` over `config.num_scanned_units`, its parameters stacked on a
 leading `layers` axis; the trailing partial unit (`config.remainder_block_types`) follows
-unscanned. Compile time and program size therefore do not grow with depth (unless
-`config.depth_scan_unroll` > 1 asks for several units per loop iteration, a CPU speed-up). Each unit is
+unscanned. Compile time and program size therefore do not grow with depth, except where
+`config.depth_unroll` runs several units per loop iteration (by default the whole depth
+of models of at most 12 layers, where the loop costs more step time than the unrolled
+program costs compile time; see `ModelConfig.depth_scan_unroll`). Each unit is
 rematerialised according to `config.remat` ("none", "full", or "save_matmuls": keep the
 outputs of weight matmuls and recompute the rest).
 
@@ -117,7 +119,7 @@ def _scanned_units(config: ModelConfig) -> type[nn.Module]:
       split_rngs={"params": True},
       in_axes=(nn.broadcast, 0),
       length=config.num_scanned_units,
-      unroll=min(config.depth_scan_unroll, max(config.num_scanned_units, 1)),
+      unroll=config.depth_unroll,
       metadata_params={nn.PARTITION_NAME: P.LAYERS})
 
 

@@ -99,3 +99,21 @@ def test_models_recurrentgemma_cannot_build_are_rejected(train_step):
     train_step.reference_config(config, seq=8)
   with pytest.raises(ValueError, match="--preset"):
     train_step.preset_file("no_such_preset")
+
+
+def test_depth_scan_script_times_scanned_and_unrolled(tiny_gin, capsys):
+  """benchmarks/depth_scan.py on the tiny Griffin at depth 6 (two scanned units)."""
+  with open(tiny_gin, "a") as f:
+    f.write("ModelConfig.depth = 6\n")
+  spec = importlib.util.spec_from_file_location(
+      "depth_scan", os.path.join(REPO_ROOT, "benchmarks", "depth_scan.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  assert module.main([f"--preset={tiny_gin}", "--batch=1", "--seq=8", "--steps=2",
+                      "--unrolls=1,full"]) == 0
+  printed = capsys.readouterr().out
+  assert "2 scanned unit(s)" in printed and "default unroll (depth_scan_unroll=None): 2" in printed
+  rows = [line for line in printed.splitlines() if line.startswith("| 1 |")
+          or line.startswith("| 2 |")]
+  assert len(rows) == 2, printed
+  assert rows[0].endswith("| 1.00 |"), rows[0]

@@ -133,10 +133,12 @@ def test_remat_policies_give_identical_gradients(griffin_params):
 
 def test_unrolled_depth_scan_gives_identical_gradients():
   config = GRIFFIN.replace(depth=7, width=16, rnn_width=16)  # 2 scanned units + 1 block
+  assert config.depth_unroll == 2                  # the default unrolls 7 layers
+  assert config.replace(depth=13).depth_unroll == 1     # and scans beyond 12
   params = lm.init_params(config, jax.random.PRNGKey(1))
   tokens, positions = tokens_and_positions([[9, 7]], seed=5)
-  reference = _jitted_grad(config)(params, tokens, positions)
-  unrolled = _jitted_grad(config.replace(depth_scan_unroll=2))(params, tokens, positions)
+  reference = _jitted_grad(config.replace(depth_scan_unroll=1))(params, tokens, positions)
+  unrolled = _jitted_grad(config)(params, tokens, positions)
   for a, b in zip(jax.tree.leaves(reference), jax.tree.leaves(unrolled)):
     np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
 
@@ -164,7 +166,8 @@ def test_program_size_does_not_grow_with_depth():
   tokens, positions = tokens_and_positions([[8]], seed=6)
 
   def program_size(depth):
-    cfg = GRIFFIN.replace(depth=depth, width=16, rnn_width=16, remat="full")
+    cfg = GRIFFIN.replace(depth=depth, width=16, rnn_width=16, remat="full",
+                          depth_scan_unroll=1)
     params = jax.eval_shape(lambda: lm.init_params(cfg, jax.random.PRNGKey(0)))
     lowered = jax.jit(jax.grad(loss_fn(cfg))).lower(params, tokens, positions)
     return len(lowered.as_text())
