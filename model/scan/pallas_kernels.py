@@ -53,17 +53,20 @@ class Tiling:
   sequential: bool
 
 
-def _mul(a: Value, b: Value) -> Value:
+def complex_mul(a: Value, b: Value) -> Value:
+  """a * b for values of one (real) or two (real, imaginary) components."""
   if len(a) == 1:
     return (a[0] * b[0],)
   return (a[0] * b[0] - a[1] * b[1], a[0] * b[1] + a[1] * b[0])
 
 
-def _conj(a: Value) -> Value:
+def complex_conj(a: Value) -> Value:
+  """The conjugate (the value itself when real)."""
   return a if len(a) == 1 else (a[0], -a[1])
 
 
-def _add(a: Value, b: Value) -> Value:
+def complex_add(a: Value, b: Value) -> Value:
+  """a + b, component-wise."""
   return tuple(u + v for u, v in zip(a, b))
 
 
@@ -98,7 +101,7 @@ def forward_rows(a_refs, x_refs, h_refs, h: Value, tiling: Tiling) -> Value:
 
   def body(i, h):
     t = _step_index(i, tiling, ascending)
-    h = _add(_mul(_load(a_refs, t), h), _load(x_refs, t))
+    h = complex_add(complex_mul(_load(a_refs, t), h), _load(x_refs, t))
     _store(h_refs, t, h)
     return h
 
@@ -118,20 +121,20 @@ def summary_rows(a_refs, x_refs, tiling: Tiling, backward: bool) -> tuple[Value,
 
   def decay(t) -> Value:
     a = _load(a_refs, t)
-    return _conj(a) if backward else a
+    return complex_conj(a) if backward else a
 
   def step(t, local: Value) -> Value:
     a, x = decay(t), _load(x_refs, t)
-    return _mul(a, _add(x, local)) if backward else _add(_mul(a, local), x)
+    return complex_mul(a, complex_add(x, local)) if backward else complex_add(complex_mul(a, local), x)
 
   first = _step_index(0, tiling, ascending)
   prod = decay(first)
-  local = _mul(prod, _load(x_refs, first)) if backward else _load(x_refs, first)
+  local = complex_mul(prod, _load(x_refs, first)) if backward else _load(x_refs, first)
 
   def body(i, carry):
     local, prod = carry
     t = _step_index(i, tiling, ascending)
-    return step(t, local), _mul(decay(t), prod)
+    return step(t, local), complex_mul(decay(t), prod)
 
   local, prod = jax.lax.fori_loop(1, tiling.chunk, body, (local, prod))
   return prod, local
@@ -151,10 +154,10 @@ def backward_rows(a_refs, dy_refs, h_refs, edge: Value, dx_refs, da_refs, c: Val
   prev_offset = -1 if scan_ascending else 1
 
   def step(t, h_prev: Value, c: Value) -> Value:
-    g = _add(_load(dy_refs, t), c)
+    g = complex_add(_load(dy_refs, t), c)
     _store(dx_refs, t, g)
-    _store(da_refs, t, _mul(g, _conj(h_prev)))
-    return _mul(_conj(_load(a_refs, t)), g)
+    _store(da_refs, t, complex_mul(g, complex_conj(h_prev)))
+    return complex_mul(complex_conj(_load(a_refs, t)), g)
 
   def body(i, c):
     t = _step_index(i, tiling, not scan_ascending)

@@ -49,9 +49,9 @@ from jax.experimental.pallas import triton as pltriton
 
 from model.scan.pallas_kernels import Tiling
 from model.scan.pallas_kernels import Value
-from model.scan.pallas_kernels import _add
-from model.scan.pallas_kernels import _conj
-from model.scan.pallas_kernels import _mul
+from model.scan.pallas_kernels import complex_add
+from model.scan.pallas_kernels import complex_conj
+from model.scan.pallas_kernels import complex_mul
 
 _F32 = jnp.float32
 _LANES = 128
@@ -166,14 +166,14 @@ def look_back(flags_ref, prod_refs, local_refs, inclusive_refs, grid: Grid, lane
     flag = pltriton.atomic_add(flags_ref, lane * grid.tiling.num_chunks + j, j * 0)
     p_j, l_j = _volatile(prod_refs, lane, j), _volatile(local_refs, lane, j)
     inclusive = _volatile(inclusive_refs, lane, j)
-    composed_prod, composed_local = _mul(prod, p_j), _add(_mul(prod, l_j), local)
+    composed_prod, composed_local = complex_mul(prod, p_j), complex_add(complex_mul(prod, l_j), local)
     use_inclusive = flag == _INCLUSIVE
     use_aggregate = flag == _AGGREGATE
     previous = jnp.where(use_aggregate, j - 1, j)
     at_start = jnp.logical_and(use_aggregate, previous < 0)
     pick = lambda cond, new, old: tuple(jnp.where(cond, n, o) for n, o in zip(new, old))
-    start = pick(use_inclusive, _add(_mul(prod, inclusive), local), start)
-    start = pick(at_start, _add(_mul(composed_prod, base), composed_local), start)
+    start = pick(use_inclusive, complex_add(complex_mul(prod, inclusive), local), start)
+    start = pick(at_start, complex_add(complex_mul(composed_prod, base), composed_local), start)
     return (previous, jnp.logical_or(use_inclusive, at_start),
             pick(use_aggregate, composed_prod, prod),
             pick(use_aggregate, composed_local, local), start)
@@ -191,7 +191,7 @@ def _chain(workspace: Sequence, grid: Grid, program: _Program, prod: Value,
            (prod_refs, prod), (local_refs, local))
   start = look_back(flags_ref, prod_refs, local_refs, inclusive_refs, grid,
                     program.lane, program.position, base)
-  inclusive = _add(_mul(prod, start), local)
+  inclusive = complex_add(complex_mul(prod, start), local)
   _publish(flags_ref, grid, program.lane, program.position, _INCLUSIVE,
            (inclusive_refs, inclusive))
   return start, inclusive
@@ -215,7 +215,7 @@ def _reduce(decays: Sequence[Value], inputs: Sequence[Value]) -> tuple[Value, Va
   """The map s -> P s + L of steps s <- d s + u (in the given order)."""
   prod, local = decays[0], inputs[0]
   for d, u in zip(decays[1:], inputs[1:]):
-    prod, local = _mul(d, prod), _add(_mul(d, local), u)
+    prod, local = complex_mul(d, prod), complex_add(complex_mul(d, local), u)
   return prod, local
 
 
@@ -233,7 +233,7 @@ def forward_kernel(*refs, grid: Grid):
   h, inclusive = _chain((flags_ref, prod_refs, local_refs, inclusive_refs), grid,
                         program, prod, local, _state(h0_refs, program))
   for t, d, u in zip(times, decays, inputs):
-    h = _add(_mul(d, h), u)
+    h = complex_add(complex_mul(d, h), u)
     _put_row(h_refs, program, t, h)
 
   @pl.when(program.position == grid.tiling.num_chunks - 1)
@@ -250,16 +250,16 @@ def backward_kernel(*refs, grid: Grid):
   scan_ascending = not grid.tiling.reverse
   program = _claim(counter_ref, grid, not scan_ascending)
   times = [program.first_step + s for s in _steps(grid, not scan_ascending)]
-  decays = [_conj(_row(a_refs, program, t)) for t in times]
+  decays = [complex_conj(_row(a_refs, program, t)) for t in times]
   grads = [_row(dy_refs, program, t) for t in times]
-  prod, local = _reduce(decays, [_mul(d, g) for d, g in zip(decays, grads)])
+  prod, local = _reduce(decays, [complex_mul(d, g) for d, g in zip(decays, grads)])
   carry, inclusive = _chain((flags_ref, prod_refs, local_refs, inclusive_refs), grid,
                             program, prod, local, _state(dlast_refs, program))
   h0 = _state(h0_refs, program)
   padded_time = grid.tiling.num_chunks * grid.tiling.chunk
   offset = -1 if scan_ascending else 1
   for i, (t, d, dy) in enumerate(zip(times, decays, grads)):
-    g = _add(dy, carry)
+    g = complex_add(dy, carry)
     _put_row(dx_refs, program, t, g)
     previous = t + offset
     if i == len(times) - 1:
@@ -270,8 +270,8 @@ def backward_kernel(*refs, grid: Grid):
       h_prev = tuple(jnp.where(inside, r, s) for r, s in zip(row, h0))
     else:
       h_prev = _row(h_refs, program, previous)
-    _put_row(da_refs, program, t, _mul(g, _conj(h_prev)))
-    carry = _mul(d, g)
+    _put_row(da_refs, program, t, complex_mul(g, complex_conj(h_prev)))
+    carry = complex_mul(d, g)
 
   @pl.when(program.position == grid.tiling.num_chunks - 1)
   def _():
