@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_step import load_model_config  # pylint: disable=g-import-not-at-top,wrong-import-position
+# pylint: disable-next=g-import-not-at-top,wrong-import-position
+from train_step import load_model_config
 
 from model import lm  # pylint: disable=wrong-import-position
 from model.config import ModelConfig  # pylint: disable=wrong-import-position
@@ -73,10 +74,11 @@ def main(argv=None) -> int:
   tokens = jnp.asarray(rng.integers(0, base.vocab_size, (args.batch, args.seq)), jnp.int32)
   positions = jnp.tile(jnp.arange(args.seq, dtype=jnp.int32), (args.batch, 1))
   params = lm.init_params(base, jax.random.PRNGKey(0))
+  default_unroll = base.replace(depth_scan_unroll=None).depth_unroll
   print(f"# {args.preset}: depth {base.depth}, {base.num_scanned_units} scanned unit(s) "
         f"of {len(base.block_pattern)} block(s), batch {args.batch} x seq {args.seq}, "
         f"{base.dtype}; device {jax.devices()[0].device_kind}, JAX {jax.__version__}; "
-        f"default unroll (depth_scan_unroll=None): {base.replace(depth_scan_unroll=None).depth_unroll}")
+        f"default unroll (depth_scan_unroll=None): {default_unroll}")
   compiled, compile_s = {}, {}
   for unroll in _unroll_values(args.unrolls, base):
     grad = _loss_gradient(base.replace(depth_scan_unroll=unroll))
@@ -92,7 +94,8 @@ def main(argv=None) -> int:
       jax.block_until_ready(compiled[unroll](params, tokens, positions))
       times[unroll].append(time.perf_counter() - start)
   scanned = statistics.median(times[order[0]])
-  print(f"| units per iteration | compile s | median step ms | step time / unroll {order[0]} |")
+  print("| units per iteration | compile s | median step ms | "
+        f"step time / unroll {order[0]} |")
   print("|---|---|---|---|")
   for unroll in order:
     median = statistics.median(times[unroll])

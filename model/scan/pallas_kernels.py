@@ -125,7 +125,9 @@ def summary_rows(a_refs, x_refs, tiling: Tiling, backward: bool) -> tuple[Value,
 
   def step(t, local: Value) -> Value:
     a, x = decay(t), _load(x_refs, t)
-    return complex_mul(a, complex_add(x, local)) if backward else complex_add(complex_mul(a, local), x)
+    if backward:
+      return complex_mul(a, complex_add(x, local))
+    return complex_add(complex_mul(a, local), x)
 
   first = _step_index(0, tiling, ascending)
   prod = decay(first)

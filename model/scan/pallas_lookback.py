@@ -166,14 +166,16 @@ def look_back(flags_ref, prod_refs, local_refs, inclusive_refs, grid: Grid, lane
     flag = pltriton.atomic_add(flags_ref, lane * grid.tiling.num_chunks + j, j * 0)
     p_j, l_j = _volatile(prod_refs, lane, j), _volatile(local_refs, lane, j)
     inclusive = _volatile(inclusive_refs, lane, j)
-    composed_prod, composed_local = complex_mul(prod, p_j), complex_add(complex_mul(prod, l_j), local)
+    composed_prod = complex_mul(prod, p_j)
+    composed_local = complex_add(complex_mul(prod, l_j), local)
     use_inclusive = flag == _INCLUSIVE
     use_aggregate = flag == _AGGREGATE
     previous = jnp.where(use_aggregate, j - 1, j)
     at_start = jnp.logical_and(use_aggregate, previous < 0)
     pick = lambda cond, new, old: tuple(jnp.where(cond, n, o) for n, o in zip(new, old))
     start = pick(use_inclusive, complex_add(complex_mul(prod, inclusive), local), start)
-    start = pick(at_start, complex_add(complex_mul(composed_prod, base), composed_local), start)
+    from_base = complex_add(complex_mul(composed_prod, base), composed_local)
+    start = pick(at_start, from_base, start)
     return (previous, jnp.logical_or(use_inclusive, at_start),
             pick(use_aggregate, composed_prod, prod),
             pick(use_aggregate, composed_local, local), start)
@@ -302,7 +304,8 @@ def _launch(kernel, grid: Grid, args: Sequence[jax.Array], out_shape: list,
   return outs
 
 
-def forward(grid: Grid, a: Value, x: Value, h0: Value, *, compiler_params) -> tuple[Value, Value]:
+def forward(grid: Grid, a: Value, x: Value, h0: Value, *,
+            compiler_params) -> tuple[Value, Value]:
   """a, x: component tuples [B, Tp, R, 128]; h0: [B, R, 128]. Returns (h, last)."""
   n = grid.tiling.components
   h_shape = jax.ShapeDtypeStruct(x[0].shape, x[0].dtype)
