@@ -48,12 +48,12 @@ def _loss_gradient(config: ModelConfig):
 
 
 def _unroll_values(spec: str, config: ModelConfig) -> list[int]:
+  """--unrolls as sorted unit counts; ValueError naming a value that is not one."""
   units = max(config.num_scanned_units, 1)
-  values = [units if v == "full" else int(v) for v in spec.split(",")]
-  bad = [v for v in values if v < 1]
+  bad = [v for v in spec.split(",") if v != "full" and not (v.isdigit() and int(v) >= 1)]
   if bad:
-    raise SystemExit(f"--unrolls: values must be >= 1 or 'full', got {bad}")
-  return sorted({min(v, units) for v in values})
+    raise ValueError(f"--unrolls: values must be integers >= 1 or 'full', got {bad}")
+  return sorted({units if v == "full" else min(int(v), units) for v in spec.split(",")})
 
 
 def main(argv=None) -> int:
@@ -69,7 +69,11 @@ def main(argv=None) -> int:
   parser.add_argument("--steps", type=int, default=6, help="timed steps per variant")
   args = parser.parse_args(argv)
 
-  base = load_model_config(args.preset, dtype=args.dtype)
+  try:
+    base = load_model_config(args.preset, dtype=args.dtype)
+    unrolls = _unroll_values(args.unrolls, base)
+  except ValueError as e:
+    parser.error(str(e).splitlines()[0])
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(0, base.vocab_size, (args.batch, args.seq)), jnp.int32)
   positions = jnp.tile(jnp.arange(args.seq, dtype=jnp.int32), (args.batch, 1))
@@ -80,7 +84,7 @@ def main(argv=None) -> int:
         f"{base.dtype}; device {jax.devices()[0].device_kind}, JAX {jax.__version__}; "
         f"default unroll (depth_scan_unroll=None): {default_unroll}")
   compiled, compile_s = {}, {}
-  for unroll in _unroll_values(args.unrolls, base):
+  for unroll in unrolls:
     grad = _loss_gradient(base.replace(depth_scan_unroll=unroll))
     start = time.perf_counter()
     compiled[unroll] = grad.lower(params, tokens, positions).compile()

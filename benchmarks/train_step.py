@@ -353,9 +353,12 @@ def main(argv: Optional[list[str]] = None) -> int:
   parser.add_argument("--json", help="also write the results to this JSON file")
   args = parser.parse_args(argv)
 
-  config = load_model_config(args.preset, remat=args.remat, dtype=args.dtype,
-                             vocab_size=args.vocab_size, scan_impl=args.scan_impl,
-                             depth_scan_unroll=args.depth_scan_unroll)
+  try:
+    config = load_model_config(args.preset, remat=args.remat, dtype=args.dtype,
+                               vocab_size=args.vocab_size, scan_impl=args.scan_impl,
+                               depth_scan_unroll=args.depth_scan_unroll)
+  except ValueError as e:
+    parser.error(str(e).splitlines()[0])
   result = run(config, args.batch, args.seq, args.steps, args.warmup, args.seed)
   print(format_table(result))
   if args.json:

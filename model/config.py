@@ -58,9 +58,9 @@ class ModelConfig:
       program size and compile time independent of depth (right for deep models);
       unrolling trades compile time for step time. None (the default) unrolls the
       whole depth up to AUTO_UNROLL_MAX_DEPTH layers and scans one unit per
-      iteration beyond: on the 2-core CPU the scanned depth cost 11% (griffin_100m)
-      to 18% (quickstart) of a loss gradient, and at those depths unrolling compiled
-      in about the same time (benchmarks/RESULTS.md, "Depth scan").
+      iteration beyond: on the 2-core CPU the scanned depth cost 6% (griffin_100m)
+      to 23% (quickstart) of a loss gradient, and at those depths unrolling compiled
+      in about the same time (benchmarks/depth_scan.py; benchmarks/RESULTS.md).
   """
   vocab_size: int = 256
   width: int = 128

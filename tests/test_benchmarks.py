@@ -117,3 +117,9 @@ def test_depth_scan_script_times_scanned_and_unrolled(tiny_gin, capsys):
           or line.startswith("| 2 |")]
   assert len(rows) == 2, printed
   assert rows[0].endswith("| 1.00 |"), rows[0]
+  for bad, named in (("--unrolls=abc", "--unrolls"), ("--preset=no_such_preset", "--preset")):
+    with pytest.raises(SystemExit) as exit_info:
+      module.main([bad])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f": error: {named}" in error, error

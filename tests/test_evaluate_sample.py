@@ -26,12 +26,7 @@ def loaded(trained_workdir):
 
 def test_evaluate_command_on_validation_split(trainer_env, trained_workdir, tmp_path):
   workdir, _ = trained_workdir
-  output = tmp_path / "eval.json"
-  result = trainer_env.run(trainer_env.command(
-      "pretrain.evaluate", f"--workdir={workdir}", f"--output={output}"))
-  assert_ok(result)
-  printed = json.loads(result.stdout.strip().splitlines()[-1])
-  assert printed == json.loads(output.read_text())
+  printed = trainer_env.evaluate(workdir, tmp_path / "eval.json")
   assert printed["step"] == 24 and printed["tokens"] > 0
   # The training run's own evaluations covered part of the same split: same ballpark.
   final_eval = [r["eval_loss"] for r in read_metrics(workdir) if "eval_loss" in r][-1]

@@ -278,7 +278,6 @@ def test_cli_trains_checkpoints_loads_and_evaluates_a_synthetic_task(trainer_env
                                                                      tmp_path):
   """`DataPipeline.task='induction_heads'` needs no data config; the checkpoint records
   the pass-through vocabulary; `pretrain.evaluate` reports the answers' accuracy."""
-  import json
   import pretrain
   from pretrain import extrapolation
   from pretrain.checkpointing import complete_steps
@@ -292,12 +291,7 @@ def test_cli_trains_checkpoints_loads_and_evaluates_a_synthetic_task(trainer_env
   assert model.vocabulary.vocab_size == 18
   assert complete_steps(workdir / "checkpoints") == [4, 8]
 
-  output = tmp_path / "eval.json"
-  result = trainer_env.run(trainer_env.command(
-      "pretrain.evaluate", f"--workdir={workdir}", f"--output={output}"))
-  assert_ok(result)
-  printed = json.loads(result.stdout.strip().splitlines()[-1])
-  assert printed == json.loads(output.read_text())
+  printed = trainer_env.evaluate(workdir, tmp_path / "eval.json")
   assert set(printed) == {"step", "loss", "tokens", "accuracy"}
   assert printed["step"] == 8 and printed["tokens"] == 16   # one answer per document
 

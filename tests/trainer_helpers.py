@@ -92,6 +92,17 @@ class TrainerEnv:
     return subprocess.run(command, env=self.env, cwd=REPO, capture_output=True, text=True,
                           timeout=timeout)
 
+  def evaluate(self, workdir, output):
+    """Runs `pretrain.evaluate` on workdir; checks that the JSON it prints last is
+    the JSON it wrote to `output` and returns it."""
+    result = self.run(self.command("pretrain.evaluate", f"--workdir={workdir}",
+                                   f"--output={output}"))
+    assert_ok(result)
+    printed = json.loads(result.stdout.strip().splitlines()[-1])
+    with open(output, encoding="utf-8") as f:
+      assert printed == json.loads(f.read())
+    return printed
+
   def popen(self, command):
     return subprocess.Popen(command, env=self.env, cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
