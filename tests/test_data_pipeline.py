@@ -13,6 +13,7 @@ import tensorflow as tf
 from pretrain.data import DataError, pipeline, tasks, token_store
 from pretrain.data.packing import PackedRows
 from pretrain.data.vocabularies import get_vocabulary
+from pretrain.errors import UserError
 
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
 
@@ -362,5 +363,5 @@ def test_clear_errors(tmp_path):
   with pytest.raises(DataError, match="no SeqIO task or mixture named 'nope'"):
     pipeline.DataPipeline(task="nope", sequence_length=8, batch_size=1,
                           cache_dir=str(tmp_path / "cache"))
-  assert issubclass(DataError, ValueError)
+  assert issubclass(DataError, UserError)
   assert not any(".tmp-" in name for name in os.listdir(tmp_path / "cache"))
