@@ -16,12 +16,13 @@ Examples:
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
 import time
+from typing import Sequence
 
+from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,6 +33,22 @@ from train_step import load_model_config
 
 from model import lm  # pylint: disable=wrong-import-position
 from model.config import ModelConfig  # pylint: disable=wrong-import-position
+from pretrain import cli  # pylint: disable=wrong-import-position
+from pretrain.errors import usage_error  # pylint: disable=wrong-import-position
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  flags.DEFINE_string("preset", "quickstart",
+                      "quickstart, griffin_100m, a configs/models name, or a gin file.")
+  flags.DEFINE_integer("batch", 8, "Sequences per step.", lower_bound=1)
+  flags.DEFINE_integer("seq", 256, "Sequence length.", lower_bound=1)
+  flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"],
+                    "Compute dtype; default: the preset's.")
+  flags.DEFINE_list("unrolls", ["1", "full"],
+                    "Comma-separated units per iteration; 'full' = all units.")
+  flags.DEFINE_integer("steps", 6, "Timed steps per variant.", lower_bound=1)
 
 
 def _loss_gradient(config: ModelConfig):
@@ -47,40 +64,27 @@ def _loss_gradient(config: ModelConfig):
   return jax.jit(jax.grad(loss))
 
 
-def _unroll_values(spec: str, config: ModelConfig) -> list[int]:
-  """--unrolls as sorted unit counts; ValueError naming a value that is not one."""
+def _unroll_values(values: Sequence[str], config: ModelConfig) -> list[int]:
+  """--unrolls as sorted unit counts; a usage error naming values that are not ones."""
   units = max(config.num_scanned_units, 1)
-  bad = [v for v in spec.split(",") if v != "full" and not (v.isdigit() and int(v) >= 1)]
-  if bad:
-    raise ValueError(f"--unrolls: values must be integers >= 1 or 'full', got {bad}")
-  return sorted({units if v == "full" else min(int(v), units) for v in spec.split(",")})
+  bad = [v for v in values if v != "full" and not (v.isdigit() and int(v) >= 1)]
+  if bad or not values:
+    raise usage_error(f"--unrolls: values must be integers >= 1 or 'full', got {bad}")
+  return sorted({units if v == "full" else min(int(v), units) for v in values})
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--preset", default="quickstart")
-  parser.add_argument("--batch", type=int, default=8)
-  parser.add_argument("--seq", type=int, default=256)
-  parser.add_argument("--dtype", choices=("float32", "bfloat16"),
-                      help="compute dtype; default: the preset's")
-  parser.add_argument("--unrolls", default="1,full",
-                      help="comma-separated units per iteration; 'full' = all units")
-  parser.add_argument("--steps", type=int, default=6, help="timed steps per variant")
-  args = parser.parse_args(argv)
-
-  try:
-    base = load_model_config(args.preset, dtype=args.dtype)
-    unrolls = _unroll_values(args.unrolls, base)
-  except ValueError as e:
-    parser.error(str(e).splitlines()[0])
+def main(argv: Sequence[str]) -> None:
+  cli.reject_extra_arguments(argv)
+  base = load_model_config(FLAGS.preset, dtype=FLAGS.dtype)
+  unrolls = _unroll_values(FLAGS.unrolls, base)
+  batch, seq = FLAGS.batch, FLAGS.seq
   rng = np.random.default_rng(0)
-  tokens = jnp.asarray(rng.integers(0, base.vocab_size, (args.batch, args.seq)), jnp.int32)
-  positions = jnp.tile(jnp.arange(args.seq, dtype=jnp.int32), (args.batch, 1))
+  tokens = jnp.asarray(rng.integers(0, base.vocab_size, (batch, seq)), jnp.int32)
+  positions = jnp.tile(jnp.arange(seq, dtype=jnp.int32), (batch, 1))
   params = lm.init_params(base, jax.random.PRNGKey(0))
   default_unroll = base.replace(depth_scan_unroll=None).depth_unroll
-  print(f"# {args.preset}: depth {base.depth}, {base.num_scanned_units} scanned unit(s) "
-        f"of {len(base.block_pattern)} block(s), batch {args.batch} x seq {args.seq}, "
+  print(f"# {FLAGS.preset}: depth {base.depth}, {base.num_scanned_units} scanned unit(s) "
+        f"of {len(base.block_pattern)} block(s), batch {batch} x seq {seq}, "
         f"{base.dtype}; device {jax.devices()[0].device_kind}, JAX {jax.__version__}; "
         f"default unroll (depth_scan_unroll=None): {default_unroll}")
   compiled, compile_s = {}, {}
@@ -92,7 +96,7 @@ def main(argv=None) -> int:
     jax.block_until_ready(compiled[unroll](params, tokens, positions))
   times = {u: [] for u in compiled}
   order = list(compiled)
-  for step in range(args.steps):
+  for step in range(FLAGS.steps):
     for unroll in (order if step % 2 == 0 else order[::-1]):
       start = time.perf_counter()
       jax.block_until_ready(compiled[unroll](params, tokens, positions))
@@ -105,8 +109,8 @@ def main(argv=None) -> int:
     median = statistics.median(times[unroll])
     print(f"| {unroll} | {compile_s[unroll]:.1f} | {1e3 * median:.1f} | "
           f"{median / scanned:.2f} |")
-  return 0
 
 
 if __name__ == "__main__":
-  raise SystemExit(main())
+  define_flags()
+  cli.run(main)

@@ -17,7 +17,7 @@ Examples:
   python benchmarks/scan.py --channels=1024 --lengths=512,2048 --impls=lax:1,associative
   python benchmarks/scan.py --impls=pallas:chunked,pallas:lookback   # GPU strategies
 
-"pallas" is the kernel with the strategy `ScanOptions` picks for the device;
+"pallas" is the kernel with the strategy the default `ScanOptions` pick for the device;
 "pallas:S" forces launch strategy S (sequential, chunked or lookback); a strategy
 the device cannot run is reported as skipped, with the reason.
 
@@ -26,20 +26,41 @@ number: it is skipped unless --include_interpret, and then marked "interpret".
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
-import gin
+from absl import flags
 import jax
 import jax.numpy as jnp
 
 from model.scan import linear_scan
+from model.scan import ScanOptions
+from pretrain import cli
+from pretrain.errors import usage_error
 
 ALL_IMPLS = ("lax:1", "lax:8", "lax:128", "associative", "pallas", "pallas:chunked",
              "pallas:lookback", "recurrentgemma")
 _PALLAS_STRATEGIES = ("pallas:sequential", "pallas:chunked", "pallas:lookback")
+MODES = ("fwd", "fwd+bwd")
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  flags.DEFINE_integer("batch", 8, "Batch size B.", lower_bound=1)
+  flags.DEFINE_list("channels", ["1024", "2048", "4096"], "Channel counts D.")
+  flags.DEFINE_list("lengths", ["512", "1024", "2048", "4096", "8192", "16384"],
+                    "Sequence lengths T.")
+  flags.DEFINE_list("impls", list(ALL_IMPLS),
+                    f"Implementations, of {sorted(set(ALL_IMPLS) | set(_PALLAS_STRATEGIES))}.")
+  flags.DEFINE_list("modes", list(MODES), f"Passes to time, of {list(MODES)}.")
+  flags.DEFINE_enum("dtype", "bfloat16", ["float32", "bfloat16"], "Dtype of x and h.")
+  flags.DEFINE_integer("repeats", 5, "Timed runs per measurement (the median is shown).",
+                       lower_bound=1)
+  flags.DEFINE_bool("quick", False, "CPU-sized: D=1024, T=512,2048, 3 repeats.")
+  flags.DEFINE_bool("include_interpret", False,
+                    "Also time Pallas in CPU interpret mode (not a perf number).")
 
 
 def _recurrentgemma_scan(a, x, h0):
@@ -55,11 +76,10 @@ def _scan_fn(impl: str) -> Callable:
   if impl == "recurrentgemma":
     return _recurrentgemma_scan
   name, _, strategy = impl.partition(":")
-  gin.clear_config()
-  if name == "pallas" and strategy:
-    gin.bind_parameter("ScanOptions.pallas_strategy", strategy)
-    return lambda a, x, h0: linear_scan(a, x, h0, impl="pallas")
-  return lambda a, x, h0: linear_scan(a, x, h0, impl=impl)
+  if name == "pallas":
+    options = ScanOptions(pallas_strategy=strategy or "auto")
+    return lambda a, x, h0: linear_scan(a, x, h0, options=options, impl="pallas")
+  return lambda a, x, h0: linear_scan(a, x, h0, options=ScanOptions(), impl=impl)
 
 
 def _time(fn, args, repeats: int) -> tuple[float, float]:
@@ -103,54 +123,60 @@ def _bytes(batch, time_, channels, x_itemsize, mode) -> int:
   return forward + n * (4 + 4 + 3 * x_itemsize)          # + a, da (f32), dy, h, dx
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--batch", type=int, default=8)
-  parser.add_argument("--channels", default="1024,2048,4096")
-  parser.add_argument("--lengths", default="512,1024,2048,4096,8192,16384")
-  parser.add_argument("--impls", default=",".join(ALL_IMPLS))
-  parser.add_argument("--modes", default="fwd,fwd+bwd")
-  parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
-  parser.add_argument("--repeats", type=int, default=5)
-  parser.add_argument("--quick", action="store_true",
-                      help="CPU-sized: D=1024, T=512,2048, 3 repeats.")
-  parser.add_argument("--include_interpret", action="store_true",
-                      help="Also time Pallas in CPU interpret mode (not a perf number).")
-  args = parser.parse_args()
-  if args.quick:
-    args.channels, args.lengths, args.repeats = "1024", "512,2048", 3
-  impls = args.impls.split(",")
-  unknown = {i for i in impls if i not in ALL_IMPLS and i not in _PALLAS_STRATEGIES}
-  if unknown:
-    parser.error(f"unknown --impls {sorted(unknown)}; choose from "
-                 f"{sorted(set(ALL_IMPLS) | set(_PALLAS_STRATEGIES))}")
+def _sizes(flag: str, values: Sequence[str]) -> list[int]:
+  """A list flag of positive integers; a usage error naming the values that are not."""
+  bad = [v for v in values if not (v.isdigit() and int(v) >= 1)]
+  if bad or not values:
+    raise usage_error(f"--{flag}: values must be integers >= 1, got {bad or 'none'}")
+  return [int(v) for v in values]
+
+
+def _choices(flag: str, values: Sequence[str], known: Sequence[str]) -> list[str]:
+  """A list flag of names from `known`; a usage error naming the unknown ones."""
+  unknown = sorted(set(values) - set(known))
+  if unknown or not values:
+    got = f"unknown {unknown}" if unknown else "none"
+    raise usage_error(f"--{flag}: choose from {sorted(known)}, got {got}")
+  return list(values)
+
+
+def main(argv: Sequence[str]) -> None:
+  cli.reject_extra_arguments(argv)
+  if FLAGS.quick:
+    channel_list, lengths, repeats = [1024], [512, 2048], 3
+  else:
+    channel_list = _sizes("channels", FLAGS.channels)
+    lengths = _sizes("lengths", FLAGS.lengths)
+    repeats = FLAGS.repeats
+  impls = _choices("impls", FLAGS.impls, set(ALL_IMPLS) | set(_PALLAS_STRATEGIES))
+  modes = _choices("modes", FLAGS.modes, MODES)
+  batch = FLAGS.batch
   on_cpu = jax.default_backend() == "cpu"
-  dtype = jnp.dtype(args.dtype)
+  dtype = jnp.dtype(FLAGS.dtype)
   print(f"# device: {jax.devices()[0].device_kind} ({jax.default_backend()}), "
-        f"jax {jax.__version__}, x/h dtype {args.dtype}, a float32, B={args.batch}")
+        f"jax {jax.__version__}, x/h dtype {FLAGS.dtype}, a float32, B={batch}")
   print("| impl | mode | T | D | time ms | GB/s | x floor | vs rg | compile s |")
   print("|---|---|---|---|---|---|---|---|---|")
-  for channels in map(int, args.channels.split(",")):
-    for length in map(int, args.lengths.split(",")):
+  for channels in channel_list:
+    for length in lengths:
       key = jax.random.PRNGKey(0)
-      shape = (args.batch, length, channels)
+      shape = (batch, length, channels)
       a = jax.random.uniform(key, shape, jnp.float32, 0.9, 1.0)
       x = jax.random.normal(key, shape, jnp.float32).astype(dtype)
-      h0 = jnp.zeros((args.batch, channels), jnp.float32)
-      for mode in args.modes.split(","):
-        num_bytes = _bytes(args.batch, length, channels, dtype.itemsize, mode)
-        floor = _copy_seconds(num_bytes, args.repeats)
+      h0 = jnp.zeros((batch, channels), jnp.float32)
+      for mode in modes:
+        num_bytes = _bytes(batch, length, channels, dtype.itemsize, mode)
+        floor = _copy_seconds(num_bytes, repeats)
         results = {}
         for impl in impls:
           interpret = impl.startswith("pallas") and on_cpu
-          if interpret and not args.include_interpret:
+          if interpret and not FLAGS.include_interpret:
             print(f"| {impl} | {mode} | {length} | {channels} | skipped: CPU runs "
                   "Pallas only in interpret mode | | | | |")
             continue
           try:
             compile_s, seconds = _time(_modes(_scan_fn(impl))[mode], (a, x, h0),
-                                       args.repeats)
+                                       repeats)
           except ValueError as e:  # A strategy this device cannot run (named in e).
             reason = str(e).splitlines()[0]
             print(f"| {impl} | {mode} | {length} | {channels} | skipped: {reason} "
@@ -169,4 +195,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-  main()
+  define_flags()
+  cli.run(main)

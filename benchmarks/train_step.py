@@ -2,7 +2,7 @@
 
 Both models run inside the same jitted, state-donating AdamW step (`pretrain.optimizer`,
 one optimizer object for both) with the same loss (mean next-token NLL,
-`pretrain.trainer.token_losses`), on identical random batches of packed documents
+`pretrain.losses.token_losses`), on identical random batches of packed documents
 (positions restart at 0 at every document start). The reference is
 `recurrentgemma.jax.Griffin` with a `GriffinConfig` of the same width, depth, heads,
 window, block types, vocabulary and MLP width, and the same remat setting:
@@ -39,7 +39,6 @@ compile on CPU: expect the reference's compile time to dominate a CPU run.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -49,6 +48,7 @@ import time
 from typing import Any, Callable, Optional
 
 import flax.linen as nn
+import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -61,9 +61,13 @@ from recurrentgemma.jax import modules as rg_modules
 from model import lm
 from model import recurrentgemma_params
 from model.config import BlockType, ModelConfig
+from absl import flags
+
 from pretrain import cli
+from pretrain import gin_config
 from pretrain import optimizer as optimizer_lib
-from pretrain import trainer
+from pretrain.errors import UserError, usage_error
+from pretrain.losses import token_losses
 
 PRESET_FILES = {
     "quickstart": "configs/quickstart.gin",
@@ -81,25 +85,26 @@ LOSS_TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 2e-2}
 def preset_file(preset: str) -> str:
   """A preset name (quickstart, griffin_100m, any configs/models/<name>) or a gin path."""
   if preset in PRESET_FILES:
-    return os.path.join(cli.REPO_ROOT, PRESET_FILES[preset])
-  for candidate in (preset, os.path.join(cli.REPO_ROOT, preset),
-                    os.path.join(cli.REPO_ROOT, "configs", "models", preset + ".gin")):
+    return os.path.join(gin_config.REPO_ROOT, PRESET_FILES[preset])
+  for candidate in (preset, os.path.join(gin_config.REPO_ROOT, preset),
+                    os.path.join(gin_config.REPO_ROOT, "configs", "models", preset + ".gin")):
     if os.path.isfile(candidate):
       return candidate
-  raise ValueError(f"--preset={preset!r} is neither a preset ({sorted(PRESET_FILES)}), "
+  raise usage_error(f"--preset={preset!r} is neither a preset ({sorted(PRESET_FILES)}), "
                    "a configs/models/<name>.gin name, nor an existing gin file")
 
 
 def load_model_config(preset: str, **overrides: Any) -> ModelConfig:
   """The preset's ModelConfig with the non-None `overrides` applied."""
-  import gin  # pylint: disable=g-import-not-at-top
-  gin.clear_config()
   try:
-    cli.parse_gin([preset_file(preset)], [])
-    config = ModelConfig()
+    gin_config.parse([preset_file(preset)], [])
+    config = gin_config.build(ModelConfig)
   finally:
     gin.clear_config()
-  return config.replace(**{k: v for k, v in overrides.items() if v is not None})
+  try:
+    return config.replace(**{k: v for k, v in overrides.items() if v is not None})
+  except ValueError as error:
+    raise usage_error(str(error).splitlines()[0]) from None
 
 
 def reference_config(config: ModelConfig, seq: int) -> common.GriffinConfig:
@@ -200,7 +205,7 @@ def make_train_step(logits_fn: Callable[[Any, jax.Array, jax.Array], jax.Array],
   """jit(params, opt_state, batch) -> (params, opt_state, loss), state donated."""
   def loss_fn(params, batch):
     logits = logits_fn(params, batch["inputs"], batch["positions"])
-    nll, _ = trainer.token_losses(logits, batch["targets"])
+    nll, _ = token_losses(logits, batch["targets"])
     return jnp.sum(nll * batch["weights"]) / jnp.sum(batch["weights"])
 
   def step(params, opt_state, batch):
@@ -331,46 +336,45 @@ def format_table(result: dict) -> str:
   return "\n".join(lines)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--preset", default="quickstart",
-                      help="quickstart, griffin_100m, a configs/models name, or a gin file")
-  parser.add_argument("--batch", type=int, default=8)
-  parser.add_argument("--seq", type=int, default=256)
-  parser.add_argument("--steps", type=int, default=10, help="timed steps per model")
-  parser.add_argument("--warmup", type=int, default=2,
-                      help="untimed steps per model; the first checks the losses agree")
-  parser.add_argument("--remat", choices=("none", "full", "save_matmuls"),
-                      help="default: the preset's")
-  parser.add_argument("--dtype", choices=("float32", "bfloat16"),
-                      help="compute dtype; default: the preset's")
-  parser.add_argument("--vocab_size", type=int, help="default: the preset's")
-  parser.add_argument("--scan_impl", help="our ModelConfig.scan_impl; default: the preset's")
-  parser.add_argument("--depth_scan_unroll", type=int,
-                      help="our ModelConfig.depth_scan_unroll; default: the preset's")
-  parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--json", help="also write the results to this JSON file")
-  args = parser.parse_args(argv)
+FLAGS = flags.FLAGS
 
-  try:
-    config = load_model_config(args.preset, remat=args.remat, dtype=args.dtype,
-                               vocab_size=args.vocab_size, scan_impl=args.scan_impl,
-                               depth_scan_unroll=args.depth_scan_unroll)
-  except ValueError as e:
-    parser.error(str(e).splitlines()[0])
-  result = run(config, args.batch, args.seq, args.steps, args.warmup, args.seed)
+
+def define_flags() -> None:
+  flags.DEFINE_string("preset", "quickstart",
+                      "quickstart, griffin_100m, a configs/models name, or a gin file")
+  flags.DEFINE_integer("batch", 8, "Global batch (sequences).", lower_bound=1)
+  flags.DEFINE_integer("seq", 256, "Sequence length.", lower_bound=1)
+  flags.DEFINE_integer("steps", 10, "Timed steps per model.", lower_bound=1)
+  flags.DEFINE_integer("warmup", 2, "Untimed steps per model; the first checks the losses "
+                       "agree.", lower_bound=1)
+  flags.DEFINE_enum("remat", None, ["none", "full", "save_matmuls"],
+                    "Default: the preset's.")
+  flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"],
+                    "Compute dtype; default: the preset's.")
+  flags.DEFINE_integer("vocab_size", None, "Default: the preset's.", lower_bound=1)
+  flags.DEFINE_string("scan_impl", None, "Our ModelConfig.scan_impl; default: the preset's.")
+  flags.DEFINE_integer("depth_scan_unroll", None,
+                       "Our ModelConfig.depth_scan_unroll; default: the preset's.")
+  flags.DEFINE_integer("seed", 0, "Seed of weights and batches.")
+  flags.DEFINE_string("json", None, "Also write the results to this JSON file.")
+
+
+def main(argv: list[str]) -> None:
+  cli.reject_extra_arguments(argv)
+  config = load_model_config(FLAGS.preset, remat=FLAGS.remat, dtype=FLAGS.dtype,
+                             vocab_size=FLAGS.vocab_size, scan_impl=FLAGS.scan_impl,
+                             depth_scan_unroll=FLAGS.depth_scan_unroll)
+  result = run(config, FLAGS.batch, FLAGS.seq, FLAGS.steps, FLAGS.warmup, FLAGS.seed)
   print(format_table(result))
-  if args.json:
-    with open(args.json, "w") as f:
+  if FLAGS.json:
+    with open(FLAGS.json, "w") as f:
       json.dump(result, f, indent=1)
   if result["loss_relative_difference"] > result["loss_tolerance"]:
-    print("error: the two models disagree on the first batch's loss, so they do not "
-          "compute the same function and the timing comparison is meaningless; check "
-          "reference_config() and model/recurrentgemma_params.py")
-    return 1
-  return 0
+    raise UserError("the two models disagree on the first batch's loss, so they do not "
+                    "compute the same function and the timing comparison is meaningless; "
+                    "check reference_config() and model/recurrentgemma_params.py")
 
 
 if __name__ == "__main__":
-  raise SystemExit(main())
+  define_flags()
+  cli.run(main)

@@ -2,40 +2,73 @@
 
 All launchers take the program to run after `--`, exactly as it would run on one host
 (`python -m launch.X [launcher flags] -- python -m pretrain.train --gin_file=...`), and
-add only what the cluster needs around it.
+add only what the cluster needs around it. Their flags are absl flags, run through
+`pretrain.cli.run`: a bad command line is one `error: ...` line and exit code 2.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import shlex
 import socket
-from typing import Any, Mapping, Sequence
+import sys
+from typing import Any, Mapping, Optional, Sequence
 
+from absl import flags
+
+from pretrain.errors import usage_error
 from sharding import distributed
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+_COMMAND_EXAMPLE = ("-- python -m pretrain.train --gin_file=configs/quickstart.gin "
+                    "--workdir=/tmp/run")
 
 
-def split_command(argv: Sequence[str]) -> tuple[list[str], list[str]]:
-  """Splits `argv` at the first `--` into (launcher flags, command to run)."""
-  argv = list(argv)
-  if "--" not in argv:
-    raise SystemExit("usage: put the command to run after `--`, e.g. "
-                     "`-- python -m pretrain.train --gin_file=configs/quickstart.gin "
-                     "--workdir=/tmp/run`")
-  cut = argv.index("--")
-  command = argv[cut + 1:]
+def stop_flags_at_command() -> None:
+  """Makes absl stop reading launcher flags at the first argument that is not one.
+
+  Called from every launcher's `define_flags`, so that a command given without `--`
+  reaches `child_command` (and its message) instead of having its own flags (`-m`,
+  `--gin_file`) rejected as unknown launcher flags.
+  """
+  flags.FLAGS.set_gnu_getopt(False)
+
+
+def define_cluster_flags(dry_run_help: str, setup_help: Optional[str] = None) -> None:
+  """--env and --dry_run (and --setup with `setup_help`), shared by the cluster launchers."""
+  flags.DEFINE_multi_string(
+      "env", [], "NAME=VALUE: an environment variable of the command (repeatable).")
+  flags.DEFINE_bool("dry_run", False, dry_run_help)
+  if setup_help is not None:
+    flags.DEFINE_string("setup", "", setup_help)
+
+
+def child_command(argv: Sequence[str],
+                  full_argv: Optional[Sequence[str]] = None) -> list[str]:
+  """The command to run: what follows the first `--` of the command line.
+
+  Args:
+    argv: what absl left after the launcher's flags (argv[0] first).
+    full_argv: the whole command line (default `sys.argv`), to tell `-- cmd` from a
+      command given without `--`, which absl returns the same way.
+
+  Raises:
+    UserError (exit code 2): no `--`, nothing after it, or arguments before it that
+      are not launcher flags.
+  """
+  full = list(sys.argv if full_argv is None else full_argv)
+  if "--" not in full[1:]:
+    raise usage_error(f"put the command to run after `--`, e.g. `{_COMMAND_EXAMPLE}`")
+  command = full[full.index("--", 1) + 1:]
   if not command:
-    raise SystemExit("no command after `--`")
-  return argv[:cut], command
-
-
-def parse_launcher_args(parser: argparse.ArgumentParser,
-                        argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
-  flags, command = split_command(argv)
-  return parser.parse_args(flags), command
+    raise usage_error(f"no command after `--`; e.g. `{_COMMAND_EXAMPLE}`")
+  rest = list(argv[1:])
+  if rest != command:  # absl stopped at a positional argument before the `--`
+    tail = ["--"] + command
+    extra = rest[:-len(tail)] if rest[-len(tail):] == tail else rest
+    raise usage_error(f"unexpected arguments {extra} before `--`; launcher options are "
+                      "--flags, and the command to run goes after `--`")
+  return command
 
 
 def shell_join(argv: Sequence[str]) -> str:
@@ -53,7 +86,7 @@ def parse_env_flags(items: Sequence[str]) -> dict[str, str]:
   for item in items or ():
     name, sep, value = item.partition("=")
     if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
-      raise SystemExit(f"--env {item!r} must look like NAME=VALUE")
+      raise usage_error(f"--env {item!r} must look like NAME=VALUE")
     env[name] = value
   return env
 
@@ -108,27 +141,30 @@ class TpuSlice:
   def __init__(self, tpu_type: str, topology: str | None = None):
     match = re.fullmatch(r"(v4|v5p|v5e|v6e)-(\d+)", tpu_type)
     if not match:
-      raise SystemExit(f"--tpu_type {tpu_type!r} must look like v5p-128, v4-32, v5e-256 or "
-                       f"v6e-64 (generations {sorted(_TPU_GENERATIONS)})")
+      raise usage_error(f"--tpu_type {tpu_type!r} must look like v5p-128, v4-32, v5e-256 "
+                        f"or v6e-64 (generations {sorted(_TPU_GENERATIONS)})")
     self.name = tpu_type
     self.generation = match.group(1)
     spec = _TPU_GENERATIONS[self.generation]
     count = int(match.group(2))
     if count % spec["cores_per_chip"]:
-      raise SystemExit(f"--tpu_type {tpu_type}: {self.generation} counts TensorCores, "
-                       f"{spec['cores_per_chip']} per chip; {count} is not a whole number of chips")
+      raise usage_error(f"--tpu_type {tpu_type}: {self.generation} counts TensorCores, "
+                        f"{spec['cores_per_chip']} per chip; {count} is not a whole number "
+                        "of chips")
     self.chips = count // spec["cores_per_chip"]
     table = _TOPOLOGIES_3D if spec["dims"] == 3 else _TOPOLOGIES_2D
     self.topology = topology or table.get(self.chips)
     if self.topology is None:
-      raise SystemExit(f"--tpu_type {tpu_type}: no default topology for {self.chips} chips; "
-                       "pass --topology (e.g. 4x4x4)")
+      raise usage_error(f"--tpu_type {tpu_type}: no default topology for {self.chips} "
+                        "chips; pass --topology (e.g. 4x4x4)")
+    if not re.fullmatch(r"\d+(x\d+)+", self.topology):
+      raise usage_error(f"--topology {self.topology!r} must look like 4x4x4 or 16x16")
     topology_chips = 1
     for size in self.topology.split("x"):
       topology_chips *= int(size)
     if topology_chips != self.chips:
-      raise SystemExit(f"--topology {self.topology} has {topology_chips} chips but "
-                       f"{tpu_type} has {self.chips}")
+      raise usage_error(f"--topology {self.topology} has {topology_chips} chips but "
+                        f"{tpu_type} has {self.chips}")
     single_host = self.chips <= (8 if spec["dims"] == 2 else spec["chips_per_host"])
     self.chips_per_host = self.chips if single_host else spec["chips_per_host"]
     self.hosts = self.chips // self.chips_per_host

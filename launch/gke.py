@@ -16,12 +16,15 @@ otherwise it is piped to `kubectl apply -f -`.
 """
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 from typing import Any, Optional, Sequence
 
+from absl import flags
+
 from launch import common
+from pretrain import cli
+from pretrain.errors import usage_error
 
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 REPLICATED_JOB = "slice"
@@ -53,7 +56,7 @@ def jobset_manifest(name: str, image: str, command: Sequence[str], tpu_slice: co
                     max_restarts: int = 0, working_dir: Optional[str] = None) -> dict[str, Any]:
   """The JobSet as a plain dict (render with `common.to_yaml`)."""
   if num_slices < 1:
-    raise SystemExit("--num_slices must be >= 1")
+    raise usage_error("--num_slices must be >= 1")
   container = {
       "name": "train",
       "image": image,
@@ -101,34 +104,42 @@ def jobset_manifest(name: str, image: str, command: Sequence[str], tpu_slice: co
   }
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m launch.gke", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--name", required=True, help="JobSet name (DNS label)")
-  parser.add_argument("--image", required=True, help="container image with this repository")
-  parser.add_argument("--tpu_type", required=True, help="slice type, e.g. v5p-128")
-  parser.add_argument("--topology", default=None, help="override, e.g. 4x4x4")
-  parser.add_argument("--num_slices", type=int, default=1)
-  parser.add_argument("--max_restarts", type=int, default=0,
-                      help="JobSet restarts after a failure (training resumes from the "
-                           "latest checkpoint)")
-  parser.add_argument("--working_dir", default=None, help="container working directory")
-  parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE")
-  parser.add_argument("--dry_run", action="store_true", help="print the manifest only")
-  args, command = common.parse_launcher_args(parser, sys.argv[1:] if argv is None else argv)
-  tpu_slice = common.TpuSlice(args.tpu_type, args.topology)
-  if args.num_slices > 1 and "MeshConfig.replica" not in " ".join(command):
-    print(f"# note: {args.num_slices} slices; the command should set "
-          f"MeshConfig.replica={args.num_slices} so the batch spans slices", file=sys.stderr)
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """Command-line flags, defined only when run as a program (see tests/test_entry_points)."""
+  common.stop_flags_at_command()
+  flags.DEFINE_string("name", None, "JobSet name (DNS label).")
+  flags.DEFINE_string("image", None, "Container image with this repository.")
+  flags.DEFINE_string("tpu_type", None, "Slice type, e.g. v5p-128.")
+  flags.DEFINE_string("topology", None, "Override of the slice's topology, e.g. 4x4x4.")
+  flags.DEFINE_integer("num_slices", 1, "Slices (JobSet replicas), joined over DCN.",
+                       lower_bound=1)
+  flags.DEFINE_integer("max_restarts", 0, "JobSet restarts after a failure (training "
+                       "resumes from the latest checkpoint).", lower_bound=0)
+  flags.DEFINE_string("working_dir", None, "Container working directory.")
+  common.define_cluster_flags("Print the manifest only.")
+  for name in ("name", "image", "tpu_type"):
+    flags.mark_flag_as_required(name)
+
+
+def main(argv: Sequence[str]) -> None:
+  command = common.child_command(argv)
+  tpu_slice = common.TpuSlice(FLAGS.tpu_type, FLAGS.topology)
+  if FLAGS.num_slices > 1 and "MeshConfig.replica" not in " ".join(command):
+    print(f"# note: {FLAGS.num_slices} slices; the command should set "
+          f"MeshConfig.replica={FLAGS.num_slices} so the batch spans slices", file=sys.stderr)
   manifest = common.to_yaml(jobset_manifest(
-      args.name, args.image, command, tpu_slice, args.num_slices,
-      common.parse_env_flags(args.env), args.max_restarts, args.working_dir))
-  if args.dry_run:
+      FLAGS.name, FLAGS.image, command, tpu_slice, FLAGS.num_slices,
+      common.parse_env_flags(FLAGS.env), FLAGS.max_restarts, FLAGS.working_dir))
+  if FLAGS.dry_run:
     sys.stdout.write(manifest)
-    return 0
-  return subprocess.run(["kubectl", "apply", "-f", "-"], input=manifest, text=True,
-                        check=False).returncode
+    return
+  sys.exit(subprocess.run(["kubectl", "apply", "-f", "-"], input=manifest, text=True,
+                          check=False).returncode)
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  define_flags()
+  cli.run(main)

@@ -11,7 +11,6 @@ and the launcher exits non-zero naming the process that failed first.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import subprocess
@@ -20,7 +19,11 @@ import threading
 import time
 from typing import Optional, Sequence
 
+from absl import flags
+
 from launch import common
+from pretrain import cli
+from pretrain.errors import usage_error
 
 _POLL_S = 0.05
 _TERMINATE_GRACE_S = 5.0
@@ -69,7 +72,7 @@ def run(command: Sequence[str], num_processes: int, devices_per_process: int = 1
         port: Optional[int] = None) -> int:
   """Runs `command` as `num_processes` cooperating processes; returns the exit status."""
   if num_processes < 1 or devices_per_process < 1:
-    raise SystemExit("--num_processes and --devices_per_process must be >= 1")
+    raise usage_error("--num_processes and --devices_per_process must be >= 1")
   coordinator = f"127.0.0.1:{port or common.free_port()}"
   lock = threading.Lock()
   processes, pumps = [], []
@@ -116,18 +119,26 @@ def run(command: Sequence[str], num_processes: int, devices_per_process: int = 1
   return code if 0 < code < 256 else 1
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m launch.local", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--num_processes", type=int, required=True,
-                      help="processes (simulated hosts) to start")
-  parser.add_argument("--devices_per_process", type=int, default=1,
-                      help="simulated CPU devices in each process")
-  parser.add_argument("--port", type=int, default=None,
-                      help="coordinator port on 127.0.0.1 (default: a free one)")
-  args, command = common.parse_launcher_args(parser, sys.argv[1:] if argv is None else argv)
-  return run(command, args.num_processes, args.devices_per_process, args.port)
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """Command-line flags, defined only when run as a program (see tests/test_entry_points)."""
+  common.stop_flags_at_command()
+  flags.DEFINE_integer("num_processes", None, "Processes (simulated hosts) to start.",
+                       lower_bound=1)
+  flags.DEFINE_integer("devices_per_process", 1, "Simulated CPU devices in each process.",
+                       lower_bound=1)
+  flags.DEFINE_integer("port", None, "Coordinator port on 127.0.0.1 (default: a free one).",
+                       lower_bound=1, upper_bound=65535)
+  flags.mark_flag_as_required("num_processes")
+
+
+def main(argv: Sequence[str]) -> None:
+  command = common.child_command(argv)
+  sys.exit(run(command, FLAGS.num_processes, FLAGS.devices_per_process, FLAGS.port))
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  define_flags()
+  cli.run(main)

@@ -13,14 +13,17 @@ command instead of submitting.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
 import tempfile
 from typing import Optional, Sequence
 
+from absl import flags
+
 from launch import common
+from pretrain import cli
+from pretrain.errors import usage_error
 
 
 def batch_script(command: Sequence[str], *, job_name: str, nodes: int, gpus_per_node: int,
@@ -29,7 +32,7 @@ def batch_script(command: Sequence[str], *, job_name: str, nodes: int, gpus_per_
                  env: dict[str, str]) -> str:
   """The sbatch script text."""
   if nodes < 1 or gpus_per_node < 1:
-    raise SystemExit("--nodes and --gpus_per_node must be >= 1")
+    raise usage_error("--nodes and --gpus_per_node must be >= 1")
   directives = [
       f"--job-name={job_name}",
       f"--nodes={nodes}",
@@ -52,39 +55,46 @@ def batch_script(command: Sequence[str], *, job_name: str, nodes: int, gpus_per_
   return "\n".join(lines) + "\n"
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m launch.slurm", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--nodes", type=int, required=True)
-  parser.add_argument("--gpus_per_node", type=int, default=8)
-  parser.add_argument("--cpus_per_task", type=int, default=8)
-  parser.add_argument("--job_name", default="griffin-pretrain")
-  parser.add_argument("--time", default=None, help="wall-clock limit, e.g. 24:00:00")
-  parser.add_argument("--partition", default=None)
-  parser.add_argument("--account", default=None)
-  parser.add_argument("--output", default="slurm-%j.out")
-  parser.add_argument("--chdir", default=None, help="working directory on the nodes")
-  parser.add_argument("--setup", default="", help="shell line before srun, e.g. venv activation")
-  parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE")
-  parser.add_argument("--dry_run", action="store_true",
-                      help="print the script and the sbatch command only")
-  args, command = common.parse_launcher_args(parser, sys.argv[1:] if argv is None else argv)
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """Command-line flags, defined only when run as a program (see tests/test_entry_points)."""
+  common.stop_flags_at_command()
+  flags.DEFINE_integer("nodes", None, "Nodes to run on.", lower_bound=1)
+  flags.DEFINE_integer("gpus_per_node", 8, "GPUs (and processes) per node.", lower_bound=1)
+  flags.DEFINE_integer("cpus_per_task", 8, "CPUs of each process.", lower_bound=1)
+  flags.DEFINE_string("job_name", "griffin-pretrain", "SLURM job name.")
+  flags.DEFINE_string("time", None, "Wall-clock limit, e.g. 24:00:00.")
+  flags.DEFINE_string("partition", None, "SLURM partition.")
+  flags.DEFINE_string("account", None, "SLURM account.")
+  flags.DEFINE_string("output", "slurm-%j.out", "The job's output file.")
+  flags.DEFINE_string("chdir", None, "Working directory on the nodes.")
+  common.define_cluster_flags("Print the script and the sbatch command only.",
+                              setup_help="Shell line before srun, e.g. venv activation.")
+  flags.mark_flag_as_required("nodes")
+
+
+def main(argv: Sequence[str]) -> None:
+  command = common.child_command(argv)
   script = batch_script(
-      command, job_name=args.job_name, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-      cpus_per_task=args.cpus_per_task, time_limit=args.time, partition=args.partition,
-      account=args.account, output=args.output, chdir=args.chdir, setup=args.setup,
-      env=common.parse_env_flags(args.env))
-  if args.dry_run:
+      command, job_name=FLAGS.job_name, nodes=FLAGS.nodes, gpus_per_node=FLAGS.gpus_per_node,
+      cpus_per_task=FLAGS.cpus_per_task, time_limit=FLAGS.time, partition=FLAGS.partition,
+      account=FLAGS.account, output=FLAGS.output, chdir=FLAGS.chdir, setup=FLAGS.setup,
+      env=common.parse_env_flags(FLAGS.env))
+  if FLAGS.dry_run:
     sys.stdout.write(script)
     print("# submit with: sbatch <this script>")
-    return 0
+    return
   with tempfile.NamedTemporaryFile("w", suffix=".sbatch", delete=False) as handle:
     handle.write(script)
   try:
-    return subprocess.run(["sbatch", handle.name], check=False).returncode
+    code = subprocess.run(["sbatch", handle.name], check=False).returncode
   finally:
     os.unlink(handle.name)
+  sys.exit(code)
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  define_flags()
+  cli.run(main)

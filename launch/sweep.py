@@ -29,7 +29,7 @@ within a factor 3 of 64 (Kaplan et al. 2020 find the loss within a few percent o
 aspect ratios of ~20-200). The candidate whose non-embedding count (`model.counting`,
 exact) is closest to the target in log ratio wins, ties going to the aspect ratio
 closest to 64. Griffin needs depth >= 3 (at least one local-attention block), the
-others depth >= 2. Derived widths follow the Griffin presets (DESIGN §8): MLP expansion
+others depth >= 2. Derived widths follow the Griffin presets (docs/model.md#presets): MLP expansion
 3, D_RNN ~ 4D/3 rounded to a multiple of the heads, heads = D / head_dim with head_dim
 32 below D = 256, 64 below 768 and 128 above (the paper's 128 at its sizes), RG-LRU
 gates block-diagonal with one block per head, Griffin's local window half the training
@@ -49,12 +49,15 @@ import subprocess
 import sys
 from typing import Dict, Iterable, List, Optional, Sequence
 
-from absl import app
 from absl import flags
+import gin
 
 from launch import scaling_fit
 from model import counting
-from model.config import ModelConfig
+from model.config import ModelConfig, model_config_to_dict
+from pretrain import cli
+from pretrain import gin_config
+from pretrain.errors import UserError, usage_error
 
 FAMILY_PATTERNS = {
     "griffin": ("recurrent", "recurrent", "attention"),
@@ -195,19 +198,23 @@ def plan(families: Sequence[str], sizes: Sequence[str], *, tokens_per_param: flo
 def _gin_value(value) -> str:
   if isinstance(value, str):
     return repr(value)
-  if isinstance(value, tuple):
+  if isinstance(value, (tuple, list)):
     return "(" + "".join(f"{_gin_value(v)}, " for v in value) + ")"
   return repr(value)
 
 
 def run_gin(run: Run) -> str:
-  """The run's own Gin file: the whole model and the budget, after the user's files."""
+  """The run's own Gin file: the whole model and the budget, after the user's files.
+
+  The machine's scan options (`ModelConfig.scan`, from `ScanOptions.*` bindings) are
+  left to the user's files, like in a checkpoint's metadata.
+  """
   lines = [f"# launch.sweep: {run.family} at size {run.size} (target "
            f"{run.target_params:,} non-embedding parameters, got "
            f"{non_embedding_params(run.config):,}).",
            "import model.config", "import pretrain.trainer", ""]
-  for field in dataclasses.fields(ModelConfig):
-    lines.append(f"ModelConfig.{field.name} = {_gin_value(getattr(run.config, field.name))}")
+  for name, value in model_config_to_dict(run.config).items():
+    lines.append(f"ModelConfig.{name} = {_gin_value(value)}")
   lines += ["", f"TRAIN_STEPS = {run.train_steps}", f"BATCH_SIZE = {run.batch_size}",
             f"SEQUENCE_LENGTH = {run.sequence_length}",
             "TrainConfig.train_steps = %TRAIN_STEPS",
@@ -270,13 +277,13 @@ def execute(runs: Iterable[Run], gin_files: Sequence[str], gin_params: Sequence[
     with open(os.path.join(run.workdir, "sweep_train.log"), "a", encoding="utf-8") as out:
       result = subprocess.run(args, stdout=out, stderr=subprocess.STDOUT, check=False)
     if result.returncode != 0:
-      raise RuntimeError(
+      raise UserError(
           f"run {run.name} failed with exit code {result.returncode}; see "
           f"{os.path.join(run.workdir, 'sweep_train.log')}. Fix it and run the same "
           "sweep command again: finished runs are kept, this one resumes.")
     run.eval_loss = final_eval_loss(run)
     if run.eval_loss is None:
-      raise RuntimeError(
+      raise UserError(
           f"run {run.name} exited without a final evaluation at step {run.train_steps} "
           f"in {run.workdir}/metrics.jsonl; the data config needs a validation split")
 
@@ -321,11 +328,12 @@ def runs_table_markdown(runs: Sequence[Run]) -> str:
 
 
 def vocab_size_from_gin(gin_files: Sequence[str], gin_params: Sequence[str]) -> int:
-  """VOCAB_SIZE as the run's Gin config defines it (ModelConfig.vocab_size otherwise)."""
-  import gin  # pylint: disable=g-import-not-at-top
-  from pretrain import cli, train  # pylint: disable=g-import-not-at-top
-  train.import_configurables()
-  cli.parse_gin(gin_files, gin_params)
+  """VOCAB_SIZE as the run's Gin config defines it (ModelConfig.vocab_size otherwise).
+
+  Raises:
+    UserError (exit code 2): a bad Gin file or binding, or neither value bound.
+  """
+  gin_config.parse(gin_files, gin_params)
   try:
     for query in ("%VOCAB_SIZE", "ModelConfig.vocab_size"):
       try:
@@ -334,8 +342,8 @@ def vocab_size_from_gin(gin_files: Sequence[str], gin_params: Sequence[str]) -> 
         continue
   finally:
     gin.clear_config()
-  raise ValueError("the Gin files define neither VOCAB_SIZE nor ModelConfig.vocab_size; "
-                   "pass --vocab_size")
+  raise usage_error("the Gin files define neither VOCAB_SIZE nor ModelConfig.vocab_size; "
+                    "pass --vocab_size")
 
 
 FLAGS = flags.FLAGS
@@ -349,32 +357,42 @@ def define_flags() -> None:
   flags.DEFINE_list("sizes", ["0.5m", "1m", "2m"],
                     "Target non-embedding parameter counts, e.g. 0.5m,1m,2m.")
   flags.DEFINE_float("tokens_per_param", 20.0,
-                     "Compute-optimal budget: tokens per non-embedding parameter.")
+                     "Compute-optimal budget: tokens per non-embedding parameter.",
+                     lower_bound=0.0)
   flags.DEFINE_string("workdir", None, "Sweep directory (runs/ and the results).")
   flags.DEFINE_bool("dry_run", False, "Print the launch commands instead of running them.")
   flags.DEFINE_multi_string("gin_file", ["configs/quickstart.gin"],
                             "Trainer/data Gin files of every run (the model is the sweep's).")
   flags.DEFINE_multi_string("gin_param", [], "Extra Gin bindings of every run.")
-  flags.DEFINE_integer("batch_size", 8, "Global batch (sequences) of every run.")
-  flags.DEFINE_integer("sequence_length", 128, "Tokens per sequence of every run.")
-  flags.DEFINE_integer("vocab_size", None, "Vocabulary size (default: the Gin VOCAB_SIZE).")
-  flags.DEFINE_float("warmup_fraction", 0.1, "Warm-up steps as a fraction of each run.")
+  flags.DEFINE_integer("batch_size", 8, "Global batch (sequences) of every run.",
+                       lower_bound=1)
+  flags.DEFINE_integer("sequence_length", 128, "Tokens per sequence of every run.",
+                       lower_bound=1)
+  flags.DEFINE_integer("vocab_size", None, "Vocabulary size (default: the Gin VOCAB_SIZE).",
+                       lower_bound=1)
+  flags.DEFINE_float("warmup_fraction", 0.1, "Warm-up steps as a fraction of each run.",
+                     lower_bound=0.0, upper_bound=1.0)
   flags.DEFINE_float("peak_learning_rate", None,
                      "Peak learning rate of every run (default: the Gin config's).")
   flags.DEFINE_integer("max_steps", None,
                        "Cap on the steps of each run (for smoke tests; breaks the "
-                       "compute-optimal budget, which the table then shows).")
+                       "compute-optimal budget, which the table then shows).", lower_bound=1)
+  flags.mark_flag_as_required("workdir")
+  flags.register_validator("workdir", lambda value: value is None or bool(value.strip()),
+                           message="--workdir must name a directory")
 
 
 def main(argv: Sequence[str]) -> None:
-  if len(argv) > 1:
-    raise SystemExit(f"launch.sweep: error: unexpected arguments {argv[1:]}")
-  if not FLAGS.workdir:
-    raise SystemExit("launch.sweep: error: --workdir is required")
+  cli.reject_extra_arguments(argv)
   unknown = sorted(set(FLAGS.families) - set(FAMILY_PATTERNS))
   if unknown:
-    raise SystemExit(f"launch.sweep: error: unknown families {unknown}; expected some of "
-                         f"{sorted(FAMILY_PATTERNS)}")
+    raise usage_error(f"unknown families {unknown}; expected some of "
+                      f"{sorted(FAMILY_PATTERNS)}")
+  for size in FLAGS.sizes:
+    try:
+      parse_size(size)
+    except ValueError as error:
+      raise usage_error(f"--sizes: {error}") from None
   workdir = os.path.abspath(os.path.expanduser(FLAGS.workdir))
   vocab_size = FLAGS.vocab_size or vocab_size_from_gin(FLAGS.gin_file, FLAGS.gin_param)
   runs = plan(FLAGS.families, FLAGS.sizes, tokens_per_param=FLAGS.tokens_per_param,
@@ -395,4 +413,4 @@ def main(argv: Sequence[str]) -> None:
 
 if __name__ == "__main__":
   define_flags()
-  app.run(main)
+  cli.run(main)

@@ -13,12 +13,14 @@ script). `--dry_run` prints the exact gcloud command instead of running it.
 """
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 from typing import Optional, Sequence
 
+from absl import flags
+
 from launch import common
+from pretrain import cli
 
 
 def remote_command(command: Sequence[str], remote_dir: str, setup: str,
@@ -38,35 +40,41 @@ def gcloud_argv(tpu: str, zone: str, project: Optional[str], remote: str) -> lis
   return argv + ["--worker=all", f"--command={remote}"]
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m launch.tpu_vm", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--tpu", required=True, help="TPU VM (slice) name")
-  parser.add_argument("--zone", required=True)
-  parser.add_argument("--project", default=None)
-  parser.add_argument("--tpu_type", default=None,
-                      help="e.g. v5p-128; only reported (workers, chips), never required")
-  parser.add_argument("--remote_dir", default="griffin-pretrain",
-                      help="repository checkout on each worker (relative to $HOME)")
-  parser.add_argument("--setup", default="",
-                      help="shell snippet run before the command, e.g. activating a venv")
-  parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
-                      help="environment variable for the command (repeatable)")
-  parser.add_argument("--dry_run", action="store_true",
-                      help="print the gcloud command instead of running it")
-  args, command = common.parse_launcher_args(parser, sys.argv[1:] if argv is None else argv)
-  remote = remote_command(command, args.remote_dir, args.setup,
-                          common.parse_env_flags(args.env))
-  gcloud = gcloud_argv(args.tpu, args.zone, args.project, remote)
-  if args.tpu_type:
-    tpu_slice = common.TpuSlice(args.tpu_type)
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """Command-line flags, defined only when run as a program (see tests/test_entry_points)."""
+  common.stop_flags_at_command()
+  flags.DEFINE_string("tpu", None, "TPU VM (slice) name.")
+  flags.DEFINE_string("zone", None, "The TPU VM's zone, e.g. us-east5-a.")
+  flags.DEFINE_string("project", None, "Google Cloud project (default: gcloud's).")
+  flags.DEFINE_string("tpu_type", None,
+                      "e.g. v5p-128; only reported (workers, chips), never required.")
+  flags.DEFINE_string("remote_dir", "griffin-pretrain",
+                      "Repository checkout on each worker (relative to $HOME).")
+  common.define_cluster_flags(
+      "Print the gcloud command instead of running it.",
+      setup_help="Shell snippet run before the command, e.g. activating a venv.")
+  flags.mark_flag_as_required("tpu")
+  flags.mark_flag_as_required("zone")
+
+
+def main(argv: Sequence[str]) -> None:
+  command = common.child_command(argv)
+  remote = remote_command(command, FLAGS.remote_dir, FLAGS.setup,
+                          common.parse_env_flags(FLAGS.env))
+  gcloud = gcloud_argv(FLAGS.tpu, FLAGS.zone, FLAGS.project, remote)
+  if FLAGS.tpu_type:
+    tpu_slice = common.TpuSlice(FLAGS.tpu_type)
     print(f"# {tpu_slice.name}: {tpu_slice.hosts} workers x {tpu_slice.chips_per_host} chips "
           f"(topology {tpu_slice.topology}); one process per worker", flush=True)
   print(common.shell_join(gcloud), flush=True)
-  if args.dry_run:
-    return 0
-  return subprocess.run(gcloud, check=False).returncode
+  if FLAGS.dry_run:
+    return
+  sys.exit(subprocess.run(gcloud, check=False).returncode)
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  define_flags()
+  cli.run(main)

@@ -3,14 +3,17 @@
 A `ModelConfig` is a frozen dataclass configured through Gin (`ModelConfig.width = 512`)
 and validated on construction, so a bad preset fails before anything is compiled, with
 a `ValueError` naming the field and the constraint it breaks.
+
+Checkpoints record a config as the JSON of `model_config_to_dict` and read it back with
+`model_config_from_dict`.
 """
 from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
-import gin
+from model.scan.engine import ScanOptions
 
 
 class BlockType(str, enum.Enum):
@@ -28,7 +31,6 @@ LRU_VARIANTS = ("real", "complex")
 AUTO_UNROLL_MAX_DEPTH = 12
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Shape and numerics of a Griffin-family language model.
@@ -52,6 +54,10 @@ class ModelConfig:
     embeddings_scale_by_sqrt_dim: multiply embeddings by sqrt(D) (RecurrentGemma).
     dtype: compute dtype; parameters are always float32 masters.
     scan_impl: linear-recurrence engine, see `model.scan.linear_scan`.
+    scan: the scan engines' tunables and target platform (`model.scan.ScanOptions`);
+      entry points build them from Gin's `ScanOptions.*` bindings
+      (`pretrain.gin_config.build_model_config`). They depend on the machine, not on
+      the trained model, so checkpoint metadata leaves them out.
     remat: rematerialisation policy of each scanned unit of `block_pattern` (depth is
       always scanned, see `model.lm`).
     depth_scan_unroll: repeating units per iteration of the depth scan. 1 keeps the
@@ -81,6 +87,7 @@ class ModelConfig:
   scan_impl: str = "auto"
   remat: str = "none"
   depth_scan_unroll: Optional[int] = None
+  scan: ScanOptions = dataclasses.field(default_factory=ScanOptions)
 
   def __post_init__(self):
     object.__setattr__(self, "block_pattern", tuple(str(b) for b in self.block_pattern))
@@ -138,6 +145,8 @@ class ModelConfig:
     if self.scan_impl not in SCAN_IMPLS:
       raise ValueError(f"ModelConfig.scan_impl must be one of {SCAN_IMPLS}, "
                        f"got {self.scan_impl!r}")
+    if not isinstance(self.scan, ScanOptions):
+      raise ValueError(f"ModelConfig.scan must be a ScanOptions, got {self.scan!r}")
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"ModelConfig.remat must be one of {REMAT_POLICIES}, "
                        f"got {self.remat!r}")
@@ -184,3 +193,37 @@ class ModelConfig:
 
   def replace(self, **changes) -> "ModelConfig":
     return dataclasses.replace(self, **changes)
+
+
+# Fields that describe the machine a run executes on rather than the trained model.
+_MACHINE_FIELDS = ("scan",)
+
+
+def model_config_to_dict(config: ModelConfig) -> dict[str, Any]:
+  """The JSON-ready form of `config` that checkpoints record.
+
+  Leaves out `scan`: a checkpoint written on a TPU must load on a CPU, where the
+  TPU's kernel options would not apply.
+  """
+  values = {f.name: getattr(config, f.name) for f in dataclasses.fields(ModelConfig)
+            if f.name not in _MACHINE_FIELDS}
+  values["block_pattern"] = list(config.block_pattern)
+  return values
+
+
+def model_config_from_dict(values: Mapping[str, Any]) -> ModelConfig:
+  """The ModelConfig of a `model_config_to_dict` dict, old or new.
+
+  A `scan` entry (written by earlier versions) is ignored and the config gets the
+  default options: the loader supplies its own machine's (`config.replace(scan=...)`).
+
+  Raises:
+    ValueError: `values` has fields ModelConfig does not know (named), or a field
+      breaks a constraint.
+  """
+  known = {f.name for f in dataclasses.fields(ModelConfig)}
+  unknown = sorted(set(values) - known)
+  if unknown:
+    raise ValueError(f"ModelConfig has no fields {unknown}; the config was written by "
+                     "another version of this code")
+  return ModelConfig(**{k: v for k, v in values.items() if k not in _MACHINE_FIELDS})

@@ -100,7 +100,9 @@ class Conv1D(nn.Module):
     width = self.config.conv_width
     dtype: Any = self.config.dtype
     batch, length, channels = x.shape
-    kernel = P.logical_param(self, "kernel", P.fan_in_normal(0.01), (width, channels),
+    kernel_init = nn.initializers.variance_scaling(0.01, "fan_in", "normal", in_axis=0,
+                                                   out_axis=1)
+    kernel = P.logical_param(self, "kernel", kernel_init, (width, channels),
                              (P.CONV, P.RNN)).astype(dtype)
     bias = P.logical_param(self, "bias", nn.initializers.zeros_init(), (channels,),
                            (P.RNN,)).astype(dtype)

@@ -4,10 +4,10 @@ Everything here is shape arithmetic: the parameter tree is obtained with `jax.ev
 of the model's initialiser, so a 14B model is counted without allocating a byte of it.
 
 Parameters. `count_params` counts the real tree; `analytic_matmul_params` restates the
-same architecture by hand (DESIGN §3) so a test can hold one against the other.
+same architecture by hand (docs/model.md#parameter-counts) so a test can hold one against the other.
 
-Training FLOPs per token (DESIGN §4), with the usual "6N" convention (forward 2 FLOPs per
-weight per token, backward twice that):
+Training FLOPs per token (docs/model.md#training-flops), with the usual "6N" convention
+(forward 2 FLOPs per weight per token, backward twice that):
 
     6 · N_matmul                           every weight that multiplies each token once
                                            (dense kernels, block-diagonal RG-LRU gates,
@@ -188,7 +188,7 @@ def training_flops_breakdown(config: ModelConfig, seq_len: int) -> FlopsBreakdow
 
 
 def training_flops_per_token(config: ModelConfig, seq_len: int) -> float:
-  """Training FLOPs per token (DESIGN §4), the numerator of MFU."""
+  """Training FLOPs per token (docs/model.md#training-flops), the numerator of MFU."""
   return training_flops_breakdown(config, seq_len).total
 
 

@@ -44,7 +44,7 @@ from model.config import ModelConfig
 
 # Initial state-transition magnitude sigmoid(b_gamma) is drawn uniformly from this range
 # (per state row), so that at initialisation memories decay over ~10..1000 tokens, the
-# same spread as the RG-LRU's base decay (DESIGN §8).  The phase bias starts small.
+# same spread as the RG-LRU's base decay (docs/model.md).  The phase bias starts small.
 _INIT_MAGNITUDE_RANGE = (0.9, 0.999)
 _INIT_MAX_PHASE = math.pi / 10
 
@@ -75,7 +75,8 @@ class GateLoopBlock(nn.Module):
 
   Attributes:
     config: the model description; uses `width`, `gateloop_head_dim`,
-      `gateloop_fixed_transitions`, `depth` (output init scale), `dtype` and `scan_impl`.
+      `gateloop_fixed_transitions`, `depth` (output init scale), `dtype`, `scan_impl` and
+      `scan`.
   """
   config: ModelConfig
 
@@ -169,7 +170,7 @@ class GateLoopBlock(nn.Module):
     a = a.reshape(batch, length, heads * head_dim * head_dim)
 
     state, last_state = recurrence.mesh_aware_linear_scan(
-        a, kv.astype(jnp.complex64), cache, config.scan_impl)
+        a, kv.astype(jnp.complex64), cache, impl=config.scan_impl, options=config.scan)
 
     # Real q and real projection weights (paper appendix C): Re(q^T H) = q^T Re(H).
     state = jnp.real(state).reshape(batch, length, heads, head_dim, head_dim)

@@ -23,7 +23,7 @@ theirs) per pattern position, and renames leaves:
     attention_block/proj_{q,k,v}/kernel          attention/{q,k,v}/kernel
     attention_block/proj_final/{kernel,bias}     attention/out/{kernel,bias}
 
-Values are never transformed (the maths of the two models is the same, see DESIGN §3),
+Values are never transformed (the maths of the two models is the same, see docs/model.md),
 only regrouped. Everything here runs on the host with numpy, so a 9B checkpoint is
 converted without touching accelerator memory; call it outside `jax.jit`.
 """

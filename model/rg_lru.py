@@ -95,8 +95,10 @@ class BlockDiagonalLinear(nn.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     blocks = self.num_blocks
     block_in, block_out = x.shape[-1] // blocks, self.features // blocks
-    kernel = P.logical_param(self, "kernel", P.fan_in_normal(1.0, fan_in_axes=(0, 1)),
-                             (blocks, block_in, block_out),
+    # Not nn.initializers.lecun_normal: it truncates; RecurrentGemma's normal does not.
+    kernel_init = nn.initializers.variance_scaling(1.0, "fan_in", "normal",
+                                                   in_axis=(0, 1), out_axis=2)
+    kernel = P.logical_param(self, "kernel", kernel_init, (blocks, block_in, block_out),
                              (P.RNN_HEADS, P.RNN_HEAD_DIM, None))
     bias = P.logical_param(self, "bias", nn.initializers.zeros_init(), (blocks, block_out),
                            (P.RNN_HEADS, P.RNN_HEAD_DIM))
@@ -140,7 +142,7 @@ class RGLRU(nn.Module):
       a = jnp.exp(log_a)
     a = jnp.where(reset, jnp.zeros_like(a), a)
     h, h_last = recurrence.mesh_aware_linear_scan(a, x * gate_x * normaliser, cache,
-                                       cfg.scan_impl)
+                                                  impl=cfg.scan_impl, options=cfg.scan)
     if self.is_complex:
       h = jnp.concatenate([jnp.real(h), jnp.imag(h)], axis=-1)
     h = P.constrain(h.astype(cfg.dtype), (P.BATCH, P.LENGTH, P.ACT_RNN))

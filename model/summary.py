@@ -5,89 +5,77 @@
         [--mesh=data:2,fsdp:4,tensor:1 --batch=B [--device_memory_gb=G]]
 
 Prints the total and non-embedding parameter counts, the training FLOPs per token at
-sequence length T (DESIGN §4, see `model.counting`) and the decoding state per sequence.
+sequence length T (`model.counting`, docs/model.md) and the decoding state per sequence.
 With `--mesh`, also the per-device memory of training with a global batch of B rows of T
 tokens (`model.memory.plan_memory`). With `--json` it prints one JSON object instead:
 `params_total`, `params_non_embedding`, `params_embedding`, `flops_per_token`,
-`flops_breakdown`, `seq`, `decode_state_bytes`, `model` (the resolved ModelConfig) and,
-with a mesh, `per_device_bytes: {params, optimizer, gradients, activations, workspace,
-total}` (total includes the optimizer update's workspace), `memory_fits` (null without
+`flops_breakdown`, `seq`, `decode_state_bytes`, `model` (the resolved ModelConfig as
+checkpoints record it, `model.config.model_config_to_dict`) and, with a mesh,
+`per_device_bytes: {params, optimizer, gradients, activations, workspace, total}` (total
+includes the optimizer update's workspace), `memory_fits` (null without
 `--device_memory_gb`), `memory_method`, `mesh` and `batch`.
 
 Everything is computed from shapes (`jax.eval_shape`), so the 14B presets take seconds.
-Gin files may also bind trainer configurables this tool does not import; those bindings
-are skipped. Bad input ends the program with one line on stderr and exit status 2.
+The Gin files are read by `pretrain.gin_config` like the trainer's, so a full training
+config (trainer, data and model bindings) works as well as a model preset. Bad input
+ends the program with one `error: ...` line on stderr and exit status 2.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import os
-import sys
-from typing import Any, NoReturn, Optional, Sequence
+from typing import Any, Optional, Sequence
+
+from absl import flags
+
+from model import counting
+from model import memory
+from model.config import ModelConfig, model_config_to_dict
+from pretrain import cli
+from pretrain import gin_config
+from pretrain.errors import usage_error
+from sharding.mesh import parse_mesh_flag
 
 DEFAULT_SEQ = 2048  # the Griffin paper's training length
 
-
-class _UsageError(Exception):
-  """Bad command-line input: reported as one line, never a traceback."""
+FLAGS = flags.FLAGS
 
 
-class _ArgumentParser(argparse.ArgumentParser):
-  def error(self, message: str) -> NoReturn:
-    raise _UsageError(message)
+def define_flags() -> None:
+  """Command-line flags, defined only when run as a program (see tests/test_entry_points)."""
+  cli.define_gin_flags()
+  flags.DEFINE_integer("seq", DEFAULT_SEQ, "Sequence length T for FLOPs and memory.",
+                       lower_bound=1)
+  flags.DEFINE_bool("json", False, "Print one JSON object.")
+  flags.DEFINE_string("mesh", None,
+                      "Device mesh, e.g. 'data:2,fsdp:4,tensor:1': adds per-device memory.")
+  flags.DEFINE_integer("batch", None, "Global batch in sequences (with --mesh).",
+                       lower_bound=1)
+  flags.DEFINE_float("device_memory_gb", None,
+                     "Device memory in GB to check the plan against (with --mesh).")
+  flags.register_multi_flags_validator(
+      ["mesh", "batch", "device_memory_gb"],
+      lambda values: values["mesh"] is not None or (
+          values["batch"] is None and values["device_memory_gb"] is None),
+      message="--batch and --device_memory_gb need --mesh")
+  flags.register_multi_flags_validator(
+      ["mesh", "batch"], lambda values: values["mesh"] is None or values["batch"] is not None,
+      message="--mesh needs --batch (the global batch in sequences)")
 
 
-def _parser() -> argparse.ArgumentParser:
-  parser = _ArgumentParser(prog="python -m model.summary", description=__doc__.split("\n")[0])
-  parser.add_argument("--gin_file", action="append", default=[], required=True,
-                      help="Gin file binding ModelConfig (repeatable).")
-  parser.add_argument("--gin_param", action="append", default=[],
-                      help="Extra Gin binding, e.g. 'ModelConfig.depth = 6' (repeatable).")
-  parser.add_argument("--seq", type=int, default=None,
-                      help=f"Sequence length T for FLOPs and memory (default {DEFAULT_SEQ}).")
-  parser.add_argument("--json", action="store_true", help="Print one JSON object.")
-  parser.add_argument("--mesh", default=None,
-                      help="Device mesh, e.g. 'data:2,fsdp:4,tensor:1': adds per-device memory.")
-  parser.add_argument("--batch", type=int, default=None,
-                      help="Global batch in sequences (with --mesh).")
-  parser.add_argument("--device_memory_gb", type=float, default=None,
-                      help="Device memory in GB to check the plan against (with --mesh).")
-  return parser
+def load_model_config(gin_files: Sequence[str], gin_params: Sequence[str]) -> ModelConfig:
+  """Parses the Gin files and bindings and returns the ModelConfig they describe.
+
+  Raises:
+    UserError (exit code 2): a missing file, a bad binding or a rejected value.
+  """
+  gin_config.parse(gin_files, gin_params)
+  return gin_config.build_model_config()
 
 
-def _one_line(error: BaseException) -> str:
-  text = " ".join(str(error).split())
-  return text or type(error).__name__
-
-
-def load_model_config(gin_files: Sequence[str], gin_params: Sequence[str]) -> Any:
-  """Parses the Gin files and bindings and returns the ModelConfig they describe."""
-  import gin  # pylint: disable=import-outside-toplevel
-  from model.config import ModelConfig  # pylint: disable=import-outside-toplevel
-
-  for path in gin_files:
-    if not os.path.isfile(path):
-      raise _UsageError(f"--gin_file {path!r} does not exist")
-  gin.clear_config()
-  try:
-    # Not finalized: the model's modules register configurables of their own on import.
-    gin.parse_config_files_and_bindings(list(gin_files), list(gin_params),
-                                        finalize_config=False, skip_unknown=True)
-  except Exception as e:  # pylint: disable=broad-except; gin raises many kinds
-    raise _UsageError(f"cannot parse the Gin configuration: {_one_line(e)}") from None
-  try:
-    return ModelConfig()
-  except ValueError as e:  # gin appends "In call to configurable ...": keep the reason
-    raise _UsageError(str(e).split("\n")[0]) from None
-
-
-def summarize(config: Any, seq: int, mesh: Optional[str] = None, batch: Optional[int] = None,
+def summarize(config: ModelConfig, seq: int, mesh: Optional[str] = None, batch: Optional[int] = None,
               device_memory_gb: Optional[float] = None) -> dict[str, Any]:
   """The summary of `config` as a JSON-ready dict (see the module docstring)."""
-  from model import counting  # pylint: disable=import-outside-toplevel
-
   params = counting.count_params(config)
   flops = counting.training_flops_breakdown(config, seq)
   result: dict[str, Any] = {
@@ -98,22 +86,23 @@ def summarize(config: Any, seq: int, mesh: Optional[str] = None, batch: Optional
       "flops_breakdown": dataclasses.asdict(flops),
       "seq": seq,
       "decode_state_bytes": counting.decode_state_bytes(config, max_length=seq),
-      "model": dataclasses.asdict(config),
+      "model": model_config_to_dict(config),
   }
   if mesh is not None:
     result.update(_memory_plan(config, mesh, batch, seq, device_memory_gb))
   return result
 
 
-def _memory_plan(config: Any, mesh: str, batch: Optional[int], seq: int,
+def _memory_plan(config: ModelConfig, mesh: str, batch: Optional[int], seq: int,
                  device_memory_gb: Optional[float]) -> dict[str, Any]:
   """`model.memory.plan_memory` for the `--mesh` flag, trimmed to JSON-ready fields."""
   if batch is None:
-    raise _UsageError("--mesh needs --batch (the global batch in sequences)")
-  from model import memory  # pylint: disable=import-outside-toplevel
-  from sharding.mesh import parse_mesh_flag  # pylint: disable=import-outside-toplevel
-  plan = memory.plan_memory(config, parse_mesh_flag(mesh), batch, seq,
-                            device_memory_gb=device_memory_gb)
+    raise usage_error("--mesh needs --batch (the global batch in sequences)")
+  try:
+    plan = memory.plan_memory(config, parse_mesh_flag(mesh), batch, seq,
+                              device_memory_gb=device_memory_gb)
+  except ValueError as error:  # an invalid mesh, or one that does not fit the model
+    raise usage_error(" ".join(str(error).split())) from None
   keys = ("params", "optimizer", "gradients", "activations", "workspace", "total")
   return {"per_device_bytes": {key: int(plan[key]) for key in keys if key in plan},
           "memory_fits": plan.get("fits"), "memory_method": plan.get("method"),
@@ -158,27 +147,15 @@ def format_text(summary: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-  try:
-    args = _parser().parse_args(argv)
-    seq = DEFAULT_SEQ if args.seq is None else args.seq
-    if seq < 1:
-      raise _UsageError(f"--seq must be a positive integer, got {seq}")
-    if args.batch is not None and args.batch < 1:
-      raise _UsageError(f"--batch must be a positive integer, got {args.batch}")
-    if args.mesh is None and (args.batch is not None or args.device_memory_gb is not None):
-      raise _UsageError("--batch and --device_memory_gb need --mesh")
-    config = load_model_config(args.gin_file, args.gin_param)
-    summary = summarize(config, seq, args.mesh, args.batch, args.device_memory_gb)
-  except _UsageError as e:
-    print(f"model.summary: error: {e}", file=sys.stderr)
-    return 2
-  except ValueError as e:  # e.g. an invalid mesh, with the problem named
-    print(f"model.summary: error: {_one_line(e)}", file=sys.stderr)
-    return 2
-  print(json.dumps(summary, sort_keys=True) if args.json else format_text(summary))
-  return 0
+def main(argv: Sequence[str]) -> None:
+  cli.reject_extra_arguments(argv)
+  if not FLAGS.gin_file:
+    raise usage_error("--gin_file is required, e.g. --gin_file=configs/models/griffin_100m.gin")
+  config = load_model_config(FLAGS.gin_file, FLAGS.gin_param)
+  summary = summarize(config, FLAGS.seq, FLAGS.mesh, FLAGS.batch, FLAGS.device_memory_gb)
+  print(json.dumps(summary, sort_keys=True) if FLAGS.json else format_text(summary))
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  define_flags()
+  cli.run(main)

@@ -12,9 +12,10 @@ The data position is not stored: the pipeline's batch at step s is a pure functi
 
 Orbax writes each step into a temporary directory and renames it when every item is
 complete, then writes `commit_success.txt`. A run killed mid-save leaves at most a
-`<step>.orbax-checkpoint-tmp-*` directory (or, on storage without atomic rename, a step
-directory without the marker); `complete_steps` ignores both and `Checkpointer` deletes
-them on start-up, so resume always picks the newest *complete* step.
+`<step>.orbax-checkpoint-tmp-*` directory (removed by Orbax's `cleanup_tmp_directories`)
+or, on storage without atomic rename, a step directory without the marker, which
+`complete_steps` ignores and `Checkpointer` deletes on start-up, so resume always picks
+the newest *complete* step.
 """
 from __future__ import annotations
 
@@ -24,23 +25,17 @@ import os
 import shutil
 from typing import Any, Mapping, Optional
 
-import gin
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from pretrain.cli import UserError
-from pretrain.optimizer import path_string
+from pretrain.errors import CheckpointMismatchError, UserError
+from sharding.partition import path_str
 
 COMMIT_MARKER = "commit_success.txt"
 
 
-class CheckpointMismatchError(UserError):
-  """A checkpoint's parameters do not fit the configured model."""
-
-
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
   """When to save and what to keep.
@@ -75,36 +70,31 @@ def _step_of(path: epath.Path) -> Optional[int]:
   return int(path.name) if path.name.isdigit() else None
 
 
+def _committed(path: epath.Path) -> bool:
+  return (path / COMMIT_MARKER).exists()
+
+
 def complete_steps(directory: epath.PathLike) -> list[int]:
   """Steps under `directory` whose save finished (commit marker present), ascending."""
   directory = epath.Path(directory)
   if not directory.exists():
     return []
-  steps = []
-  for path in directory.iterdir():
-    step = _step_of(path)
-    if step is not None and path.is_dir() and (path / COMMIT_MARKER).exists():
-      steps.append(step)
-  return sorted(steps)
+  return sorted(step for path in directory.iterdir()
+                if (step := _step_of(path)) is not None and _committed(path))
 
 
-def incomplete_entries(directory: epath.PathLike) -> list[epath.Path]:
-  """Leftovers of interrupted saves: temporary dirs and step dirs without the marker."""
+def unmarked_step_dirs(directory: epath.PathLike) -> list[epath.Path]:
+  """Step directories without the commit marker: saves cut short on non-atomic storage."""
   directory = epath.Path(directory)
   if not directory.exists():
     return []
-  leftovers = []
-  for path in directory.iterdir():
-    if ".orbax-checkpoint-tmp" in path.name:
-      leftovers.append(path)
-    elif _step_of(path) is not None and not (path / COMMIT_MARKER).exists():
-      leftovers.append(path)
-  return sorted(leftovers)
+  return sorted(path for path in directory.iterdir()
+                if _step_of(path) is not None and not _committed(path))
 
 
 def shapes_by_path(tree: Any) -> dict[str, tuple[int, ...]]:
   leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-  return {path_string(path): tuple(leaf.shape) for path, leaf in leaves}
+  return {path_str(path): tuple(leaf.shape) for path, leaf in leaves}
 
 
 def describe_mismatch(saved: Mapping[str, tuple[int, ...]],
@@ -129,12 +119,13 @@ def describe_mismatch(saved: Mapping[str, tuple[int, ...]],
 class Checkpointer:
   """Saves and restores training state under `workdir/checkpoints` with Orbax."""
 
-  def __init__(self, workdir: str, config: Optional[CheckpointConfig] = None,
+  def __init__(self, workdir: str, config: CheckpointConfig = CheckpointConfig(),
                read_only: bool = False):
     self.directory = checkpoint_dir(workdir)
-    config = config or CheckpointConfig()
     if not read_only and jax.process_index() == 0:
-      for leftover in incomplete_entries(self.directory):
+      # Orbax checks the commit marker only on gs:// paths; elsewhere a step directory
+      # without it (non-atomic storage) would count as complete, so drop it here.
+      for leftover in unmarked_step_dirs(self.directory):
         logging.warning("Removing incomplete checkpoint %s (interrupted save)", leftover)
         shutil.rmtree(leftover, ignore_errors=True)
     policies = [ocp.checkpoint_managers.LatestN(n=config.keep_last)]
@@ -145,6 +136,7 @@ class Checkpointer:
         preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
         enable_async_checkpointing=config.async_save,
         create=not read_only,
+        cleanup_tmp_directories=not read_only,
         read_only=read_only)
     if read_only and not self.directory.exists():
       raise UserError(f"No checkpoints in {self.directory}: train first (python -m "
@@ -157,15 +149,25 @@ class Checkpointer:
                                           item_handlers=handlers)
 
   # -- queries ---------------------------------------------------------------
+  def all_steps(self) -> list[int]:
+    """Complete steps, ascending (Orbax's list, filtered by the commit marker)."""
+    return [step for step in self._manager.all_steps()
+            if _committed(self.directory / str(step))]
+
   def latest_step(self) -> Optional[int]:
-    steps = complete_steps(self.directory)
+    steps = self.all_steps()
     return steps[-1] if steps else None
+
+  def reached_preemption(self, step: int) -> bool:
+    """Whether every process agreed to stop at `step` (JAX's preemption sync, through
+    Orbax); False on a single-process run, which has no sync service."""
+    return self._manager.reached_preemption(step)
 
   def has_item(self, step: int, item: str) -> bool:
     return (self.directory / str(step) / item).exists()
 
   def metadata(self, step: int) -> dict[str, Any]:
-    """The step's JSON metadata: {"model_config", "vocabulary", "sequence_length"}."""
+    """The step's JSON metadata (`pretrain.metadata.RunMetadata.to_json`)."""
     restored = self._manager.restore(
         step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore()))
     return dict(restored["metadata"])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 from absl import app
 from absl import flags
@@ -49,14 +49,14 @@ def _flags_parser(argv: list[str]) -> list[str]:
     sys.exit(EXIT_USAGE)
 
 
-def run(main: Callable[[Sequence[str]], None]) -> None:
+def run(main: Callable[[Sequence[str]], Optional[int]]) -> None:
   """absl `app.run(main)`, with a UserError reported in one line and its exit code."""
-  def guarded(argv: Sequence[str]) -> None:
+  def guarded(argv: Sequence[str]) -> Optional[int]:
     if not flags.FLAGS["verbosity"].present:
       # Orbax and JAX log every save at INFO; the commands print their own progress.
       logging.set_verbosity(logging.WARNING)
     try:
-      main(argv)
+      return main(argv)
     except KeyboardInterrupt:
       print("interrupted", file=sys.stderr)
       sys.exit(130)

@@ -18,9 +18,20 @@ from __future__ import annotations
 import os
 from typing import Any, Optional, Sequence
 
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
 from absl import flags
 
+from model import recurrentgemma_params as rg
+from model.config import ModelConfig, model_config_to_dict
 from pretrain import cli
+from pretrain import gin_config
+from pretrain.checkpointing import Checkpointer, complete_steps, describe_mismatch, shapes_by_path
+from pretrain.errors import UserError, usage_error
+from pretrain.metadata import RunMetadata, make_vocabulary, vocabulary_spec
+from pretrain.runtime import Runtime
+from sharding.mesh import MeshConfig
 
 FLAGS = flags.FLAGS
 FORMATS = ("recurrentgemma",)
@@ -35,21 +46,19 @@ def define_flags() -> None:
   flags.DEFINE_float("logits_soft_cap", None, "Logit soft cap c; 0 disables.")
   flags.DEFINE_bool("embeddings_scale_by_sqrt_dim", None, "Scale embeddings by sqrt(D).")
   flags.DEFINE_string("vocab", "byte", "'byte' or a SentencePiece .model path.")
-  flags.DEFINE_integer("sequence_length", 2048, "Chunk length evaluate uses for text files.")
+  flags.DEFINE_integer("sequence_length", 2048, "Chunk length evaluate uses for text files.",
+                       lower_bound=1)
+  flags.mark_flags_as_required(["checkpoint", "workdir"])
 
 
 def preset_settings(name: str) -> dict[str, Any]:
   """window / logits_soft_cap / embeddings_scale_by_sqrt_dim of a model preset Gin file."""
-  import gin  # pylint: disable=g-import-not-at-top
-  from model.config import ModelConfig  # pylint: disable=g-import-not-at-top
-  path = os.path.join(cli.REPO_ROOT, "configs", "models", f"{name}.gin")
+  path = os.path.join(gin_config.REPO_ROOT, "configs", "models", f"{name}.gin")
   if not os.path.exists(path):
     known = sorted(f[:-4] for f in os.listdir(os.path.dirname(path)) if f.endswith(".gin"))
-    raise cli.ConfigError(f"Unknown --preset {name!r}; known presets: {', '.join(known)}")
-  gin.clear_config()
-  cli.parse_gin([path], [])
-  preset = ModelConfig()
-  gin.clear_config()
+    raise usage_error(f"Unknown --preset {name!r}; known presets: {', '.join(known)}")
+  gin_config.parse([path], [])
+  preset = gin_config.build(ModelConfig)
   return dict(window=preset.attention_window, logits_soft_cap=preset.logits_soft_cap,
               embeddings_scale_by_sqrt_dim=preset.embeddings_scale_by_sqrt_dim)
 
@@ -61,7 +70,7 @@ def flag_settings(window: Optional[str], logits_soft_cap: Optional[float],
                                       ("--embeddings_scale_by_sqrt_dim", scale))
              if value is None]
   if missing:
-    raise cli.ConfigError(
+    raise usage_error(
         f"Give --preset=NAME (e.g. recurrentgemma_2b) or all of --window, "
         f"--logits_soft_cap and --embeddings_scale_by_sqrt_dim; missing {missing}")
   if window.lower() in ("none", "global"):
@@ -70,17 +79,15 @@ def flag_settings(window: Optional[str], logits_soft_cap: Optional[float],
     try:
       window_value = int(window)
     except ValueError:
-      raise cli.ConfigError(f"--window must be an integer or 'none', got {window!r}") from None
+      raise usage_error(f"--window must be an integer or 'none', got {window!r}") from None
   return dict(window=window_value, logits_soft_cap=logits_soft_cap or None,
               embeddings_scale_by_sqrt_dim=scale)
 
 
 def read_recurrentgemma(path: str) -> dict:
   """The checkpoint's tree as host numpy arrays (no accelerator memory used)."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   if not os.path.isdir(path):
-    raise cli.UserError(f"--checkpoint {path} is not a directory (expected an Orbax "
+    raise UserError(f"--checkpoint {path} is not a directory (expected an Orbax "
                         "checkpoint written by recurrentgemma.jax.utils.save_parameters)")
   checkpointer = ocp.PyTreeCheckpointer()
   try:
@@ -94,56 +101,48 @@ def read_recurrentgemma(path: str) -> dict:
     return checkpointer.restore(path, args=ocp.args.PyTreeRestore(
         restore_args=host_args(dict(tree))))
   except (FileNotFoundError, ValueError) as error:
-    raise cli.UserError(f"Cannot read the RecurrentGemma checkpoint {path}: "
+    raise UserError(f"Cannot read the RecurrentGemma checkpoint {path}: "
                         f"{str(error).splitlines()[0]}") from None
 
 
-def model_gin(config: Any) -> str:
+def model_gin(config: ModelConfig) -> str:
   """ModelConfig bindings reproducing `config`, for training on from the checkpoint."""
-  import dataclasses  # pylint: disable=g-import-not-at-top
   lines = ["# Written by pretrain.convert: the imported model's shape.", "import model.config", ""]
-  for field in dataclasses.fields(config):
-    value = getattr(config, field.name)
-    lines.append(f"ModelConfig.{field.name} = {value!r}")
+  for name, value in model_config_to_dict(config).items():
+    if isinstance(value, list):
+      value = tuple(value)
+    lines.append(f"ModelConfig.{name} = {value!r}")
   return "\n".join(lines) + "\n"
 
 
 def convert_recurrentgemma(checkpoint: str, workdir: str, settings: dict[str, Any],
-                           vocab: str = "byte", sequence_length: int = 2048) -> Any:
+                           vocab: str = "byte", sequence_length: int = 2048) -> ModelConfig:
   """Writes DIR/checkpoints/0 (and DIR/model.gin); returns the ModelConfig."""
-  import jax  # pylint: disable=g-import-not-at-top
-  from model import recurrentgemma_params as rg  # pylint: disable=g-import-not-at-top
-  from pretrain import load as load_lib  # pylint: disable=g-import-not-at-top
-  from pretrain.checkpointing import (  # pylint: disable=g-import-not-at-top
-      Checkpointer, complete_steps, describe_mismatch, shapes_by_path)
-  from pretrain.trainer import Setup  # pylint: disable=g-import-not-at-top
-
   tree = read_recurrentgemma(checkpoint)
   try:
     config = rg.config_from_recurrentgemma_params(tree, **settings)
     params = rg.recurrentgemma_to_ours(tree, config)
   except (KeyError, ValueError) as error:
-    raise cli.UserError(f"{checkpoint} is not a RecurrentGemma parameter tree this "
+    raise UserError(f"{checkpoint} is not a RecurrentGemma parameter tree this "
                         f"converter understands: {error}") from None
-  vocabulary = load_lib.make_vocabulary(vocab)
+  vocabulary = make_vocabulary(vocab)
   if vocabulary.vocab_size > config.vocab_size:
-    raise cli.UserError(f"--vocab has {vocabulary.vocab_size} ids but the checkpoint's "
+    raise UserError(f"--vocab has {vocabulary.vocab_size} ids but the checkpoint's "
                         f"embedding only {config.vocab_size} rows; pass the vocabulary "
                         "the model was trained with")
   os.makedirs(workdir, exist_ok=True)
   if complete_steps(os.path.join(workdir, "checkpoints")):
-    raise cli.UserError(f"{workdir} already holds checkpoints; convert into a new --workdir")
-  setup = Setup(config)
-  problem = describe_mismatch(shapes_by_path(params), shapes_by_path(setup.abstract_params))
+    raise UserError(f"{workdir} already holds checkpoints; convert into a new --workdir")
+  runtime = Runtime.create(config, MeshConfig())
+  problem = describe_mismatch(shapes_by_path(params), shapes_by_path(runtime.abstract_params))
   if problem:
-    raise cli.UserError(f"The converted parameters do not fit the model they imply:\n{problem}")
-  sharded = jax.tree.map(jax.device_put, params, setup.param_shardings)
+    raise UserError(f"The converted parameters do not fit the model they imply:\n{problem}")
+  sharded = jax.tree.map(jax.device_put, params, runtime.param_shardings)
   checkpointer = Checkpointer(workdir)
   try:
     checkpointer.save(0, params=sharded, opt_state=None, rng=jax.random.key(0),
-                      metadata={"model_config": load_lib.model_config_to_dict(config),
-                                "vocabulary": load_lib.vocabulary_spec(vocabulary),
-                                "sequence_length": sequence_length})
+                      metadata=RunMetadata(config, vocabulary_spec(vocabulary),
+                                           sequence_length).to_json())
   finally:
     checkpointer.close()
   if jax.process_index() == 0:
@@ -154,17 +153,14 @@ def convert_recurrentgemma(checkpoint: str, workdir: str, settings: dict[str, An
 
 def main(argv: Sequence[str]) -> None:
   if len(argv) != 2 or argv[1] not in FORMATS:
-    raise cli.ConfigError(f"Usage: python -m pretrain.convert {{{'|'.join(FORMATS)}}} "
+    raise usage_error(f"Usage: python -m pretrain.convert {{{'|'.join(FORMATS)}}} "
                           "--checkpoint=PATH --workdir=DIR [--preset=NAME | --window=W "
                           "--logits_soft_cap=C --embeddings_scale_by_sqrt_dim=BOOL]")
-  for name in ("checkpoint", "workdir"):
-    if not FLAGS[name].value:
-      raise cli.ConfigError(f"--{name} is required")
   if FLAGS.preset:
     given = [n for n in ("window", "logits_soft_cap", "embeddings_scale_by_sqrt_dim")
              if FLAGS[n].present]
     if given:
-      raise cli.ConfigError(f"--preset and {['--' + n for n in given]} exclude each other")
+      raise usage_error(f"--preset and {['--' + n for n in given]} exclude each other")
     settings = preset_settings(FLAGS.preset)
   else:
     settings = flag_settings(FLAGS.window, FLAGS.logits_soft_cap,

@@ -18,18 +18,21 @@ model trained on a shortened variant is evaluated on that variant); --task may n
 """
 from __future__ import annotations
 
-import importlib
 import json
 import os
 from typing import Callable, Dict, List, Optional, Sequence
 
 from absl import flags
+import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pretrain import cli
+from pretrain import gin_config
 from pretrain.data import synthetic
+from pretrain.errors import usage_error
+from pretrain.load import load
 
 LogitsFn = Callable[[np.ndarray, np.ndarray], jax.Array]
 
@@ -94,13 +97,11 @@ def format_table(results: Sequence[Dict[str, float]], title: str = "") -> str:
 
 def training_task(workdir: str) -> Optional[str]:
   """Registers and names the synthetic task DIR/config.gin trained on (None if none)."""
-  import gin  # pylint: disable=g-import-not-at-top
   path = os.path.join(workdir, "config.gin")
   if not os.path.exists(path):
     return None
-  gin.clear_config()
+  gin_config.parse([path], [], skip_unknown=True)
   try:
-    gin.parse_config_file(path, skip_unknown=True)
     try:
       reference = gin.query_parameter("DataPipeline.task")
     except ValueError:
@@ -120,13 +121,13 @@ def resolve_task(workdir: str, task: Optional[str]) -> str:
   trained = training_task(workdir)
   if task is None:
     if trained is None:
-      raise cli.ConfigError(f"{workdir}/config.gin names no synthetic training task; "
+      raise usage_error(f"{workdir}/config.gin names no synthetic training task; "
                             "pass --task (one of " + ", ".join(sorted(synthetic.SPECS)) + ")")
     return trained
   if trained is not None and task in (trained, synthetic.SPECS[trained].family):
     return trained
   if task not in synthetic.SPECS:
-    raise cli.ConfigError(f"--task={task} is not a synthetic task; known: "
+    raise usage_error(f"--task={task} is not a synthetic task; known: "
                           + ", ".join(sorted(synthetic.SPECS)))
   return task
 
@@ -140,33 +141,29 @@ def define_flags() -> None:
   flags.DEFINE_string("workdir", None, "Run directory of the trained model.")
   flags.DEFINE_string("task", None, "Synthetic task (default: the training task).")
   flags.DEFINE_list("multiples", ["1", "2", "4", "8", "32"], "Length multiples.")
-  flags.DEFINE_integer("examples", 64, "Held-out examples per multiple.")
-  flags.DEFINE_integer("tokens_per_batch", 16384, "Tokens per forward pass.")
-  flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest).")
+  flags.DEFINE_integer("examples", 64, "Held-out examples per multiple.", lower_bound=1)
+  flags.DEFINE_integer("tokens_per_batch", 16384, "Tokens per forward pass.", lower_bound=1)
+  flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest).", lower_bound=0)
   flags.DEFINE_string("output", None, "Also write the results as JSON here.")
+  flags.mark_flag_as_required("workdir")
 
 
 def main(argv: Sequence[str]) -> None:
-  if len(argv) > 1:
-    raise cli.ConfigError(f"Unexpected arguments {argv[1:]}")
-  if not FLAGS.workdir:
-    raise cli.ConfigError("--workdir is required")
+  cli.reject_extra_arguments(argv)
   try:
     multiples = [int(m) for m in FLAGS.multiples]
   except ValueError:
-    raise cli.ConfigError(f"--multiples must be integers, got {FLAGS.multiples}") from None
+    raise usage_error(f"--multiples must be integers, got {FLAGS.multiples}") from None
   if any(m < 1 for m in multiples):
-    raise cli.ConfigError(f"--multiples must be >= 1, got {multiples}")
+    raise usage_error(f"--multiples must be >= 1, got {multiples}")
   workdir = os.path.abspath(os.path.expanduser(FLAGS.workdir))
   if not os.path.isdir(workdir):
-    raise cli.ConfigError(f"--workdir {workdir} does not exist; point it at a trained run")
+    raise usage_error(f"--workdir {workdir} does not exist; point it at a trained run")
   task = resolve_task(workdir, FLAGS.task)
   spec = synthetic.spec_of(task)
-  # The module, whether or not the package re-exports `load` under the same name.
-  load_module = importlib.import_module("pretrain.load")
-  model = load_module.load(workdir, FLAGS.step)
+  model = load(workdir, FLAGS.step)
   if model.config.vocab_size < spec.vocab_size:
-    raise cli.ConfigError(f"task {task} has {spec.vocab_size} token ids but the model's "
+    raise usage_error(f"task {task} has {spec.vocab_size} token ids but the model's "
                           f"vocabulary is {model.config.vocab_size}")
   results = evaluate_multiples(model.logits, spec, multiples, FLAGS.examples,
                                FLAGS.tokens_per_batch)

@@ -1,7 +1,7 @@
 """Model FLOPs utilisation: training FLOPs per token and peak FLOP/s per device kind.
 
 MFU = (tokens/s × training FLOPs per token) ÷ (devices × peak FLOP/s per device),
-DESIGN §4. Peaks are the vendors' dense bf16 numbers (no sparsity); a device kind not in
+docs/model.md#mfu. Peaks are the vendors' dense bf16 numbers (no sparsity); a device kind not in
 the table (CPU, unknown GPUs) has no peak and MFU is reported as "n/a".
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ def peak_flops_per_device(device_kind: str) -> Optional[float]:
 def training_flops_per_token(config, sequence_length: int) -> float:
   """FLOPs of one training token (forward + backward) of the model `config` describes.
 
-  Uses the model's own counting (`model.counting`), which follows DESIGN §4.
+  Uses the model's own counting (`model.counting`), which follows docs/model.md#training-flops.
   """
   from model import counting  # pylint: disable=g-import-not-at-top
   return float(counting.training_flops_per_token(config, sequence_length))

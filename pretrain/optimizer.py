@@ -1,13 +1,13 @@
 """AdamW with warm-up + cosine decay, clipping and a weight-decay mask, built with optax.
 
-Defaults follow DESIGN §8 (Chinchilla-style): β2 = 0.95, weight decay 0.1, linear
+Defaults follow docs/model.md#optimizer (Chinchilla-style): β2 = 0.95, weight decay 0.1, linear
 warm-up then cosine decay to 10% of the peak, global-norm clipping at 1.0. Weight decay
 only applies to matrices that mix features: norms, biases, embeddings and the RG-LRU's
 Λ (`a_param`) are left alone, because decaying them pulls the model towards a
 degenerate point (unit-free scales, zero decay rates) rather than regularising it.
 
 Gradient accumulation is not an optax wrapper here: the train step scans over
-microbatches itself (pretrain/trainer.py), which keeps the loss and the gradient exactly
+microbatches itself (pretrain/steps.py), which keeps the loss and the gradient exactly
 those of the big batch.
 """
 from __future__ import annotations
@@ -16,7 +16,6 @@ import dataclasses
 import re
 from typing import Any, Sequence
 
-import gin
 import jax
 import optax
 
@@ -29,7 +28,6 @@ NO_DECAY_PATTERNS = (
 )
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
   """AdamW hyper-parameters and the learning-rate schedule.
@@ -84,28 +82,14 @@ def learning_rate_schedule(config: OptimizerConfig, total_steps: int) -> optax.S
     raise ValueError(f"total_steps must be >= 1, got {total_steps}")
   warmup = min(config.warmup_steps, total_steps)
   peak = config.peak_learning_rate
-  cosine = optax.cosine_decay_schedule(
-      peak, max(total_steps - warmup, 1), alpha=config.final_learning_rate_fraction)
-  if not warmup:
-    return cosine
-  return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), cosine], [warmup])
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=peak, warmup_steps=warmup,
+      decay_steps=max(total_steps, warmup + 1),
+      end_value=config.final_learning_rate_fraction * peak)
 
 
 def _path_names(path: tuple[Any, ...]) -> list[str]:
-  names = []
-  for key in path:
-    for attr in ("key", "name", "idx"):
-      if hasattr(key, attr):
-        names.append(str(getattr(key, attr)))
-        break
-    else:
-      names.append(str(key))
-  return names
-
-
-def path_string(path: tuple[Any, ...]) -> str:
-  """`('blocks', 'mlp', 'kernel')`-style key path as 'blocks/mlp/kernel'."""
-  return "/".join(_path_names(path))
+  return [jax.tree_util.keystr((key,), simple=True) for key in path]
 
 
 def weight_decay_mask(params: Any, patterns: Sequence[str] = NO_DECAY_PATTERNS) -> Any:

@@ -3,114 +3,35 @@ r"""Samples a continuation of a prompt from a trained model.
   python -m pretrain.sample --workdir=DIR --prompt='def ' [--max_new_tokens=200] \
       [--temperature=0.8] [--seed=0]
 
-The prompt runs once (prefill), filling the decoding caches: RG-LRU states, Conv1D
-tails and local-attention ring buffers (constant size per token for Griffin and Hawk).
-Then each new token is one cached decode step; the prefix is never re-run. The decode
-loop is a single `lax.scan`, compiled once.
+See `pretrain.generation` for how decoding works (one prefill, then cached steps).
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Sequence
 
 from absl import flags
 
 from pretrain import cli
+from pretrain.generation import sample_text
+from pretrain.load import load
 
 FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
-  """Flags of the command (defined only when run as one: the trainer imports this)."""
+  """Flags of the command (defined only when run as one)."""
   flags.DEFINE_string("workdir", None, "Run directory holding checkpoints/.")
   flags.DEFINE_string("prompt", None, "Text to continue.")
-  flags.DEFINE_integer("max_new_tokens", 200, "Tokens to generate.")
-  flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 = greedy.")
+  flags.DEFINE_integer("max_new_tokens", 200, "Tokens to generate.", lower_bound=1)
+  flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 = greedy.",
+                     lower_bound=0.0)
   flags.DEFINE_integer("seed", 0, "Sampling seed.")
-  flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest).")
-
-
-def generate(config: Any, params: Any, prompt_ids: Sequence[int], *, max_new_tokens: int,
-             temperature: float = 0.8, seed: int = 0, stop_id: Optional[int] = None
-             ) -> list[int]:
-  """New token ids continuing `prompt_ids` (one sequence), stopping after `stop_id`.
-
-  Args:
-    config: the ModelConfig.
-    params: model parameters.
-    prompt_ids: the prompt's token ids (at least one).
-    max_new_tokens: how many tokens to draw at most.
-    temperature: softmax temperature; 0 picks the most likely token.
-    seed: sampling seed.
-    stop_id: end-of-sequence id; generation output is cut after it.
-  """
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from model import decoding  # pylint: disable=g-import-not-at-top
-
-  if not len(prompt_ids):
-    raise cli.UserError("The prompt is empty: give at least one character")
-  if max_new_tokens < 1:
-    raise cli.UserError(f"--max_new_tokens must be >= 1, got {max_new_tokens}")
-  if temperature < 0:
-    raise cli.UserError(f"--temperature must be >= 0, got {temperature}")
-  prompt = jnp.asarray(prompt_ids, jnp.int32)[None]
-  length = prompt.shape[1]
-  cache = None
-  if config.attention_window is None and "attention" in config.block_pattern:
-    cache = decoding.init_cache(config, 1, jnp.dtype(config.dtype),
-                                max_length=length + max_new_tokens)
-
-  def pick(logits, key):
-    if temperature == 0:
-      return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32)
-
-  @jax.jit
-  def run(params, prompt, cache, key):
-    logits, cache = decoding.prefill(config, params, prompt,
-                                     jnp.arange(length, dtype=jnp.int32)[None], cache)
-    first_key, key = jax.random.split(key)
-    token = pick(logits[:, -1], first_key)
-
-    def step(carry, index):
-      token, cache, key = carry
-      key, draw = jax.random.split(key)
-      logits, cache = decoding.decode_step(config, params, token[:, None],
-                                           jnp.full((1, 1), length + index, jnp.int32),
-                                           cache)
-      next_token = pick(logits[:, -1], draw)
-      return (next_token, cache, key), token[0]
-
-    _, tokens = jax.lax.scan(step, (token, cache, key),
-                             jnp.arange(max_new_tokens, dtype=jnp.int32))
-    return tokens
-
-  tokens = [int(t) for t in jax.device_get(run(params, prompt, cache, jax.random.key(seed)))]
-  if stop_id is not None and stop_id in tokens:
-    tokens = tokens[:tokens.index(stop_id) + 1]
-  return tokens
-
-
-def sample_text(config: Any, params: Any, vocabulary: Any, prompt: str, *,
-                max_new_tokens: int, temperature: float = 0.8, seed: int = 0) -> str:
-  """The decoded continuation of `prompt` (without the prompt)."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  ids = generate(config, params, np.asarray(vocabulary.encode(prompt), np.int32),
-                 max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                 stop_id=vocabulary.eos_id)
-  if ids and ids[-1] == vocabulary.eos_id:
-    ids = ids[:-1]
-  return vocabulary.decode(ids)
+  flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest).", lower_bound=0)
+  flags.mark_flags_as_required(["workdir", "prompt"])
 
 
 def main(argv: Sequence[str]) -> None:
-  if len(argv) > 1:
-    raise cli.ConfigError(f"Unexpected arguments {argv[1:]}")
-  if not FLAGS.workdir:
-    raise cli.ConfigError("--workdir is required")
-  if FLAGS.prompt is None:
-    raise cli.ConfigError("--prompt is required")
-  from pretrain.load import load  # pylint: disable=g-import-not-at-top
+  cli.reject_extra_arguments(argv)
   model = load(FLAGS.workdir, FLAGS.step)
   text = sample_text(model.config, model.params, model.vocabulary, FLAGS.prompt,
                      max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import io
 import os
-import sys
 from typing import Iterator, Sequence
 
-from absl import app
 from absl import flags
+import sentencepiece as spm
 
+from pretrain import cli
 from pretrain.data import corpus_files
 from pretrain.data.errors import DataError
 
@@ -32,13 +32,16 @@ def define_flags() -> None:
   module next to other entry points (tests, notebooks) cannot clash."""
   flags.DEFINE_string(
       "input_glob", None, "Files to train on (recursive **, {stdlib} placeholder).")
-  flags.DEFINE_integer("vocab_size", None, "Number of pieces.")
+  flags.DEFINE_integer("vocab_size", None, "Number of pieces (at least 8).", lower_bound=8)
   flags.DEFINE_string(
       "output", None, "Model path; `.model` is appended if missing (a `.vocab` "
       "listing is written next to it).")
   flags.DEFINE_enum("model_type", "bpe", ["unigram", "bpe"], "SentencePiece algorithm.")
   flags.DEFINE_integer(
-      "max_lines", 2_000_000, "Lines sampled (evenly) from the corpus for training.")
+      "max_lines", 2_000_000, "Lines sampled (evenly) from the corpus for training.",
+      lower_bound=1)
+  for name in ("input_glob", "vocab_size", "output"):
+    flags.mark_flag_as_required(name)
 
 
 def corpus_lines(input_glob: str) -> Iterator[str]:
@@ -59,8 +62,6 @@ def train_sentencepiece(input_glob: str, vocab_size: int, output: str,
                         model_type: str = "bpe",
                         max_lines: int = 2_000_000) -> str:
   """Trains a model on the files matching `input_glob`; returns the `.model` path."""
-  import sentencepiece as spm  # pylint: disable=g-import-not-at-top
-
   if vocab_size < 8:
     raise DataError(f"--vocab_size={vocab_size} is too small; use e.g. 4096")
   lines = list(corpus_lines(input_glob))
@@ -96,20 +97,12 @@ def train_sentencepiece(input_glob: str, vocab_size: int, output: str,
 
 
 def main(argv: Sequence[str]) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  missing = [f"--{name}" for name in ("input_glob", "vocab_size", "output")
-             if FLAGS[name].value is None]
-  if missing:
-    sys.exit(f"error: {', '.join(missing)} required")
-  try:
-    path = train_sentencepiece(FLAGS.input_glob, FLAGS.vocab_size, FLAGS.output,
-                               FLAGS.model_type, FLAGS.max_lines)
-  except DataError as e:
-    sys.exit(f"error: {e}")
+  cli.reject_extra_arguments(argv)
+  path = train_sentencepiece(FLAGS.input_glob, FLAGS.vocab_size, FLAGS.output,
+                             FLAGS.model_type, FLAGS.max_lines)
   print(f"wrote {path}")
 
 
 if __name__ == "__main__":
   define_flags()
-  app.run(main)
+  cli.run(main)

@@ -14,9 +14,16 @@ import os
 import tempfile
 from typing import Sequence
 
+import jax
 from absl import flags
 
 from pretrain import cli
+from pretrain import gin_config
+from pretrain import trainer
+from pretrain.checkpointing import CheckpointConfig, Checkpointer
+from pretrain.errors import UserError
+from pretrain.optimizer import OptimizerConfig
+from sharding.distributed import initialize_from_environment
 
 FLAGS = flags.FLAGS
 
@@ -24,6 +31,7 @@ FLAGS = flags.FLAGS
 def define_flags() -> None:
   cli.define_gin_flags()
   flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics, config.gin.")
+  flags.mark_flags_as_required(["workdir", "gin_file"])
 
 
 def check_writable(workdir: str) -> None:
@@ -33,35 +41,36 @@ def check_writable(workdir: str) -> None:
     with tempfile.NamedTemporaryFile(dir=workdir, prefix=".write_test"):
       pass
   except OSError as error:
-    raise cli.UserError(f"Workdir {workdir} is not writable: {error.strerror or error}. "
-                        "Choose another --workdir or fix its permissions.") from None
+    raise UserError(f"Workdir {workdir} is not writable: {error.strerror or error}. "
+                    "Choose another --workdir or fix its permissions.") from None
 
 
 def write_config(workdir: str) -> None:
   """Writes the operative Gin config (only process 0)."""
-  import gin  # pylint: disable=g-import-not-at-top
-  import jax  # pylint: disable=g-import-not-at-top
   if jax.process_index() == 0:
     with open(os.path.join(workdir, "config.gin"), "w", encoding="utf-8") as f:
-      f.write(gin.operative_config_str())
+      f.write(gin_config.operative_config())
+
+
+def train_from_gin(workdir: str, gin_files: Sequence[str],
+                   gin_bindings: Sequence[str]) -> trainer.RunResult:
+  """Parses Gin, builds every config once, and trains in `workdir`."""
+  gin_config.check_files(gin_files)
+  check_writable(workdir)
+  gin_config.parse(gin_files, gin_bindings)
+  gin_config.build(initialize_from_environment)
+  train_config = gin_config.build(trainer.TrainConfig)
+  runtime = gin_config.build_runtime(gin_config.build_model_config())
+  checkpointer = Checkpointer(workdir, gin_config.build(CheckpointConfig))
+  return trainer.train(workdir, train_config, runtime,
+                       gin_config.build(OptimizerConfig), checkpointer,
+                       gin_config.build_pipeline, on_ready=lambda: write_config(workdir))
 
 
 def main(argv: Sequence[str]) -> None:
-  if len(argv) > 1:
-    raise cli.ConfigError(f"Unexpected arguments {argv[1:]}; use --gin_file/--gin_param")
-  if not FLAGS.workdir:
-    raise cli.ConfigError("--workdir is required")
-  if not FLAGS.gin_file:
-    raise cli.ConfigError("--gin_file is required, e.g. --gin_file=configs/quickstart.gin")
-  workdir = os.path.abspath(os.path.expanduser(FLAGS.workdir))
-  cli.check_gin_files(FLAGS.gin_file)
-  check_writable(workdir)
-  cli.import_configurables()
-  cli.parse_gin(FLAGS.gin_file, FLAGS.gin_param)
-  from sharding import distributed  # pylint: disable=g-import-not-at-top
-  distributed.initialize_from_environment()
-  from pretrain import trainer  # pylint: disable=g-import-not-at-top
-  trainer.train(workdir, on_ready=lambda: write_config(workdir))
+  cli.reject_extra_arguments(argv)
+  train_from_gin(os.path.abspath(os.path.expanduser(FLAGS.workdir)), FLAGS.gin_file,
+                 FLAGS.gin_param)
 
 
 if __name__ == "__main__":

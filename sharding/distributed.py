@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 
-import gin
 import jax
 
 ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
@@ -43,7 +42,6 @@ def _read_int(name: str) -> int:
     raise ValueError(f"Environment variable {name} must be an integer, got {value!r}") from None
 
 
-@gin.configurable
 def initialize_from_environment(heartbeat_timeout_s: int = 15,
                                 shutdown_timeout_s: int = 30,
                                 initialization_timeout_s: int = 300,

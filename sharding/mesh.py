@@ -18,14 +18,12 @@ import dataclasses
 import math
 from typing import Any, Optional, Sequence
 
-import gin
 import jax
 import numpy as np
 
 MESH_AXES = ("replica", "data", "fsdp", "sequence", "tensor")
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
   """Sizes of the mesh axes; their product must equal the number of devices.

@@ -9,11 +9,11 @@ the memory planner can lower programs without allocating.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from typing import Any, Mapping, Optional, Sequence
 
-import gin
 import jax
 import numpy as np
 import optax
@@ -30,15 +30,7 @@ def _is_spec(x: Any) -> bool:
 
 def path_str(path: Sequence[Any]) -> str:
   """'blocks/0/mlp/kernel' style name of a pytree path."""
-  parts = []
-  for key in path:
-    for attr in ("key", "name", "idx"):
-      if hasattr(key, attr):
-        parts.append(str(getattr(key, attr)))
-        break
-    else:
-      parts.append(str(key))
-  return "/".join(parts)
+  return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
 
 
 def _check_divisible(where: str, shape: Sequence[int], spec: PartitionSpec,
@@ -68,12 +60,12 @@ def logical_to_shardings(mesh: jax.sharding.Mesh, logical_specs: Any,
     shapes: optional pytree of the same structure with `.shape` leaves (arrays or
       ShapeDtypeStructs); if given, every sharded dimension is checked to divide evenly
       and each spec's length to match its array's rank.
-    rules: logical-axis table (default: the Gin-configured `logical_axis_rules()`).
+    rules: logical-axis table (default: `rules.DEFAULT_RULES`).
 
   Returns:
     A pytree of `NamedSharding` with the structure of `logical_specs`.
   """
-  rules = rules_lib.logical_axis_rules() if rules is None else rules
+  rules = rules_lib.DEFAULT_RULES if rules is None else rules
 
   def one(path, logical):
     where = path_str(path)
@@ -186,7 +178,24 @@ def _is_replicated(spec: PartitionSpec, mesh: jax.sharding.Mesh) -> bool:
   return True
 
 
-@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class ReplicationCheck:
+  """How the start-up check treats large parameters that every device holds whole.
+
+  Attributes:
+    max_replicated_bytes: parameters up to this size may be replicated (norm scales,
+      biases, the single MQA key/value head of small models, ...).
+    action: "raise" (stop before training), "warn" (log a warning) or "ignore".
+  """
+  max_replicated_bytes: int = 64 * 2**20
+  action: str = "raise"
+
+  def __post_init__(self):
+    if self.action not in ("raise", "warn", "ignore"):
+      raise ValueError(f"ReplicationCheck.action must be raise, warn or ignore, got "
+                       f"{self.action!r}")
+
+
 def check_no_large_replicated(shapes: Any, shardings: Any, mesh: jax.sharding.Mesh,
                               max_replicated_bytes: int = 64 * 2**20,
                               action: str = "raise") -> list[str]:
@@ -209,7 +218,7 @@ def check_no_large_replicated(shapes: Any, shardings: Any, mesh: jax.sharding.Me
     Descriptions of the offending parameters (empty if none).
   """
   if action not in ("raise", "warn", "ignore"):
-    raise ValueError(f"check_no_large_replicated.action must be raise, warn or ignore, "
+    raise ValueError(f"ReplicationCheck.action must be raise, warn or ignore, "
                      f"got {action!r}")
   if mesh.shape.get("fsdp", 1) * mesh.shape.get("tensor", 1) == 1 or action == "ignore":
     return []
@@ -228,7 +237,7 @@ def check_no_large_replicated(shapes: Any, shardings: Any, mesh: jax.sharding.Me
         f"replicated on every device of mesh {dict(mesh.shape)}: " + "; ".join(offenders) +
         ". Give them logical axis names whose rules use this mesh's fsdp/tensor axes "
         "(logical_axis_rules.overrides), or raise "
-        "check_no_large_replicated.max_replicated_bytes / set action='warn'.")
+        "ReplicationCheck.max_replicated_bytes / set ReplicationCheck.action='warn'.")
     if action == "raise":
       raise ValueError(message)
     logging.warning(message)

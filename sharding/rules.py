@@ -17,7 +17,6 @@ import contextlib
 from typing import Iterator, Mapping, Optional, Sequence, Union
 
 import flax.linen as nn
-import gin
 import jax
 
 from sharding.mesh import MESH_AXES
@@ -28,7 +27,7 @@ Rules = tuple[tuple[str, MeshAxes], ...]
 BATCH_AXES = ("replica", "data", "fsdp")
 
 DEFAULT_RULES: Rules = (
-    # Parameters (DESIGN §5).
+    # Parameters (docs/sharding.md#logical-axis-rules).
     ("vocab", "tensor"),
     ("embed", "fsdp"),
     ("mlp", "tensor"),
@@ -62,7 +61,6 @@ def _normalise(logical: str, axes: MeshAxes) -> tuple[str, ...]:
   return axes
 
 
-@gin.configurable
 def logical_axis_rules(rules: Sequence[tuple[str, MeshAxes]] = DEFAULT_RULES,
                        overrides: Optional[Mapping[str, MeshAxes]] = None) -> Rules:
   """The (logical name, mesh axes) table in force, `overrides` applied on top of `rules`.
@@ -89,7 +87,7 @@ def logical_axis_rules(rules: Sequence[tuple[str, MeshAxes]] = DEFAULT_RULES,
 
 def rules_dict(rules: Optional[Sequence[tuple[str, MeshAxes]]] = None) -> dict[str, tuple[str, ...]]:
   """The table as {logical: tuple of mesh axes} (empty tuple = replicated)."""
-  rules = logical_axis_rules() if rules is None else rules
+  rules = DEFAULT_RULES if rules is None else rules
   return {logical: _normalise(logical, axes) for logical, axes in rules}
 
 
@@ -100,7 +98,7 @@ def logical_to_mesh_spec(logical_spec: jax.sharding.PartitionSpec,
 
   Args:
     logical_spec: one entry per dimension: a logical name, a tuple of them, or None.
-    rules: the table (default: `logical_axis_rules()`).
+    rules: the table (default: DEFAULT_RULES).
     where: what the spec belongs to (a parameter path), for error messages.
 
   Raises:
@@ -139,6 +137,6 @@ def activation_sharding(mesh: jax.sharding.Mesh,
   which is a no-op unless a mesh and the rules are in scope while it is traced. Trace
   (jit, lower, eval_shape) the model's apply inside this context.
   """
-  rules = logical_axis_rules() if rules is None else tuple(rules)
+  rules = DEFAULT_RULES if rules is None else tuple(rules)
   with jax.sharding.set_mesh(mesh), nn.logical_axis_rules(rules):
     yield

@@ -6,9 +6,12 @@ two compute the same first-step loss from the same (mapped) weights.
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 
 import pytest
+
+from pretrain.errors import UserError
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO_ROOT, "benchmarks", "train_step.py")
@@ -53,13 +56,13 @@ def _check(result, steps):
   assert result["ratio_tokens_per_s"] == pytest.approx(ratio)
 
 
-def test_command_line_runs_and_writes_json(train_step, tiny_gin, tmp_path, capsys):
+def test_command_line_runs_and_writes_json(tiny_gin, tmp_path):
   out = tmp_path / "result.json"
-  status = train_step.main([f"--preset={tiny_gin}", "--batch=2", "--seq=8", "--steps=2",
-                            "--warmup=1", f"--json={out}"])
-  printed = capsys.readouterr().out
-  assert status == 0, printed
-  assert "ours / reference tokens/s" in printed
+  run = subprocess.run([sys.executable, SCRIPT, f"--preset={tiny_gin}", "--batch=2",
+                        "--seq=8", "--steps=2", "--warmup=1", f"--json={out}"],
+                       cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+  assert run.returncode == 0, run.stderr[-3000:]
+  assert "ours / reference tokens/s" in run.stdout
   result = json.loads(out.read_text())
   assert result["reference"].startswith("recurrentgemma.jax.Griffin")
   assert result["batch"] == 2 and result["seq"] == 8
@@ -97,29 +100,55 @@ def test_models_recurrentgemma_cannot_build_are_rejected(train_step):
   config = train_step.load_model_config("gateloop_tiny")
   with pytest.raises(ValueError, match="recurrentgemma does not implement"):
     train_step.reference_config(config, seq=8)
-  with pytest.raises(ValueError, match="--preset"):
+  with pytest.raises(UserError, match="--preset"):
     train_step.preset_file("no_such_preset")
 
 
-def test_depth_scan_script_times_scanned_and_unrolled(tiny_gin, capsys):
+def _run_benchmark(script: str, *flags: str) -> subprocess.CompletedProcess:
+  """Runs benchmarks/<script> as its users do, from the repository root."""
+  return subprocess.run([sys.executable, os.path.join(REPO_ROOT, "benchmarks", script),
+                         *flags], cwd=REPO_ROOT, capture_output=True, text=True,
+                        timeout=600)
+
+
+def _assert_usage_error(run: subprocess.CompletedProcess, named: str) -> None:
+  """Exit status 2 and an `error:` line naming the flag, no traceback."""
+  assert run.returncode == 2, run.stderr[-3000:]
+  assert "Traceback" not in run.stderr, run.stderr[-3000:]
+  error = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+  assert len(error) == 1 and named in error[0], run.stderr[-3000:]
+
+
+def test_depth_scan_script_times_scanned_and_unrolled(tiny_gin):
   """benchmarks/depth_scan.py on the tiny Griffin at depth 6 (two scanned units)."""
   with open(tiny_gin, "a") as f:
     f.write("ModelConfig.depth = 6\n")
-  spec = importlib.util.spec_from_file_location(
-      "depth_scan", os.path.join(REPO_ROOT, "benchmarks", "depth_scan.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  assert module.main([f"--preset={tiny_gin}", "--batch=1", "--seq=8", "--steps=2",
-                      "--unrolls=1,full"]) == 0
-  printed = capsys.readouterr().out
+  run = _run_benchmark("depth_scan.py", f"--preset={tiny_gin}", "--batch=1", "--seq=8",
+                       "--steps=2", "--unrolls=1,full")
+  assert run.returncode == 0, run.stderr[-3000:]
+  printed = run.stdout
   assert "2 scanned unit(s)" in printed and "default unroll (depth_scan_unroll=None): 2" in printed
   rows = [line for line in printed.splitlines() if line.startswith("| 1 |")
           or line.startswith("| 2 |")]
   assert len(rows) == 2, printed
   assert rows[0].endswith("| 1.00 |"), rows[0]
-  for bad, named in (("--unrolls=abc", "--unrolls"), ("--preset=no_such_preset", "--preset")):
-    with pytest.raises(SystemExit) as exit_info:
-      module.main([bad])
-    assert exit_info.value.code == 2
-    error = capsys.readouterr().err.strip().splitlines()[-1]
-    assert f": error: {named}" in error, error
+  for bad, named in (("--unrolls=abc", "--unrolls"), ("--preset=no_such_preset", "--preset"),
+                     ("--steps=0", "--steps")):
+    _assert_usage_error(_run_benchmark("depth_scan.py", bad), named)
+
+
+def test_scan_script_times_each_implementation():
+  """benchmarks/scan.py on one tiny shape: XLA scans, a Pallas strategy (interpreted on
+  CPU, so only with --include_interpret) and the copy floor, in both modes."""
+  run = _run_benchmark("scan.py", "--batch=2", "--channels=128", "--lengths=16",
+                       "--impls=lax:1,associative,pallas:sequential", "--repeats=1",
+                       "--dtype=float32", "--include_interpret")
+  assert run.returncode == 0, run.stderr[-3000:]
+  rows = [line.split(" | ")[:4] for line in run.stdout.splitlines()
+          if line.startswith("| ") and "| 16 | 128 |" in line]
+  names = ["lax:1", "associative", "pallas:sequential (interpret)", "copy floor"]
+  assert rows == [[f"| {name}", mode, "16", "128"] for mode in ("fwd", "fwd+bwd")
+                  for name in names], run.stdout
+  for bad, named in (("--impls=lax:1,scan", "--impls"), ("--lengths=16,x", "--lengths"),
+                     ("--modes=backward", "--modes"), ("--repeats=0", "--repeats")):
+    _assert_usage_error(_run_benchmark("scan.py", bad), named)

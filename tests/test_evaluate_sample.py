@@ -10,9 +10,17 @@ import pytest
 
 import pretrain
 from model import decoding
+import seqio
+
+from model.config import ModelConfig
 from pretrain import evaluate as evaluate_lib
-from pretrain import sample as sample_lib
-from pretrain.trainer import token_losses
+from pretrain import evaluation
+from pretrain import generation
+from pretrain import metadata
+from pretrain.errors import UserError
+from pretrain.losses import token_losses
+from pretrain.runtime import Runtime
+from sharding.mesh import MeshConfig
 from trainer_helpers import (assert_ok, read_metrics,  # pylint: disable=unused-import
                              trained_workdir, trainer_env)
 
@@ -36,7 +44,8 @@ def test_evaluate_command_on_validation_split(trainer_env, trained_workdir, tmp_
 
 def test_text_file_loss_equals_one_pass_over_the_document(loaded):
   # Chunks of 16 tokens carrying the caches must score exactly like one long row.
-  loss, tokens = evaluate_lib.text_file_loss(loaded, TEXT, chunk_length=16)
+  loss, tokens = evaluation.text_loss(loaded.config, loaded.params, loaded.vocabulary,
+                                      TEXT, chunk_length=16)
   vocabulary = loaded.vocabulary
   targets = np.asarray(list(vocabulary.encode(TEXT)) + [vocabulary.eos_id], np.int32)
   inputs = np.concatenate([[0], targets[:-1]]).astype(np.int32)
@@ -76,7 +85,7 @@ def test_cached_greedy_decoding_matches_rerunning_the_prefix(loaded, monkeypatch
       shapes.append((_name, tokens.shape))
       return _original(config, params, tokens, positions, cache)
     monkeypatch.setattr(decoding, name, recording)
-  new = sample_lib.generate(loaded.config, loaded.params, prompt, max_new_tokens=10,
+  new = generation.generate(loaded.config, loaded.params, prompt, max_new_tokens=10,
                             temperature=0.0)
   # One prefill of the prompt, then single-token steps only (traced once in the scan).
   assert shapes == [("prefill", (1, len(prompt))), ("decode_step", (1, 1))]
@@ -115,31 +124,27 @@ def test_load_takes_a_workdir_relative_to_the_current_directory(trained_workdir,
 
 
 def test_load_of_missing_step_is_a_clear_error(trained_workdir):
-  with pytest.raises(pretrain.load.UserError, match="No complete checkpoint of step 7"):
+  with pytest.raises(UserError, match="No complete checkpoint of step 7"):
     pretrain.load(trained_workdir[0], step=7)
 
 
 def test_vocabulary_specs_round_trip_including_pass_through():
-  import seqio
-  from pretrain import load as load_lib
   for vocabulary, spec in ((seqio.PassThroughVocabulary(52), "passthrough:52"),
                            (seqio.ByteVocabulary(), "byte")):
-    assert load_lib.vocabulary_spec(vocabulary) == spec
-    rebuilt = load_lib.make_vocabulary(spec)
+    assert metadata.vocabulary_spec(vocabulary) == spec
+    rebuilt = metadata.make_vocabulary(spec)
     assert type(rebuilt) is type(vocabulary)
     assert rebuilt.vocab_size == vocabulary.vocab_size
-  with pytest.raises(load_lib.UserError, match="passthrough:<positive size>"):
-    load_lib.make_vocabulary("passthrough:many")
+  with pytest.raises(UserError, match="passthrough:<positive size>"):
+    metadata.make_vocabulary("passthrough:many")
 
 
 def test_answer_metrics_count_only_weighted_positions_across_batches():
-  from model.config import ModelConfig
-  from pretrain.trainer import Setup
   config = ModelConfig(vocab_size=18, width=16, rnn_width=16, num_heads=2, depth=2,
                        block_pattern=("recurrent", "attention"), attention_window=8,
                        scan_impl="lax")
-  setup = Setup(config)
-  params = setup.init_params(seed=1)
+  runtime = Runtime.create(config, MeshConfig())
+  params = runtime.init_params(seed=1)
   rng = np.random.default_rng(0)
   batches = []
   for _ in range(2):
@@ -150,11 +155,11 @@ def test_answer_metrics_count_only_weighted_positions_across_batches():
     batches.append({"inputs": inputs, "targets": targets, "weights": weights,
                     "positions": np.tile(np.arange(12, dtype=np.int32), (8, 1)),
                     "segment_ids": np.ones((8, 12), np.int32)})
-  result = evaluate_lib.answer_metrics(setup, params, iter(batches))
+  result = evaluation.answer_metrics(runtime, params, iter(batches))
 
   nll, correct, count = 0.0, 0.0, 0.0
   for batch in batches:
-    logits = np.asarray(setup.model.apply({"params": params}, batch["inputs"],
+    logits = np.asarray(runtime.model.apply({"params": params}, batch["inputs"],
                                           batch["positions"])[0], np.float64)
     log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     picked = np.take_along_axis(log_probs, batch["targets"][..., None], -1)[..., 0]
@@ -165,4 +170,4 @@ def test_answer_metrics_count_only_weighted_positions_across_batches():
   np.testing.assert_allclose(result["loss"], nll / count, rtol=1e-5)
   assert result["accuracy"] == pytest.approx(correct / count)
   with pytest.raises(pretrain.load.UserError, match="no batch"):
-    evaluate_lib.answer_metrics(setup, params, iter([]))
+    evaluation.answer_metrics(runtime, params, iter([]))

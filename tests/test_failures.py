@@ -7,8 +7,13 @@ import jax
 import numpy as np
 import pytest
 
-from pretrain import cli
+from model.config import ModelConfig
+from pretrain import gin_config
 from pretrain.checkpointing import complete_steps
+from pretrain.data import DataError
+from pretrain.data.pipeline import DataPipeline
+from pretrain.data.tasks import text_files_task
+from pretrain.errors import EXIT_FAILED, EXIT_USAGE, UserError
 from trainer_helpers import (assert_ok, train_losses,  # pylint: disable=unused-import
                              trained_workdir, trainer_env)
 
@@ -82,22 +87,28 @@ def test_divergence_stops_and_keeps_newest_good_checkpoint(trainer_env, tmp_path
     assert np.all(np.isfinite(np.asarray(leaf)))
 
 
-def test_bad_value_is_one_line_naming_the_field(trainer_env):
-  from model.config import ModelConfig  # pylint: disable=g-import-not-at-top
-  gin.clear_config()
+def test_bad_value_is_a_usage_error_naming_the_field(trainer_env):
   try:
-    cli.parse_gin([trainer_env.gin], ["ModelConfig.width = -4"])
-    with pytest.raises(ValueError) as info:
-      ModelConfig()
+    gin_config.parse([trainer_env.gin], ["ModelConfig.width = -4"])
+    with pytest.raises(UserError) as info:
+      gin_config.build(ModelConfig)
   finally:
     gin.clear_config()
-  assert cli._report(info.value) == 2  # pylint: disable=protected-access
+  assert info.value.exit_code == EXIT_USAGE
+  assert "ModelConfig.width" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_library_constructors_never_read_gin(trainer_env):
+  try:
+    gin_config.parse([trainer_env.gin], ["ModelConfig.width = 48"])
+    assert ModelConfig().width != 48                     # plain: defaults only
+    assert gin_config.build(ModelConfig).width == 48     # the entry point's read
+    assert type(gin_config.build(ModelConfig)) is ModelConfig
+  finally:
+    gin.clear_config()
 
 
 def test_empty_corpus_is_a_data_error(tmp_path):
-  from pretrain.data import DataError  # pylint: disable=g-import-not-at-top
-  from pretrain.data.pipeline import DataPipeline  # pylint: disable=g-import-not-at-top
-  from pretrain.data.tasks import text_files_task  # pylint: disable=g-import-not-at-top
   empty = tmp_path / "empty"
   empty.mkdir()
   for i in range(3):
@@ -105,12 +116,4 @@ def test_empty_corpus_is_a_data_error(tmp_path):
   with pytest.raises(DataError) as info:
     DataPipeline(task=text_files_task(train_files=str(empty / "*.txt")),
                  sequence_length=16, batch_size=2, cache_dir=str(tmp_path / "cache"))
-  assert cli._report(info.value) == 1  # pylint: disable=protected-access
-
-
-def test_report_prints_gin_context_on_one_line(capsys):
-  error = ValueError("ModelConfig.width must be a positive integer, got -4\n"
-                     "  In call to configurable 'ModelConfig' (<class 'model.config.X'>)")
-  assert cli._report(error) == 2  # pylint: disable=protected-access
-  err = capsys.readouterr().err.strip()
-  assert len(err.splitlines()) == 1 and "ModelConfig.width" in err
+  assert isinstance(info.value, UserError) and info.value.exit_code == EXIT_FAILED

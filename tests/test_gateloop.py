@@ -2,6 +2,7 @@
 from typing import Optional
 
 import flax.linen as nn
+import gin
 import jax
 from jax.flatten_util import ravel_pytree
 import jax.numpy as jnp
@@ -10,6 +11,7 @@ import pytest
 
 from model.config import ModelConfig
 from model.gateloop import GateLoopBlock
+from pretrain import gin_config
 
 
 def reference_gateloop(x: np.ndarray, segment_pos: np.ndarray, params: dict, head_dim: int,
@@ -215,11 +217,9 @@ def test_wrong_width_names_the_field():
 
 @pytest.mark.parametrize("preset", ["gateloop_tiny", "gateloop_100m"])
 def test_presets_build_a_valid_gateloop_config(preset):
-  import gin
-  gin.clear_config()
   try:
-    gin.parse_config_file(f"configs/models/{preset}.gin")
-    config = ModelConfig()
+    gin_config.parse([f"configs/models/{preset}.gin"], [])
+    config = gin_config.build_model_config()
   finally:
     gin.clear_config()
   assert set(config.block_types) == {"gateloop"}

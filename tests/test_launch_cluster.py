@@ -11,6 +11,7 @@ import yaml
 
 from launch import common
 from launch import gke
+from pretrain.errors import EXIT_USAGE, UserError
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TRAIN = ["python", "-m", "pretrain.train", "--gin_file=configs/models/griffin_7b.gin",
@@ -18,10 +19,13 @@ TRAIN = ["python", "-m", "pretrain.train", "--gin_file=configs/models/griffin_7b
          "--gin_param=TRAIN_FILES='gs://b/data/*.txt'", "--workdir=gs://b/runs/g7b"]
 
 
+def _run(module, *args):
+  return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, capture_output=True,
+                        text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
 def _dry_run(module, *flags, command=TRAIN):
-  result = subprocess.run([sys.executable, "-m", module, *flags, "--dry_run", "--", *command],
-                          cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+  result = _run(module, *flags, "--dry_run", "--", *command)
   assert result.returncode == 0, result.stderr
   return result.stdout, result.stderr
 
@@ -62,12 +66,51 @@ def test_tpu_slice_shapes(tpu_type, chips, hosts, per_host, topology, label):
 
 
 def test_tpu_slice_errors():
-  with pytest.raises(SystemExit, match="must look like"):
+  with pytest.raises(UserError, match="must look like") as error:
     common.TpuSlice("v5x-128")
-  with pytest.raises(SystemExit, match="has 64"):
+  assert error.value.exit_code == EXIT_USAGE
+  with pytest.raises(UserError, match="has 64"):
     common.TpuSlice("v5p-128", topology="4x4x8")
-  with pytest.raises(SystemExit, match="whole number of chips"):
+  with pytest.raises(UserError, match="must look like 4x4x4"):
+    common.TpuSlice("v5p-128", topology="4x4xa")
+  with pytest.raises(UserError, match="whole number of chips"):
     common.TpuSlice("v5p-7")
+
+
+@pytest.mark.parametrize("module, flags, fragment", [
+    ("launch.tpu_vm", ["--tpu=t", "--dry_run"], "--zone"),
+    ("launch.tpu_vm", ["--tpu=t", "--zone=z", "--env=1X=2", "--dry_run"], "NAME=VALUE"),
+    ("launch.tpu_vm", ["--tpu=t", "--zone=z", "--tpu_type=v9-8", "--dry_run"],
+     "must look like"),
+    ("launch.gke", ["--name=n", "--image=i", "--tpu_type=v5p-128", "--num_slices=0"],
+     "--num_slices"),
+    ("launch.gke", ["--name=n", "--image=i", "--tpu_type=v5p-128", "--max_restarts=x"],
+     "--max_restarts"),
+    ("launch.gke", ["--name=n", "--image=i", "--tpu_type=v5p-128", "--topology=4x4"],
+     "has 16 chips"),
+    ("launch.slurm", ["--nodes=0", "--dry_run"], "--nodes"),
+    ("launch.slurm", ["--nodes=1", "--gpus_per_node=-8", "--dry_run"], "--gpus_per_node"),
+    ("launch.slurm", ["--dry_run"], "--nodes"),
+])
+def test_bad_flag_value_is_one_line_and_exit_code_2(module, flags, fragment):
+  result = _run(module, *flags, "--", *TRAIN)
+  assert result.returncode == 2, (result.stdout, result.stderr)
+  assert "Traceback" not in result.stderr, result.stderr
+  errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+  assert len(errors) == 1 and fragment in errors[0], result.stderr
+  assert result.stdout == ""
+
+
+@pytest.mark.parametrize("module, flags", [
+    ("launch.tpu_vm", ["--tpu=t", "--zone=z"]),
+    ("launch.gke", ["--name=n", "--image=i", "--tpu_type=v4-8"]),
+    ("launch.slurm", ["--nodes=1"]),
+])
+def test_command_must_follow_double_dash(module, flags):
+  result = _run(module, *flags, "--dry_run", *TRAIN)
+  assert result.returncode == 2, (result.stdout, result.stderr)
+  errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+  assert len(errors) == 1 and "after `--`" in errors[0], result.stderr
 
 
 def _single_container(manifest):

@@ -146,10 +146,28 @@ def test_survivors_exit_on_their_own_when_a_peer_dies(program):
         process.kill()
 
 
-def test_usage_errors():
-  launcher = _launch("--num_processes=2", "python", "-c", "pass")
-  _, err = launcher.communicate(timeout=60)
-  assert launcher.returncode != 0 and "after `--`" in err
+def _assert_usage_error(launcher, fragment):
+  out, err = launcher.communicate(timeout=60)
+  assert launcher.returncode == 2, (out, err)
+  assert "Traceback" not in err, err
+  errors = [line for line in err.splitlines() if line.startswith("error: ")]
+  assert len(errors) == 1 and fragment in errors[0], err
+  assert out == ""
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--num_processes=2", "python", "-c", "pass"], "after `--`"),
+    (["--num_processes=2", "--"], "no command after `--`"),
+    (["--num_processes=2", "stray", "--", "python", "-c", "pass"], "['stray'] before `--`"),
+    (["--devices_per_process=2", "--", "python", "-c", "pass"], "--num_processes"),
+])
+def test_usage_errors(args, fragment):
+  _assert_usage_error(_launch(*args), fragment)
+
+
+@pytest.mark.parametrize("flag", ["--num_processes=0", "--num_processes=two"])
+def test_bad_flag_value_is_one_line_and_exit_code_2(flag):
+  _assert_usage_error(_launch(flag, "--", "python", "-c", "pass"), "--num_processes")
 
 
 def test_process_environment():

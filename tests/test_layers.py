@@ -123,7 +123,7 @@ def test_gated_mlp_matches_numpy(dtype):
 
 
 def test_initialisation_statistics():
-  """LeCun-normal inputs, 2/depth final projections, 1/√D embedding (DESIGN §8)."""
+  """LeCun-normal inputs, 2/depth final layers, 1/√D embedding (docs/model.md#initialisation)."""
   cfg = ModelConfig(vocab_size=512, width=256, rnn_width=256, num_heads=4, depth=8)
   mlp = init(GatedMLP(cfg), jnp.zeros((1, 1, 256)))
   assert np.std(mlp["gate"]["kernel"]) == pytest.approx((1 / 512) ** 0.5, rel=0.05)

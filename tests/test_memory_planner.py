@@ -8,6 +8,7 @@ import pytest
 from model import counting
 from model import memory
 from model.config import ModelConfig
+from pretrain import gin_config
 
 SMALL = {
     "griffin": ModelConfig(vocab_size=256, width=128, rnn_width=128, num_heads=4, depth=3,
@@ -43,10 +44,9 @@ def test_analytic_plan_matches_compiled_train_step(model_name, mesh):
 
 
 def test_14b_on_128_devices_plans_quickly_and_shards_state():
-  with gin.unlock_config():
-    gin.parse_config_file("configs/models/griffin_14b.gin")
+  gin_config.parse(["configs/models/griffin_14b.gin"], [])
   try:
-    config = ModelConfig()
+    config = gin_config.build(ModelConfig)
   finally:
     gin.clear_config()
   mesh = {"data": 1, "fsdp": 32, "tensor": 4}

@@ -8,7 +8,9 @@ import pytest
 from model.config import ModelConfig
 from model.lm import LanguageModel, init_params
 from pretrain import optimizer as opt_lib
-from pretrain import trainer
+from pretrain import losses
+from pretrain import steps
+from sharding import partition
 
 
 def test_schedule_warmup_peak_cosine_floor():
@@ -50,7 +52,7 @@ def test_weight_decay_mask_on_real_model_tree():
   config = _tiny_config(lru_variant="complex")
   params = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
   mask = opt_lib.weight_decay_mask(params)
-  flat = {opt_lib.path_string(path): leaf
+  flat = {partition.path_str(path): leaf
           for path, leaf in jax.tree_util.tree_flatten_with_path(mask)[0]}
   decayed = {p for p, v in flat.items() if v}
   excluded = {p for p, v in flat.items() if not v}
@@ -118,10 +120,10 @@ def test_microbatch_accumulation_equals_big_batch():
   schedule = optax.constant_schedule(rate)
   tx = optax.sgd(rate)
   batch = _batch(np.random.default_rng(0), rows=8, length=12, vocab=64)
-  state = trainer.TrainState(jnp.int32(0), params, tx.init(params))
+  state = steps.TrainState(jnp.int32(0), params, tx.init(params))
   results = {}
   for count in (1, 4):
-    step = jax.jit(trainer.make_train_step(model, tx, schedule, microbatches=count,
+    step = jax.jit(steps.make_train_step(model, tx, schedule, microbatches=count,
                                            z_loss_weight=1e-3))
     results[count] = step(state, batch)
   (big_state, big), (acc_state, acc) = results[1], results[4]
@@ -129,7 +131,7 @@ def test_microbatch_accumulation_equals_big_batch():
   @jax.jit
   def mean_loss(params, batch):
     logits, _ = model.apply({"params": params}, batch["inputs"], batch["positions"])
-    nll, _ = trainer.token_losses(logits, batch["targets"])
+    nll, _ = losses.token_losses(logits, batch["targets"])
     return jnp.sum(nll * batch["weights"]) / jnp.sum(batch["weights"])
   reference = float(mean_loss(params, batch))
   np.testing.assert_allclose(float(big["loss"]), reference, rtol=1e-6)

@@ -8,10 +8,11 @@ import pytest
 
 from model import counting
 from model.config import ModelConfig
+from pretrain import gin_config
 
 PRESET_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "configs", "models")
 
-# Griffin paper, appendix C, table 2 (DESIGN §8): size -> (D, D_RNN, depth, nominal size).
+# Griffin appendix C, table 2 (docs/model.md#presets): size -> (D, D_RNN, depth, nominal size).
 PAPER_TABLE = {
     "100m": (768, 1024, 12, 100e6),
     "200m": (1024, 1536, 12, 200e6),
@@ -33,11 +34,9 @@ LABEL_COUNTS_EMBEDDING = {"griffin_200m"}
 
 
 def load(name: str, *bindings: str) -> ModelConfig:
-  gin.clear_config()
   try:
-    gin.parse_config_files_and_bindings([os.path.join(PRESET_DIR, name + ".gin")],
-                                        list(bindings))
-    return ModelConfig()
+    gin_config.parse([os.path.join(PRESET_DIR, name + ".gin")], list(bindings))
+    return gin_config.build(ModelConfig)
   finally:
     gin.clear_config()
 

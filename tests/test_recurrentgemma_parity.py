@@ -6,6 +6,7 @@ several documents (segment positions restarting at 0), a local window shorter th
 row, several heads, and a depth that leaves a trailing partial unit of the block pattern
 (so both the scanned stack and the unscanned remainder are mapped).
 """
+import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +18,7 @@ from recurrentgemma.jax import griffin
 from model import lm
 from model import recurrentgemma_params as rg_params
 from model.config import ModelConfig
+from pretrain import gin_config
 from recurrentgemma_helpers import perturbed
 
 R, A = common.TemporalBlockType.RECURRENT, common.TemporalBlockType.ATTENTION
@@ -173,10 +175,9 @@ def test_config_of_released_shapes_equals_our_preset(preset, gin_file):
       logits_soft_cap=reference_config.logits_soft_cap,
       embeddings_scale_by_sqrt_dim=reference_config.embeddings_scale_by_sqrt_dim,
       dtype="bfloat16")
-  gin.clear_config()
-  gin.parse_config_file(gin_file)
+  gin_config.parse([gin_file], [])
   try:
-    assert config == ModelConfig()
+    assert config == gin_config.build(ModelConfig)
   finally:
     gin.clear_config()
 

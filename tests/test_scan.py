@@ -1,14 +1,28 @@
-"""The XLA scan engines ("lax", "lax:N", "associative") against the float64 reference."""
+"""The XLA scan engines ("lax", "lax:N", "associative") against the float64 reference,
+and the options reaching them only as arguments (never from Gin at trace time)."""
+import functools
+import json
+
 import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from model import lm
+from model.config import ModelConfig
+from model.config import model_config_from_dict
+from model.config import model_config_to_dict
 from model.scan import engine
-from model.scan import linear_scan
+from model.scan import linear_scan as _linear_scan
 from model.scan import linear_scan_pairs
 from model.scan import reference
+from model.scan import ScanOptions
+from pretrain import gin_config
+from pretrain.errors import UserError
+
+OPTIONS = ScanOptions()
+linear_scan = functools.partial(_linear_scan, options=OPTIONS)
 
 
 def _inputs(seed, batch, time, channels, *, complex_=False, resets=True, dtype=np.float32):
@@ -85,20 +99,17 @@ def test_without_h0_starts_from_zero():
 def test_real_imaginary_pairs_match_complex():
   a, x, h0, *_ = _inputs(3, 2, 11, 4, complex_=True)
   (h_re, h_im), (l_re, l_im) = linear_scan_pairs(
-      (a.real, a.imag), (x.real, x.imag), (h0.real, h0.imag), impl="lax")
+      (a.real, a.imag), (x.real, x.imag), (h0.real, h0.imag), options=OPTIONS,
+      impl="lax")
   h_ref, last_ref = reference.scan(a, x, h0)
   _assert_close(np.asarray(h_re) + 1j * np.asarray(h_im), h_ref, 1e-5, "h")
   _assert_close(np.asarray(l_re) + 1j * np.asarray(l_im), last_ref, 1e-5, "h_last")
 
 
-def test_gin_sets_the_default_unroll():
+def test_options_set_the_default_unroll():
   a, x, *_ = _inputs(4, 1, 8, 3)
-  with gin.unlock_config():
-    gin.bind_parameter("ScanOptions.lax_unroll", 4)
-  try:
-    jaxpr = str(jax.make_jaxpr(lambda a, x: linear_scan(a, x, impl="lax"))(a, x))
-  finally:
-    gin.clear_config()
+  jaxpr = str(jax.make_jaxpr(lambda a, x: _linear_scan(
+      a, x, options=ScanOptions(lax_unroll=4), impl="lax"))(a, x))
   assert "unroll=4" in jaxpr
   assert "unroll=16" in str(jax.make_jaxpr(
       lambda a, x: linear_scan(a, x, impl="lax:16"))(a, x))
@@ -106,9 +117,83 @@ def test_gin_sets_the_default_unroll():
   _assert_close(linear_scan(a, x, impl="lax:4")[0], h_ref, 1e-5, "h")
 
 
-def test_auto_is_lax_on_cpu():
-  assert engine.resolve_impl("auto") == ("lax", None)
-  assert engine.resolve_impl("lax:16") == ("lax", 16)
+def test_auto_follows_the_target_platform():
+  assert engine.resolve_impl("auto", OPTIONS) == ("lax", None)  # CPU
+  assert engine.resolve_impl("lax:16", OPTIONS) == ("lax", 16)
+  for platform in ("tpu", "cuda"):
+    options = ScanOptions(lowering_platform=platform)
+    assert engine.resolve_impl("auto", options) == ("pallas", None)
+  assert engine.resolve_platform(ScanOptions(lowering_platform="rocm")) == "gpu"
+  assert engine.resolve_platform(OPTIONS) == "cpu"
+
+
+@pytest.fixture
+def gin_bindings():
+  """Parses Gin bindings for one test (as an entry point does), then clears them."""
+  yield lambda *bindings: gin_config.parse([], list(bindings))
+  gin.clear_config()
+
+
+def test_gin_bindings_after_jit_change_nothing(gin_bindings):
+  """A jitted scan is fixed by its arguments: Gin is read only where an entry point
+  builds the options, so contradictory bindings made later are never seen."""
+  a, x, *_ = _inputs(9, 1, 8, 3)
+  gin_bindings("ScanOptions.lax_unroll = 4")
+  options = gin_config.build(ScanOptions)
+  assert options == ScanOptions(lax_unroll=4)
+  scan = jax.jit(lambda a, x: _linear_scan(a, x, options=options, impl="lax"))
+  before = scan(a, x)
+  lowered = lambda: scan.lower(a, x).as_text()
+  text = lowered()
+  gin_bindings("ScanOptions.lax_unroll = 7", "ScanOptions.pallas_strategy = 'bogus'",
+               "ScanOptions.lowering_platform = 'tpu'")
+  for got, want in zip(scan(a, x), before):
+    np.testing.assert_array_equal(got, want)
+  assert lowered() == text
+  # Traced afresh (a new shape, same options): still the options, not the bindings,
+  # and library code building default options does not see them either.
+  jaxpr = str(jax.make_jaxpr(lambda a, x: _linear_scan(
+      a, x, options=options, impl="auto"))(a[:, :5], x[:, :5]))
+  assert "unroll=4" in jaxpr and "unroll=7" not in jaxpr
+  assert ScanOptions() == OPTIONS and ModelConfig().scan == OPTIONS
+  # Only an entry point's build reads the bindings (and validates what it reads).
+  with pytest.raises(UserError, match="pallas_strategy"):
+    gin_config.build(ScanOptions)
+
+
+def test_model_behaviour_follows_its_configs_scan_options():
+  base = ModelConfig(vocab_size=16, width=8, rnn_width=8, num_heads=2, depth=1,
+                     block_pattern=("recurrent",), scan_impl="lax")
+  tokens = jnp.zeros((1, 6), jnp.int32)
+  positions = jnp.arange(6, dtype=jnp.int32)[None]
+  params = lm.init_params(base, jax.random.PRNGKey(0))
+
+  def apply(config):
+    return lambda p: lm.LanguageModel(config).apply({"params": p}, tokens, positions)[0]
+
+  unrolled = base.replace(scan=ScanOptions(lax_unroll=3))
+  jaxpr_1, jaxpr_3 = (str(jax.make_jaxpr(apply(c))(params)) for c in (base, unrolled))
+  assert "unroll=1" in jaxpr_1 and "unroll=3" in jaxpr_3
+  assert (jax.jit(apply(base)).lower(params).as_text()
+          != jax.jit(apply(unrolled)).lower(params).as_text())
+  # impl "auto" cross-targets TPU from this CPU host: the Pallas kernel is traced.
+  tpu = base.replace(scan_impl="auto", scan=ScanOptions(lowering_platform="tpu",
+                                                        pallas_interpret=True))
+  assert "pallas_call" in str(jax.make_jaxpr(apply(tpu))(params))
+  assert "pallas_call" not in jaxpr_1
+
+
+def test_model_config_dict_leaves_out_scan_options():
+  config = ModelConfig(depth=4, scan=ScanOptions(lax_unroll=8, lowering_platform="tpu"))
+  values = model_config_to_dict(config)
+  assert "scan" not in values and values["block_pattern"] == list(config.block_pattern)
+  assert json.loads(json.dumps(values)) == values
+  loaded = model_config_from_dict(values)
+  assert loaded == config.replace(scan=ScanOptions())
+  # Metadata written before `scan` was left out still loads; its scan entry is ignored.
+  assert model_config_from_dict({**values, "scan": {"lax_unroll": 8}}) == loaded
+  with pytest.raises(ValueError, match=r"\['colour', 'flavour'\]"):
+    model_config_from_dict({**values, "flavour": 1, "colour": 2})
 
 
 @pytest.mark.parametrize("impl", ["scan", "associative:4", "lax:0", "lax:x"])
@@ -131,7 +216,8 @@ def test_bad_shapes_are_explained():
 @pytest.mark.parametrize("field,value", [("lax_unroll", 0), ("pallas_time_chunk", 24),
                                          ("pallas_channel_block", 192),
                                          ("pallas_strategy", "fast"),
-                                         ("pallas_gpu_backend", "cuda")])
+                                         ("pallas_gpu_backend", "cuda"),
+                                         ("lowering_platform", "metal")])
 def test_bad_options_name_the_field(field, value):
   with pytest.raises(ValueError, match=f"ScanOptions.{field}"):
     engine.ScanOptions(**{field: value})

@@ -3,7 +3,7 @@
 The interpret-mode tests (tests/test_scan_pallas.py) check the kernels' numbers;
 they never lower them for a real device. Here `jax.export` cross-lowers the forward
 and the forward+backward of `linear_scan(..., impl="pallas")` for each platform,
-with `lowering_platform.platform` bound so tracing picks that platform's tiling and
+with `ScanOptions.lowering_platform` set so tracing picks that platform's tiling and
 compiler parameters, and the exported module is inspected:
 
 - TPU: every kernel is a `tpu_custom_call`; its Mosaic module deserialises and
@@ -27,7 +27,6 @@ import json
 import re
 from typing import Optional
 
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,8 +38,8 @@ from jaxlib.mlir import ir
 from jaxlib.mlir import passmanager
 
 from model.scan import linear_scan
-from model.scan import pallas_compat  # pylint: disable=unused-import (registers lowering_platform)
 from model.scan import reference
+from model.scan import ScanOptions
 
 TPU_CALL = "tpu_custom_call"
 TRITON_CALL = "__gpu$xla.gpu.triton"
@@ -89,36 +88,28 @@ def _skip_reason(target: str) -> Optional[str]:
   return None
 
 
-def _bind(target: str, **options):
+def _options(target: str, **overrides) -> ScanOptions:
+  """Options lowering for `target`'s platform, strategy and GPU backend (chunks of 16)."""
   platform, strategy, backend, _, _ = TARGETS[target]
-  gin.clear_config()
-  with gin.unlock_config():
-    gin.bind_parameter("lowering_platform.platform", platform)
-    gin.bind_parameter("ScanOptions.pallas_strategy", strategy)
-    gin.bind_parameter("ScanOptions.pallas_gpu_backend", backend)
-    gin.bind_parameter("ScanOptions.pallas_time_chunk", 16)
-    for name, value in options.items():
-      gin.bind_parameter(f"ScanOptions.{name}", value)
-
-
-@pytest.fixture(autouse=True)
-def _clear_gin():
-  yield
-  gin.clear_config()
+  return ScanOptions(**{"lowering_platform": platform, "pallas_strategy": strategy,
+                        "pallas_gpu_backend": backend, "pallas_time_chunk": 16,
+                        **overrides})
 
 
 def _abstract(shape, dtype):
   return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
 
 
-def _export(target: str, direction: str, shape, x_dtype: str, reverse: bool):
+def _export(target: str, direction: str, shape, x_dtype: str, reverse: bool,
+            options: ScanOptions):
   """Exports forward or forward+backward (VJP of h and h_last) for `target`."""
   platform, _, _, call, _ = TARGETS[target]
   batch, _, channels = shape
   state_dtype = "complex64" if x_dtype == "complex64" else "float32"
   args = [_abstract(shape, state_dtype), _abstract(shape, x_dtype),
           _abstract((batch, channels), state_dtype)]
-  scan = lambda a, x, h0: linear_scan(a, x, h0, reverse=reverse, impl="pallas")
+  scan = lambda a, x, h0: linear_scan(a, x, h0, options=options, reverse=reverse,
+                                      impl="pallas")
   if direction == "forward":
     fn = scan
   else:
@@ -212,9 +203,8 @@ def test_exports_with_device_kernels(target, direction, x_dtype):
   if reason:
     pytest.skip(reason)
   platform, strategy, _, call_name, _ = TARGETS[target]
-  _bind(target)
   exported = _export(target, direction, (2, 37, 200), x_dtype,
-                     reverse=x_dtype == "bfloat16")
+                     reverse=x_dtype == "bfloat16", options=_options(target))
   assert exported.platforms == (platform,)
   calls = _custom_calls(exported)
   targets = [_target(c) for c, _, _ in calls]
@@ -249,9 +239,8 @@ def test_tpu_wide_channels_use_full_sublane_tiles():
   reason = _skip_reason("tpu-sequential")
   if reason:
     pytest.skip(reason)
-  _bind("tpu-sequential")
   exported = _export("tpu-sequential", "forward+backward", (1, 40, 1100), "bfloat16",
-                     reverse=False)
+                     reverse=False, options=_options("tpu-sequential"))
   calls = _custom_calls(exported)
   assert [_target(c) for c, _, _ in calls] == [TPU_CALL] * 2
   for call, _, _ in calls:
@@ -270,8 +259,9 @@ def test_exports_at_production_tiling(target, x_dtype):
   if reason:
     pytest.skip(reason)
   _, strategy, _, call_name, _ = TARGETS[target]
-  _bind(target, pallas_time_chunk=128, pallas_channel_block=1024)
-  exported = _export(target, "forward+backward", (2, 512, 1100), x_dtype, reverse=True)
+  options = _options(target, pallas_time_chunk=128, pallas_channel_block=1024)
+  exported = _export(target, "forward+backward", (2, 512, 1100), x_dtype, reverse=True,
+                     options=options)
   calls = _custom_calls(exported)
   assert [_target(c) for c, _, _ in calls] == (
       [call_name] * KERNELS[(strategy, "forward+backward")])
@@ -283,7 +273,7 @@ def test_exports_at_production_tiling(target, x_dtype):
 def test_tpu_tiling_interpreted_matches_reference():
   """The multi-row TPU tiling (8-row blocks, padded channel rows) computes the same
   values and gradients as the float64 reference, run in interpret mode."""
-  _bind("tpu-sequential", pallas_interpret=True)
+  options = _options("tpu-sequential", pallas_interpret=True)
   rng = np.random.default_rng(3)
   shape = (1, 37, 1100)
   a = (rng.uniform(0.5, 1.0, shape) * (rng.uniform(size=(1, 37, 1)) > 0.15)).astype(np.float32)
@@ -292,7 +282,8 @@ def test_tpu_tiling_interpreted_matches_reference():
 
   @jax.jit
   def run(a, x, h0, dh, dlast):
-    out, vjp = jax.vjp(lambda a, x, h0: linear_scan(a, x, h0, impl="pallas"), a, x, h0)
+    out, vjp = jax.vjp(lambda a, x, h0: linear_scan(a, x, h0, options=options,
+                                                    impl="pallas"), a, x, h0)
     return out, vjp((dh, dlast))
 
   got = jax.tree.leaves(run(a, x, h0, dh, dlast))
@@ -310,11 +301,8 @@ def test_tpu_tiling_interpreted_matches_reference():
 def test_strategy_a_target_cannot_run_is_refused(platform, strategy, backend, message):
   """Asking for a strategy the target has no primitives for fails while tracing,
   naming the strategy and what to use instead."""
-  gin.clear_config()
-  with gin.unlock_config():
-    gin.bind_parameter("lowering_platform.platform", platform)
-    gin.bind_parameter("ScanOptions.pallas_strategy", strategy)
-    gin.bind_parameter("ScanOptions.pallas_gpu_backend", backend)
+  options = ScanOptions(lowering_platform=platform, pallas_strategy=strategy,
+                        pallas_gpu_backend=backend)
   x = jnp.ones((1, 16, 128), jnp.float32)
   with pytest.raises(ValueError, match=f"pallas_strategy='{strategy}'.*{message}"):
-    jax.eval_shape(lambda a, x: linear_scan(a, x, impl="pallas"), x, x)
+    jax.eval_shape(lambda a, x: linear_scan(a, x, options=options, impl="pallas"), x, x)

@@ -7,7 +7,6 @@ of 16 with T = 37 give three chunks and a padded tail; D = 130 or 200 is padded 
 256 lanes. On a GPU or TPU the same tests run the real device kernels (a strategy
 that device cannot run stays in interpret mode there).
 """
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +15,7 @@ import pytest
 from model.scan import linear_scan
 from model.scan import linear_scan_pairs
 from model.scan import reference
+from model.scan import ScanOptions
 
 CASES = [
     # strategy, batch, channels, dtype, reverse, with_h0, complex
@@ -37,16 +37,12 @@ _INTERPRET_ONLY_ON = {"gpu": {"sequential"}, "tpu": {"lookback"}}
 
 
 @pytest.fixture
-def pallas_options(request):
+def pallas_options(request) -> ScanOptions:
+  """Options of the strategy `request.param`, in chunks of 16 steps."""
   on_device_unsupported = request.param in _INTERPRET_ONLY_ON.get(
       jax.default_backend(), set())
-  with gin.unlock_config():
-    gin.bind_parameter("ScanOptions.pallas_strategy", request.param)
-    gin.bind_parameter("ScanOptions.pallas_time_chunk", 16)
-    if on_device_unsupported:
-      gin.bind_parameter("ScanOptions.pallas_interpret", True)
-  yield request.param
-  gin.clear_config()
+  return ScanOptions(pallas_strategy=request.param, pallas_time_chunk=16,
+                     pallas_interpret=True if on_device_unsupported else None)
 
 
 def _inputs(seed, batch, time, channels, complex_):
@@ -70,7 +66,6 @@ def _assert_close(actual, expected, rtol, what):
     indirect=["pallas_options"])
 def test_values_and_gradients(pallas_options, batch, channels, dtype, reverse, with_h0,
                               complex_):
-  del pallas_options
   a, x, h0, dh, dlast = _inputs(7, batch, 37, channels, complex_)
   state_dtype = np.complex64 if complex_ else np.float32
   a = a.astype(state_dtype)
@@ -80,8 +75,8 @@ def test_values_and_gradients(pallas_options, batch, channels, dtype, reverse, w
 
   @jax.jit
   def run(a, x, h0, dh, dlast):
-    out, vjp = jax.vjp(lambda a, x, h0: linear_scan(a, x, h0, reverse=reverse,
-                                                    impl="pallas"), a, x, h0)
+    out, vjp = jax.vjp(lambda a, x, h0: linear_scan(
+        a, x, h0, options=pallas_options, reverse=reverse, impl="pallas"), a, x, h0)
     return out, vjp((dh, dlast))
 
   (h, last), (da, dx, dh0) = run(a, x, h0, dh, dlast)
@@ -102,12 +97,12 @@ def test_values_and_gradients(pallas_options, batch, channels, dtype, reverse, w
 @pytest.mark.parametrize("pallas_options", ["sequential"], indirect=True)
 def test_pairs_and_short_sequences(pallas_options):
   """Real/imaginary planes through the pairs helper; T shorter than one chunk."""
-  del pallas_options
   a, x, h0, *_ = _inputs(8, 2, 5, 3, True)
   (h_re, h_im), (l_re, l_im) = linear_scan_pairs(
       (a.real.astype(np.float32), a.imag.astype(np.float32)),
       (x.real.astype(np.float32), x.imag.astype(np.float32)),
-      (h0.real.astype(np.float32), h0.imag.astype(np.float32)), impl="pallas")
+      (h0.real.astype(np.float32), h0.imag.astype(np.float32)),
+      options=pallas_options, impl="pallas")
   h_ref, last_ref = reference.scan(a.astype(np.complex64), x.astype(np.complex64),
                                    h0.astype(np.complex64))
   _assert_close(np.asarray(h_re) + 1j * np.asarray(h_im), h_ref, 1e-5, "h")

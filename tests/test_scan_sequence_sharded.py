@@ -1,7 +1,6 @@
 """The sequence-sharded scan on 8 simulated devices against the single-device lax scan."""
 import re
 
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +10,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from model.scan import linear_scan
+from model.scan import ScanOptions
 from model.scan import sequence_sharded_linear_scan
+
+LAX = ScanOptions()
 
 
 def _mesh(**axes):
@@ -48,10 +50,11 @@ def _assert_close(actual, expected, rtol, what):
   assert err <= rtol, f"{what}: relative error {err:.3g} > {rtol}"
 
 
-def _check(mesh, spec, a, x, h0, w, reverse, impl, **kwargs):
+def _check(mesh, spec, a, x, h0, w, reverse, impl, options=LAX, **kwargs):
   sharded = lambda a, x, h0: sequence_sharded_linear_scan(
-      a, x, h0, mesh=mesh, reverse=reverse, impl=impl, **kwargs)
-  single = lambda a, x, h0: linear_scan(a, x, h0, reverse=reverse, impl="lax")
+      a, x, h0, mesh=mesh, options=options, reverse=reverse, impl=impl, **kwargs)
+  single = lambda a, x, h0: linear_scan(a, x, h0, options=LAX, reverse=reverse,
+                                        impl="lax")
   put = lambda v, s: jax.device_put(v, NamedSharding(mesh, s))
   args = (put(a, spec), put(x, spec), put(h0, P(spec[0], spec[2])))
   h, last = jax.jit(sharded)(*args)
@@ -73,7 +76,8 @@ def test_eight_sequence_shards_match_single_device(reverse, complex_):
   args = _check(mesh, P(None, "sequence", None), a, x, h0, w, reverse, "lax")
   # Only the [shards, B, D] carries are gathered, never anything with a time axis.
   hlo = jax.jit(lambda a, x, h0: sequence_sharded_linear_scan(
-      a, x, h0, mesh=mesh, reverse=reverse, impl="lax")).lower(*args).compile().as_text()
+      a, x, h0, mesh=mesh, options=LAX, reverse=reverse,
+      impl="lax")).lower(*args).compile().as_text()
   gathered = re.findall(r"= \w+\[([\d,]*)\]\{[^}]*\} all-gather", hlo)
   assert gathered, "expected an all-gather of the per-shard carries"
   assert all(shape == "8,2,6" for shape in gathered), gathered
@@ -83,21 +87,16 @@ def test_eight_sequence_shards_match_single_device(reverse, complex_):
 def test_pallas_inside_sequence_batch_and_channel_sharding(strategy):
   """Pallas (interpret) as the local scan, with data and tensor sharding as well;
   "lookback" checks that each shard's kernel gets its own zeroed flags and counter."""
-  with gin.unlock_config():
-    gin.bind_parameter("ScanOptions.pallas_time_chunk", 16)
-    gin.bind_parameter("ScanOptions.pallas_strategy", strategy)
-  try:
-    mesh = _mesh(data=2, sequence=2, tensor=2)
-    a, x, h0, w = _inputs(1, 2, 64, 256)
-    _check(mesh, P("data", "sequence", "tensor"), a, x, h0, w, True, "pallas")
-  finally:
-    gin.clear_config()
+  mesh = _mesh(data=2, sequence=2, tensor=2)
+  a, x, h0, w = _inputs(1, 2, 64, 256)
+  _check(mesh, P("data", "sequence", "tensor"), a, x, h0, w, True, "pallas",
+         ScanOptions(pallas_time_chunk=16, pallas_strategy=strategy))
 
 
 def test_bad_mesh_or_shapes_are_explained():
   mesh = _mesh(sequence=8)
   a, x, h0, _ = _inputs(2, 1, 12, 2)
   with pytest.raises(ValueError, match="no axis 'seq'"):
-    sequence_sharded_linear_scan(a, x, h0, mesh=mesh, axis_name="seq")
+    sequence_sharded_linear_scan(a, x, h0, mesh=mesh, options=LAX, axis_name="seq")
   with pytest.raises(ValueError, match="time size 12 is not divisible by the 8 shards"):
-    sequence_sharded_linear_scan(a, x, h0, mesh=mesh)
+    sequence_sharded_linear_scan(a, x, h0, mesh=mesh, options=LAX)

@@ -11,7 +11,7 @@ import pytest
 
 from launch import sweep
 from model import counting
-from model.config import ModelConfig
+from pretrain import gin_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -71,10 +71,11 @@ def test_plan_budgets_are_compute_optimal(tmp_path):
 def test_run_gin_rebuilds_the_planned_model(tmp_path):
   run = sweep.plan(["griffin"], ["0.5m"], tokens_per_param=20, batch_size=4,
                    sequence_length=64, vocab_size=40, workdir=str(tmp_path))[0]
-  gin.clear_config()
+  path = tmp_path / "sweep_run.gin"
+  path.write_text(sweep.run_gin(run))
   try:
-    gin.parse_config(sweep.run_gin(run))
-    assert ModelConfig() == run.config
+    gin_config.parse([str(path)], [])
+    assert gin_config.build_model_config() == run.config
     assert gin.query_parameter("%TRAIN_STEPS") == run.train_steps
     assert gin.query_parameter("%SEQUENCE_LENGTH") == 64
     assert gin.query_parameter("OptimizerConfig.warmup_steps") == math.ceil(
@@ -98,12 +99,49 @@ def test_dry_run_prints_commands_and_trains_nothing(tmp_path):
   assert not workdir.exists()
 
 
-def test_unknown_family_is_a_usage_error(tmp_path):
+@pytest.mark.parametrize("gin_files, vocab_size", [
+    ([], 259),  # the default, configs/quickstart.gin: ModelConfig.vocab_size = 259
+    (["--gin_file=configs/base/trainer.gin",
+      "--gin_file=configs/data/synthetic_induction_heads.gin"], 18),  # VOCAB_SIZE = 18
+])
+def test_dry_run_reads_the_vocabulary_from_gin(tmp_path, gin_files, vocab_size):
+  """The README's sweep command, without --vocab_size: the size comes from the Gin files."""
+  workdir = tmp_path / "sweep"
   result = subprocess.run(
-      [sys.executable, "-m", "launch.sweep", "--families=rwkv", "--sizes=1m",
-       f"--workdir={tmp_path}", "--dry_run", "--vocab_size=259"],
-      cwd=REPO, capture_output=True, text=True, timeout=120)
-  assert result.returncode != 0 and "unknown families ['rwkv']" in result.stderr
+      [sys.executable, "-m", "launch.sweep", "--families=griffin,hawk",
+       "--sizes=0.1m,0.3m", "--tokens_per_param=4", f"--workdir={workdir}", "--dry_run",
+       *gin_files],
+      cwd=REPO, capture_output=True, text=True, timeout=180)
+  assert result.returncode == 0, result.stderr
+  assert "Traceback" not in result.stderr
+  assert result.stdout.count(f"#   ModelConfig.vocab_size = {vocab_size}\n") == 4
+  commands = [l for l in result.stdout.splitlines() if "-m pretrain.train" in l]
+  assert len(commands) == 4
+  for name in ("griffin_0.1m", "griffin_0.3m", "hawk_0.1m", "hawk_0.3m"):
+    assert f"| {name.split('_')[0]} | {name.split('_')[1]} |" in result.stdout
+    assert any(f"--workdir={workdir}/runs/{name}" in c for c in commands)
+  expected_files = [f.split("=", 1)[1] for f in gin_files] or ["configs/quickstart.gin"]
+  assert all(all(f"--gin_file={f}" in c for f in expected_files) for c in commands)
+  assert not workdir.exists()
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--families=rwkv"], "unknown families ['rwkv']"),
+    (["--sizes=1x"], "cannot read the size '1x'"),
+    (["--batch_size=0"], "--batch_size"),
+    (["--warmup_fraction=2"], "--warmup_fraction"),
+    (["--gin_file=configs/no_such.gin"], "Gin file not found"),
+    (["--workdir="], "--workdir"),
+])
+def test_bad_flag_value_is_one_line_and_exit_code_2(tmp_path, flags, fragment):
+  args = ["--families=hawk", "--sizes=1m", f"--workdir={tmp_path}", "--dry_run"] + flags
+  result = subprocess.run([sys.executable, "-m", "launch.sweep", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+  assert result.returncode == 2, (result.stdout, result.stderr)
+  assert "Traceback" not in result.stderr, result.stderr
+  errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+  assert len(errors) == 1 and fragment in errors[0], result.stderr
+  assert result.stdout == ""
 
 
 def test_finished_runs_are_recognised_from_their_metrics(tmp_path):

@@ -52,7 +52,8 @@ def test_cli_errors_are_one_line(tmp_path):
       [sys.executable, "-m", "pretrain.tokenizer",
        f"--input_glob={tmp_path}/none/*.txt", "--vocab_size=100",
        f"--output={tmp_path}/m"], capture_output=True, text=True, timeout=60)
-  assert result.returncode != 0
+  assert result.returncode == 1  # a data problem: the run failed
+  assert "Traceback" not in result.stderr
   assert result.stderr.strip().splitlines()[-1] == (
       f"error: --input_glob='{tmp_path}/none/*.txt' matched no files; check the "
       "path or set --input_glob='/path/to/**/*.txt'")
@@ -60,3 +61,20 @@ def test_cli_errors_are_one_line(tmp_path):
   with pytest.raises(DataError, match="hold no text"):
     tokenizer.train_sentencepiece(str(tmp_path / "blank.txt"), 100,
                                   str(tmp_path / "m"))
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--input_glob=x", "--vocab_size=4", "--output=m"], "--vocab_size"),
+    (["--input_glob=x", "--vocab_size=100", "--output=m", "--model_type=word"],
+     "--model_type"),
+    (["--input_glob=x", "--vocab_size=100"], "--output"),
+    (["--input_glob=x", "--vocab_size=100", "--output=m", "extra"], "Unexpected arguments"),
+])
+def test_bad_flag_value_is_one_line_and_exit_code_2(tmp_path, args, fragment):
+  result = subprocess.run([sys.executable, "-m", "pretrain.tokenizer", *args], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+  assert result.returncode == 2, result.stderr
+  assert "Traceback" not in result.stderr, result.stderr
+  errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+  assert len(errors) == 1 and fragment in errors[0], result.stderr
+  assert not (tmp_path / "m.model").exists()

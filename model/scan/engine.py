@@ -4,14 +4,15 @@ Every recurrent layer calls `linear_scan`; which algorithm runs is a keyword, so
 kernel can be swapped without touching the layers:
 
 - "lax": `jax.lax.scan`, one step per iteration, with an unroll factor ("lax" uses
-  `ScanOptions.lax_unroll`, "lax:16" names it). Sequential and exact; its cost on an
+  `options.lax_unroll`, "lax:16" names it). Sequential and exact; its cost on an
   accelerator is per-step latency, on CPU it is the fastest measured (see "auto").
 - "associative": `jax.lax.associative_scan` over (a, x) pairs. log2(T) passes over the
   data, so it moves several times the bytes of a sequential scan; useful where the
   per-step latency of "lax" dominates and there is no kernel.
 - "pallas": the Pallas kernel of `model.scan.pallas_scan` (state kept on chip, custom
   VJP with a fused backward). On CPU it only runs in interpret mode (slow; for tests).
-- "auto": "pallas" on TPU and GPU. On CPU, "lax" with the default unroll of 1: in
+- "auto": "pallas" on TPU and GPU (the target platform, `options.lowering_platform`,
+  which is the default backend unless set). On CPU, "lax" with the default unroll of 1: in
   `benchmarks/scan.py --quick` on this project's 2-core CPU machine (B=8, D=1024,
   float32; benchmarks/RESULTS.md, "## Scan") lax.scan at unroll 1 was the fastest
   forward and forward+backward: 1.2-2.4x ahead of unroll 8, 1.4-2.2x ahead of the
@@ -22,27 +23,35 @@ Numerics: the state is accumulated in float32 (complex64 for complex inputs) wha
 the input dtype; `h` comes back in x's dtype (complex64 when only `a` is complex) and
 `h_last` in the accumulation dtype, so chaining segments through `h0` loses nothing.
 Document resets are the caller's business: a_t = 0 starts afresh at t.
+
+Options are an argument, never read from Gin here: a jitted scan's program is fixed by
+its arguments, which jit caches key on (Gin bindings made after tracing are not). Gin
+can bind `ScanOptions.*`, but only entry points build options from it
+(`pretrain.gin_config`); a model passes its `ModelConfig.scan`.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Optional
 
-import gin
 import jax
 import jax.numpy as jnp
 
 IMPLS = ("auto", "lax", "associative", "pallas")
+# Platform names `ScanOptions.lowering_platform` accepts, and the kernel target of each.
+PLATFORMS = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "cpu": "cpu"}
 
 
 def _is_power_of_two(n: int) -> bool:
   return n >= 1 and n & (n - 1) == 0
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class ScanOptions:
   """Tunables of the scan implementations (bind with Gin: `ScanOptions.lax_unroll = 16`).
+
+  A property of the machine a program runs on, not of a trained model: models carry
+  one in `ModelConfig.scan`, and checkpoints do not record it.
 
   Attributes:
     lax_unroll: unroll factor of `impl="lax"` (1 was fastest on CPU, see module doc).
@@ -62,7 +71,12 @@ class ScanOptions:
       moves the fewest bytes but has not yet run on a GPU (benchmarks/RESULTS.md).
     pallas_gpu_backend: "auto" (Triton where this JAX still ships it, else Mosaic
       GPU), "triton" or "mosaic_gpu".
-    pallas_interpret: None = interpret mode exactly when running on CPU.
+    pallas_interpret: None = interpret mode exactly when the target platform is CPU.
+    lowering_platform: the platform the scan is traced and lowered for: None = the
+      default backend; "tpu", "gpu" (or "cuda", "rocm") or "cpu" cross-lower from a
+      host without that device, e.g. to `jax.export` a TPU or GPU program from a CPU
+      machine (tiling, strategy and compiler parameters depend on the target, and
+      tracing happens on the host).
   """
   lax_unroll: int = 1
   pallas_time_chunk: int = 128
@@ -70,6 +84,7 @@ class ScanOptions:
   pallas_strategy: str = "auto"
   pallas_gpu_backend: str = "auto"
   pallas_interpret: Optional[bool] = None
+  lowering_platform: Optional[str] = None
 
   def __post_init__(self):
     if self.lax_unroll < 1:
@@ -87,6 +102,27 @@ class ScanOptions:
     if self.pallas_gpu_backend not in ("auto", "triton", "mosaic_gpu"):
       raise ValueError("ScanOptions.pallas_gpu_backend must be 'auto', 'triton' or "
                        f"'mosaic_gpu', got {self.pallas_gpu_backend!r}.")
+    if self.lowering_platform is not None and self.lowering_platform not in PLATFORMS:
+      raise ValueError(f"ScanOptions.lowering_platform must be one of {sorted(PLATFORMS)} "
+                       f"or None (the default backend), got {self.lowering_platform!r}.")
+
+
+def _target(options: ScanOptions) -> Optional[str]:
+  """The kernel target of `options` (None for a default backend with no kernels)."""
+  return PLATFORMS.get(options.lowering_platform or jax.default_backend())
+
+
+def resolve_platform(options: ScanOptions) -> str:
+  """"tpu", "gpu" or "cpu": the platform the Pallas kernels are traced and lowered for.
+
+  Interpret mode follows it ("cpu") unless `options.pallas_interpret` says otherwise.
+  """
+  target = _target(options)
+  if target is None:
+    raise ValueError(f"The Pallas scan has no lowering for the default backend "
+                     f"{jax.default_backend()!r}; set ScanOptions.lowering_platform to one "
+                     f"of {sorted(PLATFORMS)}, or use a non-Pallas scan impl.")
+  return target
 
 
 def accumulation_dtype(a: jax.Array, x: jax.Array) -> jnp.dtype:
@@ -110,11 +146,11 @@ def parse_impl(impl: str) -> tuple[str, Optional[int]]:
   return name, int(unroll)
 
 
-def resolve_impl(impl: str) -> tuple[str, Optional[int]]:
-  """Resolves "auto" for the default backend (see the module docstring for why)."""
+def resolve_impl(impl: str, options: ScanOptions) -> tuple[str, Optional[int]]:
+  """Resolves "auto" for the target platform (see the module docstring for why)."""
   name, unroll = parse_impl(impl)
   if name == "auto":
-    name = "pallas" if jax.default_backend() in ("tpu", "gpu", "cuda", "rocm") else "lax"
+    name = "pallas" if _target(options) in ("tpu", "gpu") else "lax"
   return name, unroll
 
 
@@ -163,7 +199,8 @@ def associative_linear_scan(a, x, h0, reverse, acc):
 
 
 def linear_scan(a: jax.Array, x: jax.Array, h0: Optional[jax.Array] = None, *,
-                reverse: bool = False, impl: str = "auto") -> tuple[jax.Array, jax.Array]:
+                options: ScanOptions, reverse: bool = False,
+                impl: str = "auto") -> tuple[jax.Array, jax.Array]:
   """Computes h_t = a_t * h_{t-1} + x_t over the time axis (h_{-1} = h0).
 
   Args:
@@ -171,6 +208,8 @@ def linear_scan(a: jax.Array, x: jax.Array, h0: Optional[jax.Array] = None, *,
       (rounding decays near 1 to bf16 would turn them into exactly 1).
     x: inputs [B, T, D], float32, bfloat16 or complex.
     h0: state before the first step [B, D]; zeros when None.
+    options: the implementations' tunables and target platform (a model passes its
+      `ModelConfig.scan`).
     reverse: scan from t = T-1 down to 0 (h_t = a_t * h_{t+1} + x_t).
     impl: "auto", "lax", "lax:N", "associative" or "pallas" (module docstring).
 
@@ -179,46 +218,47 @@ def linear_scan(a: jax.Array, x: jax.Array, h0: Optional[jax.Array] = None, *,
     the state after the last step in scan order (t = 0 when `reverse`).
   """
   validate(a, x, h0)
-  name, unroll = resolve_impl(impl)
+  name, unroll = resolve_impl(impl, options)
   acc = accumulation_dtype(a, x)
   out_dtype = x.dtype if acc == jnp.float32 or jnp.iscomplexobj(x) else acc
   if name == "pallas":
     from model.scan import pallas_scan  # pylint: disable=g-import-not-at-top
-    return pallas_scan.pallas_linear_scan(a, x, h0, reverse=reverse)
+    return pallas_scan.pallas_linear_scan(a, x, h0, options=options, reverse=reverse)
   if h0 is None:
     h0 = jnp.zeros((x.shape[0], x.shape[2]), acc)
   h0 = h0.astype(acc)
   if name == "associative":
     h, h_last = associative_linear_scan(a, x, h0, reverse, acc)
   else:
-    unroll = unroll or ScanOptions().lax_unroll
+    unroll = unroll or options.lax_unroll
     h, h_last = lax_linear_scan(a, x, h0, reverse, unroll, acc)
   return h.astype(out_dtype), h_last
 
 
 def linear_scan_pairs(a: tuple[jax.Array, jax.Array], x: tuple[jax.Array, jax.Array],
                       h0: Optional[tuple[jax.Array, jax.Array]] = None, *,
-                      reverse: bool = False, impl: str = "auto"):
+                      options: ScanOptions, reverse: bool = False, impl: str = "auto"):
   """Complex `linear_scan` on (real, imaginary) pairs, for layers that keep them apart.
 
   Args:
     a: (a_re, a_im), each [B, T, D].
     x: (x_re, x_im), each [B, T, D].
     h0: optional (h0_re, h0_im), each [B, D].
+    options: as in `linear_scan`.
     reverse: as in `linear_scan`.
     impl: as in `linear_scan`.
 
   Returns:
     ((h_re, h_im) in x's dtype, (h_last_re, h_last_im) in float32).
   """
-  name, _ = resolve_impl(impl)
+  name, _ = resolve_impl(impl, options)
   if name == "pallas":
     from model.scan import pallas_scan  # pylint: disable=g-import-not-at-top
-    return pallas_scan.pallas_linear_scan_pairs(a, x, h0, reverse=reverse)
+    return pallas_scan.pallas_linear_scan_pairs(a, x, h0, options=options, reverse=reverse)
   to_complex = lambda pair: jax.lax.complex(pair[0].astype(jnp.float32),
                                             pair[1].astype(jnp.float32))
   h, h_last = linear_scan(to_complex(a), to_complex(x),
                           None if h0 is None else to_complex(h0),
-                          reverse=reverse, impl=impl)
+                          options=options, reverse=reverse, impl=impl)
   dtype = x[0].dtype
   return ((h.real.astype(dtype), h.imag.astype(dtype)), (h_last.real, h_last.imag))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import gin
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -19,27 +18,6 @@ def squeezed_dim() -> Any:
   """The block-shape entry for a dimension the kernel does not see (batch)."""
   squeezed = getattr(pl, "Squeezed", None)
   return squeezed() if squeezed is not None else None
-
-
-_PLATFORMS = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "cpu": "cpu"}
-
-
-@gin.configurable
-def lowering_platform(platform: Optional[str] = None) -> str:
-  """"tpu", "gpu" or "cpu": the platform the kernels are traced and lowered for.
-
-  Tracing has to know the target (tiling, strategy and compiler parameters differ),
-  but `jax.export` and AOT lowering trace on the host. None means the default
-  backend; binding a platform (`lowering_platform.platform = "tpu"`) cross-lowers
-  from a host without that device, e.g. to export a TPU or GPU program from a CPU
-  machine. Interpret mode follows the target ("cpu") unless
-  `ScanOptions.pallas_interpret` says otherwise.
-  """
-  name = platform if platform is not None else jax.default_backend()
-  if name not in _PLATFORMS:
-    raise ValueError(f"lowering_platform: unknown platform {name!r}; bind one of "
-                     f"{sorted(_PLATFORMS)} or None (the default backend).")
-  return _PLATFORMS[name]
 
 
 def triton_available() -> bool:

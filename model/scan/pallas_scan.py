@@ -34,8 +34,9 @@ same strategies. h is saved in x's dtype, so bf16 runs see bf16-rounded h_{t-1}
 in da (within the 1e-2 bf16 tolerance).
 
 On CPU every kernel runs in Pallas interpret mode (tests only). The TPU (Mosaic),
-GPU Triton and Mosaic GPU lowerings are selected by `pallas_compat`, which can also
-cross-lower from a CPU host (tests/test_scan_lowering.py exports them there).
+GPU Triton and Mosaic GPU lowerings are selected by `pallas_compat` for the target
+platform of the `ScanOptions`, which can also cross-lower from a CPU host
+(`lowering_platform`; tests/test_scan_lowering.py exports them there).
 """
 from __future__ import annotations
 
@@ -108,7 +109,7 @@ class _Launch:
 
   def __init__(self, batch: int, time: int, channels: int, x_dtype, components: int,
                reverse: bool, options: engine.ScanOptions):
-    target = pallas_compat.lowering_platform()
+    target = engine.resolve_platform(options)
     self.interpret = (options.pallas_interpret if options.pallas_interpret is not None
                       else target == "cpu")
     strategy = options.pallas_strategy
@@ -324,11 +325,11 @@ def _scan_bwd(launch, residuals, cotangents):
 _scan.defvjp(_scan_fwd, _scan_bwd)
 
 
-def _run(a: tuple, x: tuple, h0: Optional[tuple], reverse: bool):
+def _run(a: tuple, x: tuple, h0: Optional[tuple], reverse: bool,
+         options: engine.ScanOptions):
   """Pads component tuples, launches, and crops. Returns (h tuple, last tuple)."""
   batch, time, channels = x[0].shape
-  launch = _Launch(batch, time, channels, x[0].dtype, len(x), reverse,
-                   engine.ScanOptions())
+  launch = _Launch(batch, time, channels, x[0].dtype, len(x), reverse, options)
   pad_t, pad_d = launch.padded_time - time, launch.padded_channels - channels
   rows = (launch.padded_rows, _LANES)
 
@@ -352,22 +353,23 @@ def _run(a: tuple, x: tuple, h0: Optional[tuple], reverse: bool):
 
 
 def pallas_linear_scan(a: jax.Array, x: jax.Array, h0: Optional[jax.Array] = None, *,
+                       options: engine.ScanOptions,
                        reverse: bool = False) -> tuple[jax.Array, jax.Array]:
   """`linear_scan` with the Pallas kernel (same contract; see `engine.linear_scan`)."""
   if not (jnp.iscomplexobj(a) or jnp.iscomplexobj(x)):
-    (h,), (last,) = _run((a,), (x,), None if h0 is None else (h0,), reverse)
+    (h,), (last,) = _run((a,), (x,), None if h0 is None else (h0,), reverse, options)
     return h, last
   split = lambda z: (jnp.real(z).astype(_F32), jnp.imag(z).astype(_F32))
   (h_re, h_im), (l_re, l_im) = _run(split(a), split(x),
-                                    None if h0 is None else split(h0), reverse)
+                                    None if h0 is None else split(h0), reverse, options)
   return jax.lax.complex(h_re, h_im), jax.lax.complex(l_re, l_im)
 
 
 def pallas_linear_scan_pairs(a: tuple[jax.Array, jax.Array], x: tuple[jax.Array, jax.Array],
                              h0: Optional[tuple[jax.Array, jax.Array]] = None, *,
-                             reverse: bool = False):
+                             options: engine.ScanOptions, reverse: bool = False):
   """Complex scan on (real, imaginary) planes; see `engine.linear_scan_pairs`."""
   if x[0].dtype != x[1].dtype:
     raise ValueError(f"linear_scan_pairs: x's real and imaginary parts differ in dtype "
                      f"({x[0].dtype} vs {x[1].dtype}); cast them to one dtype.")
-  return _run(tuple(a), tuple(x), None if h0 is None else tuple(h0), reverse)
+  return _run(tuple(a), tuple(x), None if h0 is None else tuple(h0), reverse, options)

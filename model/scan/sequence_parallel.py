@@ -35,7 +35,8 @@ _CHANNEL_AXES = ("tensor",)
 
 
 def shard_local_linear_scan(a: jax.Array, x: jax.Array, h0: Optional[jax.Array], *,
-                            axis_name: str, reverse: bool = False,
+                            axis_name: str, options: engine.ScanOptions,
+                            reverse: bool = False,
                             impl: str = "auto") -> tuple[jax.Array, jax.Array]:
   """`linear_scan` on this shard's slice of time, called inside `shard_map`.
 
@@ -43,6 +44,7 @@ def shard_local_linear_scan(a: jax.Array, x: jax.Array, h0: Optional[jax.Array],
     a, x: this shard's [B, T/shards, D] slices, shards ordered by `axis_name` index.
     h0: the global initial state [B, D] (same on every shard of `axis_name`), or None.
     axis_name: the mesh axis that splits time.
+    options: the local scan's options, as in `linear_scan`.
     reverse: as in `linear_scan`.
     impl: the local scan's implementation, as in `linear_scan`.
 
@@ -51,7 +53,8 @@ def shard_local_linear_scan(a: jax.Array, x: jax.Array, h0: Optional[jax.Array],
     shards).
   """
   acc = engine.accumulation_dtype(a, x)
-  h_local, local_last = engine.linear_scan(a, x, None, reverse=reverse, impl=impl)
+  h_local, local_last = engine.linear_scan(a, x, None, options=options, reverse=reverse,
+                                           impl=impl)
   decay_so_far = jax.lax.cumprod(a.astype(acc), axis=1, reverse=reverse)
   shard_decay = decay_so_far[:, 0 if reverse else -1]
   # [shards, B, D] -> [B, shards, D]: one "time" step per shard.
@@ -107,6 +110,7 @@ def _shard_map(fn, mesh, in_specs, out_specs):
 
 def sequence_sharded_linear_scan(a: jax.Array, x: jax.Array,
                                  h0: Optional[jax.Array] = None, *, mesh: Mesh,
+                                 options: engine.ScanOptions,
                                  axis_name: str = "sequence", reverse: bool = False,
                                  impl: str = "auto", batch_axes: AxisNames = None,
                                  channel_axes: AxisNames = None
@@ -114,7 +118,7 @@ def sequence_sharded_linear_scan(a: jax.Array, x: jax.Array,
   """`linear_scan` on global arrays whose time axis is split over `axis_name`.
 
   Args:
-    a, x, h0, reverse, impl: as in `model.scan.linear_scan`.
+    a, x, h0, options, reverse, impl: as in `model.scan.linear_scan`.
     mesh: the device mesh.
     axis_name: the mesh axis splitting time; T must be divisible by its size.
     batch_axes: mesh axes splitting the batch; None = those of ("replica", "data",
@@ -139,7 +143,7 @@ def sequence_sharded_linear_scan(a: jax.Array, x: jax.Array,
   seq_spec = P(batch_axes, axis_name, channel_axes)
   state_spec = P(batch_axes, channel_axes)
   local = functools.partial(shard_local_linear_scan, axis_name=axis_name,
-                            reverse=reverse, impl=impl)
+                            options=options, reverse=reverse, impl=impl)
   if h0 is None:
     return _shard_map(lambda a, x: local(a, x, None), mesh, (seq_spec, seq_spec),
                       (seq_spec, state_spec))(a, x)

@@ -1,0 +1,239 @@
+"""What the training loop does besides stepping, one hook each, every N steps.
+
+The loop (`pretrain.trainer.Trainer.run`) calls, in order:
+  `on_metrics(step, values)`  for every step, one step late, once its metrics reach the
+                              host (logging, divergence checks);
+  `on_step(step, state)`      when `step % every == 0` (checkpoints, evaluation,
+                              preemption); before a hook with `drains_metrics` runs,
+                              every earlier step's metrics have been checked, so no
+                              state is saved or evaluated after a diverged step;
+  `resumed(step)`             after the loop paused at `step` for such hooks;
+  `on_end(step, state, preempted)`  once, after the last step (final save, final
+                              evaluation, sample);
+  `close()`                   always, also when training failed.
+A hook asks the loop to stop after the current step by setting `stop_requested`.
+Each hook is a small object with no reference to the loop, so it can be tested alone.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import time
+from typing import Any, Callable, Mapping, Optional
+
+import jax
+
+from pretrain import flops as flops_lib
+from pretrain.checkpointing import Checkpointer
+from pretrain.errors import TrainingDivergedError
+from pretrain.metrics import MetricsWriter, StepTimer
+from pretrain.steps import TrainState
+
+
+class Hook:
+  """Does nothing; subclasses override what they need.
+
+  Attributes:
+    every: `on_step` runs at steps that are multiples of this; 0 never.
+    drains_metrics: whether earlier steps' metrics must be checked before `on_step`.
+    stop_requested: set to ask the loop to stop after the current step.
+  """
+  every: int = 0
+  drains_metrics: bool = True
+  stop_requested: bool = False
+
+  def is_due(self, step: int) -> bool:
+    return bool(self.every) and step % self.every == 0
+
+  def on_metrics(self, step: int, values: Mapping[str, float]) -> None:
+    del step, values
+
+  def on_step(self, step: int, state: TrainState) -> None:
+    del step, state
+
+  def resumed(self, step: int) -> None:
+    del step
+
+  def on_end(self, step: int, state: TrainState, preempted: bool) -> None:
+    del step, state, preempted
+
+  def close(self) -> None:
+    pass
+
+
+class DivergenceCheck(Hook):
+  """Stops the run at the first step whose loss or norms are NaN or infinite.
+
+  It raises before any later state is saved, so the newest checkpoint is a good one.
+  """
+  WATCHED = ("loss", "grad_norm", "param_norm")
+
+  def __init__(self, checkpointer: Checkpointer):
+    self._checkpointer = checkpointer
+
+  def on_metrics(self, step: int, values: Mapping[str, float]) -> None:
+    if all(math.isfinite(values[name]) for name in self.WATCHED):
+      return
+    self._checkpointer.wait()
+    good = self._checkpointer.latest_step()
+    where = (f"the newest good checkpoint (step {good}) is intact in "
+             f"{self._checkpointer.directory}" if good is not None
+             else "no checkpoint was written")
+    raise TrainingDivergedError(
+        f"Training diverged at step {step}: loss={values['loss']}, "
+        f"grad_norm={values['grad_norm']}, param_norm={values['param_norm']}; stopped "
+        f"without saving, {where}. Lower OptimizerConfig.peak_learning_rate or "
+        "clip_norm, or raise warmup_steps.")
+
+
+class MetricsLogger(Hook):
+  """Writes a metrics row and a console line every `log_every` steps (and the first).
+
+  Throughput is measured between two fetched steps, so it covers whole steps of device
+  work; the time the loop spends in other hooks (evaluation, saves) is left out.
+  """
+
+  def __init__(self, writer: MetricsWriter, *, log_every: int, start_step: int,
+               tokens_per_step: int, flops_per_token: float, log_z_loss: bool = False):
+    self._writer = writer
+    self._log_every = log_every
+    self._start_step = start_step
+    self._tokens_per_step = tokens_per_step
+    self._flops_per_token = flops_per_token
+    self._log_z_loss = log_z_loss
+    self._timer = StepTimer()
+    self._started = time.perf_counter()
+
+  def on_metrics(self, step: int, values: Mapping[str, float]) -> None:
+    if step % self._log_every and step != self._start_step + 1:
+      return
+    step_time = self._timer.mark(step)
+    if step_time is None:  # first logged step: includes compilation
+      step_time = (time.perf_counter() - self._started) / (step - self._start_step)
+    tokens_per_second = self._tokens_per_step / step_time
+    row = {name: values[name]
+           for name in ("loss", "learning_rate", "grad_norm", "param_norm")}
+    row.update(tokens_per_second=tokens_per_second, step_time_s=step_time,
+               mfu=flops_lib.mfu(tokens_per_second, self._flops_per_token))
+    if self._log_z_loss:
+      row["z_loss"] = values["z_loss"]
+    self._writer.log_train(step, row)
+
+  def resumed(self, step: int) -> None:
+    self._timer.restart(step)
+
+
+class CheckpointHook(Hook):
+  """Saves every `every` steps and at the end (once per step), asynchronously."""
+
+  def __init__(self, checkpointer: Checkpointer, every: int, *, start_step: int,
+               rng: jax.Array, metadata: Mapping[str, Any], writer: MetricsWriter):
+    self.every = every
+    self._checkpointer = checkpointer
+    self._rng = rng
+    self._metadata = dict(metadata)
+    self._writer = writer
+    self.last_saved = start_step
+
+  def _save(self, step: int, state: TrainState) -> None:
+    self._checkpointer.save(step, params=state.params, opt_state=state.opt_state,
+                            rng=self._rng, metadata=self._metadata)
+    self.last_saved = step
+
+  def on_step(self, step: int, state: TrainState) -> None:
+    self._save(step, state)
+
+  def on_end(self, step: int, state: TrainState, preempted: bool) -> None:
+    if step != self.last_saved:
+      self._save(step, state)
+    self._checkpointer.wait()
+    if preempted:
+      self._writer.info(f"Preempted: saved step {step} in {self._checkpointer.directory}; "
+                        "run the same command again to resume.")
+
+
+class EvalHook(Hook):
+  """Evaluates every `every` steps and, unless preempted, once after the last step.
+
+  Attributes:
+    last_loss: the newest validation loss (None before the first evaluation).
+  """
+
+  def __init__(self, evaluate: Callable[[Any], tuple[float, int]], writer: MetricsWriter,
+               *, every: int, final_eval: bool, train_steps: int):
+    self.every = every
+    self._evaluate = evaluate
+    self._writer = writer
+    self._final_eval = final_eval
+    self._train_steps = train_steps
+    self.last_loss: Optional[float] = None
+
+  def _run(self, step: int, params: Any) -> None:
+    self.last_loss, tokens = self._evaluate(params)
+    self._writer.log_eval(step, self.last_loss, tokens)
+
+  def on_step(self, step: int, state: TrainState) -> None:
+    if not (self._final_eval and step == self._train_steps):  # on_end evaluates it
+      self._run(step, state.params)
+
+  def on_end(self, step: int, state: TrainState, preempted: bool) -> None:
+    if self._final_eval and not preempted:
+      self._run(step, state.params)
+
+
+class PreemptionHook(Hook):
+  """Stops the run at a step boundary when SIGTERM arrives; the final save follows.
+
+  With one process a Python SIGTERM handler sets a flag. With several, each host gets
+  its own notice at its own moment, and a host that stopped alone would leave the
+  others blocked in the next step's collectives; so the decision goes through JAX's
+  preemption sync service (via Orbax's `reached_preemption`), which catches SIGTERM
+  itself and lets every process agree on the first step all of them can still reach.
+  """
+  every = 1
+  drains_metrics = False
+
+  def __init__(self, checkpointer: Checkpointer):
+    self._checkpointer = checkpointer
+    self._previous_handler = None
+    if jax.process_count() == 1:
+      try:
+        self._previous_handler = signal.signal(signal.SIGTERM, self._on_signal)
+      except ValueError:  # not the main thread: no handler, no preemption saves
+        self._previous_handler = None
+
+  def _on_signal(self, signum: int, frame: Any) -> None:
+    del frame
+    logging.warning("Received signal %d: saving a checkpoint and stopping", signum)
+    self.stop_requested = True
+
+  def on_step(self, step: int, state: TrainState) -> None:
+    del state
+    if jax.process_count() > 1 and self._checkpointer.reached_preemption(step):
+      logging.warning("Preemption notice: all processes save step %d and stop", step)
+      self.stop_requested = True
+
+  def close(self) -> None:
+    if self._previous_handler is not None:
+      signal.signal(signal.SIGTERM, self._previous_handler)
+      self._previous_handler = None
+
+
+class SampleHook(Hook):
+  """Prints a continuation of a prompt after a finished (not preempted) run.
+
+  Attributes:
+    text: the sampled continuation (None until sampled).
+  """
+
+  def __init__(self, sample: Callable[[Any], str], prompt: str, writer: MetricsWriter):
+    self._sample = sample
+    self._prompt = prompt
+    self._writer = writer
+    self.text: Optional[str] = None
+
+  def on_end(self, step: int, state: TrainState, preempted: bool) -> None:
+    if not preempted:
+      self.text = self._sample(state.params)
+      self._writer.info(f"Sample:\n{self._prompt}{self.text}")

@@ -1,0 +1,98 @@
+"""The jitted step functions: train (accumulate, then apply) and eval.
+
+As in T5X, a train step is two halves. `accumulate_gradients` runs the model over the
+microbatches of one batch (a `lax.scan`) and returns summed gradients and loss sums, so
+the result is exactly the big batch's; `apply_gradients` normalises them by the token
+count, runs the optimizer and reports the step's metrics. The state is donated, so
+parameters and optimizer state are updated in place.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from model.lm import LanguageModel
+from pretrain.losses import loss_sums
+
+SUM_NAMES = ("nll_sum", "z_sum", "weight_sum")
+
+
+class TrainState(NamedTuple):
+  """Everything the jitted step updates. `step` counts completed updates."""
+  step: jax.Array
+  params: Any
+  opt_state: Any
+
+
+def split_microbatches(batch: Mapping[str, jax.Array], count: int) -> dict[str, jax.Array]:
+  """[B, ...] -> [count, B/count, ...], microbatch m taking rows m, m+count, ...
+
+  Interleaved rows keep each device's rows spread evenly over microbatches, so the
+  batch sharding of the leading axis survives the split without communication.
+  """
+  def split(x):
+    rows = x.shape[0]
+    return jnp.swapaxes(x.reshape((rows // count, count) + x.shape[1:]), 0, 1)
+  return {name: split(x) for name, x in batch.items()}
+
+
+def accumulate_gradients(model: LanguageModel, params: Any, batch: Mapping[str, jax.Array],
+                         microbatches: int = 1, z_loss_weight: float = 0.0
+                         ) -> tuple[Any, dict[str, jax.Array]]:
+  """Summed gradients and loss sums {nll_sum, z_sum, weight_sum} over the batch."""
+  grad_fn = jax.grad(lambda p, b: loss_sums(model, p, b, z_loss_weight), has_aux=True)
+  if microbatches == 1:
+    return grad_fn(params, batch)
+
+  def accumulate(carry, micro):
+    grads_acc, sums_acc = carry
+    grads, sums = grad_fn(params, micro)
+    return (jax.tree.map(jnp.add, grads_acc, grads),
+            jax.tree.map(jnp.add, sums_acc, sums)), None
+
+  zeros = (jax.tree.map(jnp.zeros_like, params),
+           {name: jnp.zeros((), jnp.float32) for name in SUM_NAMES})
+  (grads, sums), _ = jax.lax.scan(accumulate, zeros,
+                                  split_microbatches(batch, microbatches))
+  return grads, sums
+
+
+def apply_gradients(state: TrainState, grad_sums: Any, sums: Mapping[str, jax.Array],
+                    optimizer: optax.GradientTransformation, schedule: optax.Schedule
+                    ) -> tuple[TrainState, dict[str, jax.Array]]:
+  """One optimizer update from summed gradients; returns the new state and metrics."""
+  total_weight = jnp.maximum(sums["weight_sum"], 1.0)
+  grads = jax.tree.map(lambda g: g / total_weight, grad_sums)
+  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  metrics = {
+      "loss": sums["nll_sum"] / total_weight,
+      "z_loss": sums["z_sum"] / total_weight,
+      "grad_norm": optax.tree.norm(grads),
+      "param_norm": optax.tree.norm(params),
+      "learning_rate": schedule(state.step),
+      "tokens": sums["weight_sum"],
+  }
+  return TrainState(state.step + 1, params, opt_state), metrics
+
+
+def make_train_step(model: LanguageModel, optimizer: optax.GradientTransformation,
+                    schedule: optax.Schedule, microbatches: int = 1,
+                    z_loss_weight: float = 0.0) -> Callable:
+  """The un-jitted step: (state, batch) -> (new state, metrics of this step)."""
+  def step(state: TrainState, batch: Mapping[str, jax.Array]):
+    grads, sums = accumulate_gradients(model, state.params, batch, microbatches,
+                                       z_loss_weight)
+    return apply_gradients(state, grads, sums, optimizer, schedule)
+  return step
+
+
+def make_eval_step(model: LanguageModel) -> Callable:
+  """(params, batch) -> {nll_sum, weight_sum}: summed, so batches combine exactly."""
+  def step(params, batch):
+    _, sums = loss_sums(model, params, batch)
+    return {"nll_sum": sums["nll_sum"], "weight_sum": sums["weight_sum"]}
+  return step
