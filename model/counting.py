@@ -49,6 +49,8 @@ import jax
 import numpy as np
 
 from model.config import BlockType, ModelConfig
+from model import lm
+from model import residual_block
 
 RECURRENCE_FORWARD_FLOPS = 10     # per RG-LRU state element and token, see above
 RECURRENT_OUTPUT_GATE_FLOPS = 1   # x-branch ⊙ y-branch, per RG-LRU channel and token
@@ -73,7 +75,6 @@ def param_shapes(config: ModelConfig) -> Any:
 
 @functools.lru_cache(maxsize=32)
 def _param_shapes(config: ModelConfig) -> Any:
-  from model import lm  # deferred: counting the analytic formulas needs no Flax model
   return jax.eval_shape(lambda: lm.init_params(config, jax.random.PRNGKey(0)))
 
 
@@ -200,7 +201,6 @@ def decode_state_bytes(config: ModelConfig, max_length: Optional[int] = None) ->
   builds it (`model.residual_block.init_block_cache`, what `model.decoding.init_cache`
   stacks over the scanned depth), so this follows the implementation exactly.
   """
-  from model import residual_block  # deferred: see `_param_shapes`
   total = 0
   for block in set(config.block_types):
     cache = jax.eval_shape(lambda b=block: residual_block.init_block_cache(

@@ -44,6 +44,11 @@ import numpy as np
 from model.config import BlockType, ModelConfig
 from sharding import mesh as mesh_lib
 from sharding import rules as rules_lib
+from model import counting, lm
+from sharding import partition
+import optax
+from model import lm
+from model import counting
 
 PARAM_BYTES = 4          # float32 master weights
 ADAM_MOMENTS = 2         # AdamW's mu and nu, float32, sharded like the params
@@ -66,7 +71,6 @@ def resolve_mesh(mesh: Mapping[str, int]) -> dict[str, int]:
 
 
 def _param_shapes_and_specs(config: ModelConfig):
-  from model import counting, lm  # pylint: disable=import-outside-toplevel
   return counting.param_shapes(config), lm.param_logical_axes(config)
 
 
@@ -86,7 +90,6 @@ def _shard_elements(shape: Sequence[int], spec: jax.sharding.PartitionSpec,
 def param_bytes_per_device(config: ModelConfig, mesh: Mapping[str, int],
                            rules: Optional[Sequence] = None) -> int:
   """Exact bytes of this device's shard of the float32 parameters."""
-  from sharding import partition  # pylint: disable=import-outside-toplevel
   sizes = resolve_mesh(mesh)
   shapes, logical = _param_shapes_and_specs(config)
   total = 0
@@ -178,9 +181,6 @@ def compiled_train_step_memory(config: ModelConfig, mesh: Mapping[str, int], bat
   Returns `memory_analysis()`'s argument, output, alias and temporary sizes, and
   `peak` = arguments + outputs - aliased + temporaries.
   """
-  import optax  # pylint: disable=import-outside-toplevel
-  from model import lm  # pylint: disable=import-outside-toplevel
-  from sharding import partition  # pylint: disable=import-outside-toplevel
 
   sizes = resolve_mesh(mesh)
   devices = math.prod(sizes.values())
@@ -262,7 +262,6 @@ def plan_memory(config: ModelConfig, mesh: Mapping[str, int], batch_size: int, s
   sizes = resolve_mesh(mesh)
   plan: dict[str, Any] = _analytic(config, sizes, batch_size, seq_len, rules)
   if method == "auto":
-    from model import counting  # pylint: disable=import-outside-toplevel
     small = counting.count_params(config).total <= COMPILED_MAX_PARAMS
     method = "compiled" if small and math.prod(sizes.values()) <= jax.device_count() else "analytic"
   if method == "compiled":

@@ -23,6 +23,7 @@ from model.config import BlockType, ModelConfig
 from model.mlp import GatedMLP
 from model.norms import RMSNorm
 from model.recurrent_block import RecurrentBlock
+from model.gateloop import GateLoopBlock
 
 
 def temporal_block_class(block_type: str) -> type[nn.Module]:
@@ -32,7 +33,6 @@ def temporal_block_class(block_type: str) -> type[nn.Module]:
   if block_type == BlockType.ATTENTION.value:
     return AttentionBlock
   if block_type == BlockType.GATELOOP.value:
-    from model.gateloop import GateLoopBlock  # pylint: disable=import-outside-toplevel
     return GateLoopBlock
   raise ValueError(f"unknown block type {block_type!r}; expected one of "
                    f"{sorted(b.value for b in BlockType)}")

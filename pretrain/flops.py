@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Optional
 
 import jax
+from model import counting
 
 # Dense bf16 peak FLOP/s per JAX device, matched by substring of `device.device_kind`
 # (lower-case), most specific first. TPU v4 exposes one device per chip (megacore).
@@ -42,7 +43,6 @@ def training_flops_per_token(config, sequence_length: int) -> float:
 
   Uses the model's own counting (`model.counting`), which follows docs/model.md#training-flops.
   """
-  from model import counting  # pylint: disable=g-import-not-at-top
   return float(counting.training_flops_per_token(config, sequence_length))
 
 

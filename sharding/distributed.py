@@ -19,6 +19,7 @@ import logging
 import os
 
 import jax
+from jax._src import clusters  # private: cluster auto-detection has no public API
 
 ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
@@ -27,7 +28,6 @@ ENV_PROCESS_ID = "JAX_PROCESS_ID"
 
 def _cluster_detected() -> bool:
   """Whether JAX's cluster auto-detection (TPU VM/GKE, SLURM, Open MPI) applies here."""
-  from jax._src import clusters  # pylint: disable=g-import-not-at-top
   for env in clusters.ClusterEnv._cluster_types:  # pylint: disable=protected-access
     if not env.opt_in_only_method and env.is_env_present():
       return True

@@ -20,6 +20,7 @@ from typing import Any, Optional, Sequence
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 
 MESH_AXES = ("replica", "data", "fsdp", "sequence", "tensor")
 
@@ -129,7 +130,6 @@ def create_mesh(config: MeshConfig, devices: Optional[Sequence[Any]] = None) -> 
     ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
     device_array = np.array(ordered, dtype=object).reshape(shape)
   elif sizes["replica"] > 1:
-    from jax.experimental import mesh_utils  # pylint: disable=g-import-not-at-top
     ici_shape = (1,) + shape[1:]
     dcn_shape = (sizes["replica"],) + (1,) * (len(shape) - 1)
     device_array = mesh_utils.create_hybrid_device_mesh(
@@ -137,7 +137,6 @@ def create_mesh(config: MeshConfig, devices: Optional[Sequence[Any]] = None) -> 
         process_is_granule=_slice_index(devices[0]) is None,
         allow_split_physical_axes=True)
   else:
-    from jax.experimental import mesh_utils  # pylint: disable=g-import-not-at-top
     device_array = mesh_utils.create_device_mesh(shape, devices,
                                                  allow_split_physical_axes=True)
   return jax.sharding.Mesh(device_array, MESH_AXES)

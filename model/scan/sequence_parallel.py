@@ -27,6 +27,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from model.scan import engine
+from jax.experimental.shard_map import shard_map
 
 AxisNames = Union[None, str, Sequence[str]]
 
@@ -103,7 +104,6 @@ def _shard_map(fn, mesh, in_specs, out_specs):
   if hasattr(jax, "shard_map"):
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                          check_vma=False)
-  from jax.experimental.shard_map import shard_map  # pylint: disable=g-import-not-at-top
   return shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                    check_rep=False)
 
