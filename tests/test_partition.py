@@ -7,6 +7,7 @@ import numpy as np
 import optax
 import pytest
 
+from pretrain import gin_config
 from sharding import mesh as mesh_lib
 from sharding import partition
 from sharding import rules as rules_lib
@@ -90,13 +91,17 @@ def test_params_are_laid_out_as_the_rules_say(mesh):
                                 np.asarray(params["blocks"]["mlp"]["up"]))
 
 
-def test_gin_override_changes_one_rule(mesh):
-  with gin.unlock_config():
-    gin.parse_config(["logical_axis_rules.overrides = {'embed': None, 'mlp': ('fsdp', 'tensor')}"])
+def test_gin_override_changes_one_rule_where_the_entry_point_reads_it(mesh):
   try:
-    shardings = partition.param_shardings(mesh, LOGICAL, make_params())
+    gin_config.parse([], ["logical_axis_rules.overrides = "
+                          "{'embed': None, 'mlp': ('fsdp', 'tensor')}"])
+    rules = gin_config.build(rules_lib.logical_axis_rules)
+    shardings = partition.param_shardings(mesh, LOGICAL, make_params(), rules)
     assert shardings["embedder"]["embedding"].spec == P("tensor", None)
     assert shardings["blocks"]["mlp"]["up"].spec == P(None, None, ("fsdp", "tensor"))
+    # Library calls without explicit rules use the defaults, whatever Gin holds.
+    default = partition.param_shardings(mesh, LOGICAL, make_params())
+    assert default["blocks"]["mlp"]["up"].spec != P(None, None, ("fsdp", "tensor"))
   finally:
     gin.clear_config()
 
