@@ -57,23 +57,13 @@ def constrain(x: jax.Array, axes: Axes) -> jax.Array:
   return nn.with_logical_constraint(x, tuple(axes))
 
 
-def fan_in_normal(scale: float = 1.0, fan_in_axes: Sequence[int] = (0,)) -> Initializer:
-  """Normal init with variance scale / fan_in, fan_in the product of `fan_in_axes`."""
-  def init(key, shape, dtype=jnp.float32):
-    fan_in = 1
-    for axis in fan_in_axes:
-      fan_in *= shape[axis]
-    return (jax.random.normal(key, shape, jnp.float32) * (scale / fan_in) ** 0.5).astype(dtype)
-  return init
-
-
 class Dense(nn.Module):
   """y = x · W (+ b) over the last axis of x, computed in `dtype`.
 
   Attributes:
     features: output width.
     kernel_axes: logical names of the [in, out] kernel; the bias takes the second.
-    kernel_scale: variance scale of the fan-in normal init (1 = LeCun normal).
+    kernel_scale: variance scale of the fan-in normal init (variance scale / fan_in).
     use_bias: add a zero-initialised bias.
     dtype: compute dtype (parameters stay float32).
   """
@@ -85,7 +75,9 @@ class Dense(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    kernel = logical_param(self, "kernel", fan_in_normal(self.kernel_scale),
+X
+    init = nn.initializers.variance_scaling(self.kernel_scale, "fan_in", "untruncated_normal")
+    kernel = logical_param(self, "kernel", init,
                            (x.shape[-1], self.features), self.kernel_axes)
     y = jnp.einsum("...i,io->...o", x.astype(self.dtype), kernel.astype(self.dtype))
     if self.use_bias:

@@ -56,6 +56,7 @@ def _check(result, steps):
   assert result["ratio_tokens_per_s"] == pytest.approx(ratio)
 
 
+@pytest.mark.slow
 def test_command_line_runs_and_writes_json(tiny_gin, tmp_path):
   out = tmp_path / "result.json"
   run = subprocess.run([sys.executable, SCRIPT, f"--preset={tiny_gin}", "--batch=2",
@@ -69,6 +70,7 @@ def test_command_line_runs_and_writes_json(tiny_gin, tmp_path):
   _check(result, steps=2)
 
 
+@pytest.mark.slow
 def test_reference_with_separate_gate_blocks_computes_our_model(train_step, tiny_gin):
   """recurrentgemma ties gate blocks to heads; the script's reference unties them."""
   import jax
@@ -119,6 +121,7 @@ def _assert_usage_error(run: subprocess.CompletedProcess, named: str) -> None:
   assert len(error) == 1 and named in error[0], run.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_depth_scan_script_times_scanned_and_unrolled(tiny_gin):
   """benchmarks/depth_scan.py on the tiny Griffin at depth 6 (two scanned units)."""
   with open(tiny_gin, "a") as f:

@@ -37,6 +37,7 @@ def _assert_trees_equal(a, b):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.slow
 def test_round_trip_restores_exact_state_and_reshards(tmp_path, data_parallel):
   setup, params, tx, opt_state = data_parallel
   saver = ckpt.Checkpointer(str(tmp_path))

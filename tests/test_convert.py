@@ -39,6 +39,7 @@ def reference(tmp_path_factory):
   return model, params, path
 
 
+@pytest.mark.slow
 def test_convert_then_load_matches_reference_logits(reference, tmp_path):
   model, params, path = reference
   workdir = str(tmp_path / "converted")
@@ -67,6 +68,7 @@ def test_convert_then_load_matches_reference_logits(reference, tmp_path):
                              np.asarray(logits))
 
 
+@pytest.mark.slow
 def test_train_continues_from_converted_checkpoint(trainer_env, reference, tmp_path):
   _, _, path = reference
   workdir = str(tmp_path / "continued")

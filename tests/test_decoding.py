@@ -74,6 +74,7 @@ def assert_logits_equal(actual, expected):
                              atol=1e-5 * np.abs(expected).max())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_step_by_step_decoding_equals_forward(name):
   config, params, tokens, full = setup(name)

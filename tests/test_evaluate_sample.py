@@ -32,6 +32,7 @@ def loaded(trained_workdir):
   return pretrain.load(trained_workdir[0])
 
 
+@pytest.mark.slow
 def test_evaluate_command_on_validation_split(trainer_env, trained_workdir, tmp_path):
   workdir, _ = trained_workdir
   printed = trainer_env.evaluate(workdir, tmp_path / "eval.json")
@@ -42,6 +43,7 @@ def test_evaluate_command_on_validation_split(trainer_env, trained_workdir, tmp_
 
 
 
+@pytest.mark.slow
 def test_text_file_loss_equals_one_pass_over_the_document(loaded):
   # Chunks of 16 tokens carrying the caches must score exactly like one long row.
   loss, tokens = evaluation.text_loss(loaded.config, loaded.params, loaded.vocabulary,
@@ -56,6 +58,7 @@ def test_text_file_loss_equals_one_pass_over_the_document(loaded):
   np.testing.assert_allclose(loss, float(jnp.mean(nll)), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_evaluate_main_on_a_text_file_and_an_older_step(trained_workdir, tmp_path, capsys):
   from absl import flags  # pylint: disable=g-import-not-at-top
   text_file = tmp_path / "doc.txt"
@@ -75,6 +78,7 @@ def test_evaluate_main_on_a_text_file_and_an_older_step(trained_workdir, tmp_pat
   assert 0 < scored["loss"] < 10
 
 
+@pytest.mark.slow
 def test_cached_greedy_decoding_matches_rerunning_the_prefix(loaded, monkeypatch):
   prompt = np.asarray(loaded.vocabulary.encode("def "), np.int32)
   shapes = []
@@ -103,6 +107,7 @@ def test_cached_greedy_decoding_matches_rerunning_the_prefix(loaded, monkeypatch
   assert new == list(sequence[len(prompt):])
 
 
+@pytest.mark.slow
 def test_sample_command(trainer_env, trained_workdir):
   workdir, _ = trained_workdir
   result = trainer_env.run(trainer_env.command(
@@ -139,6 +144,7 @@ def test_vocabulary_specs_round_trip_including_pass_through():
     metadata.make_vocabulary("passthrough:many")
 
 
+@pytest.mark.slow
 def test_answer_metrics_count_only_weighted_positions_across_batches():
   config = ModelConfig(vocab_size=18, width=16, rnn_width=16, num_heads=2, depth=2,
                        block_pattern=("recurrent", "attention"), attention_window=8,

@@ -42,18 +42,21 @@ def test_unwritable_workdir_reported_before_compute(trainer_env, tmp_path):
   _assert_one_line_error(result, 1, "is not writable", str(blocker / "workdir"))
 
 
+@pytest.mark.slow
 def test_unknown_binding(trainer_env, tmp_path):
   result = trainer_env.run(trainer_env.train_command(str(tmp_path / "w"),
                                                      "ModelConfig.widht=64"))
   _assert_one_line_error(result, 2, "widht")
 
 
+@pytest.mark.slow
 def test_glob_matching_no_file(trainer_env, tmp_path):
   result = trainer_env.run(trainer_env.train_command(
       str(tmp_path / "w"), f"TRAIN_FILES='{tmp_path}/nothing/*.txt'"))
   _assert_one_line_error(result, 1, f"{tmp_path}/nothing/*.txt")
 
 
+@pytest.mark.slow
 def test_checkpoint_of_another_model_names_parameters(trainer_env, trained_workdir):
   workdir, _ = trained_workdir
   with open(os.path.join(workdir, "config.gin"), encoding="utf-8") as f:
@@ -69,6 +72,7 @@ def test_checkpoint_of_another_model_names_parameters(trainer_env, trained_workd
     assert f.read() == config_before
 
 
+@pytest.mark.slow
 def test_divergence_stops_and_keeps_newest_good_checkpoint(trainer_env, tmp_path):
   workdir = str(tmp_path / "diverging")
   result = trainer_env.run(trainer_env.train_command(

@@ -85,6 +85,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"w{c['width']}_dh{c['head_dim']}_fixed{c['fixed']}")
 def test_matches_reference_with_resets(case):
   config = make_config(**case)
@@ -202,6 +203,7 @@ def test_parameters_carry_logical_axis_names():
   assert tuple(specs["output"]["kernel"]) == ("rnn", "embed")
 
 
+@pytest.mark.slow
 def test_initial_transition_magnitudes_in_documented_range():
   config = make_config(width=64, head_dim=1, fixed=True)
   _, params, _, _ = init_block(config)

@@ -95,6 +95,7 @@ def test_failing_process_stops_the_rest_and_sets_exit_code():
   assert time.monotonic() - start < 30
 
 
+@pytest.mark.slow
 def test_killed_process_is_named_and_launcher_exits_within_60s(program):
   launcher = _launch("--num_processes=2", "--devices_per_process=2", "--", sys.executable,
                      program, "loop")
@@ -117,6 +118,7 @@ def test_killed_process_is_named_and_launcher_exits_within_60s(program):
   assert elapsed < 60
 
 
+@pytest.mark.slow
 def test_survivors_exit_on_their_own_when_a_peer_dies(program):
   """Without a launcher to clean up (a real cluster), the runtime's heartbeat timeout
   must still end the surviving process instead of leaving it blocked."""

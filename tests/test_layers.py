@@ -122,6 +122,7 @@ def test_gated_mlp_matches_numpy(dtype):
   assert_close(y, expected, dtype)
 
 
+@pytest.mark.slow
 def test_initialisation_statistics():
   """LeCun-normal inputs, 2/depth final layers, 1/√D embedding (docs/model.md#initialisation)."""
   cfg = ModelConfig(vocab_size=512, width=256, rnn_width=256, num_heads=4, depth=8)
@@ -296,6 +297,7 @@ def lru_setup(variant, shape, blocks, dtype="float32"):
 @pytest.mark.parametrize("dtype,shape,blocks", [("float32", (2, 11, 8), 2),
                                                 ("float32", (3, 5, 12), 3),
                                                 ("bfloat16", (2, 11, 8), 2)])
+@pytest.mark.slow
 def test_lru_matches_step_by_step_reference(variant, dtype, shape, blocks):
   _, lru, x, seg, params = lru_setup(variant, shape, blocks, dtype)
   rng = np.random.default_rng(5)

@@ -38,6 +38,7 @@ def griffin_params():
   return lm.init_params(GRIFFIN, jax.random.PRNGKey(0))
 
 
+@pytest.mark.slow
 def test_params_and_logical_axes_have_the_same_tree(griffin_params):
   axes = lm.param_logical_axes(GRIFFIN)
   is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
@@ -84,6 +85,7 @@ def test_packed_documents_do_not_see_each_other(griffin_params):
   assert not np.allclose(logits[3, 7:], logits[0, 7:], atol=1e-3)
 
 
+@pytest.mark.slow
 def test_bfloat16_forward_is_close_to_float32(griffin_params):
   """bf16 compute (float32 params) stays within bf16 round-off of the float32 forward.
 
@@ -100,6 +102,7 @@ def test_bfloat16_forward_is_close_to_float32(griffin_params):
   assert abs(log_partition(half) - log_partition(full)) < 1e-2 * abs(log_partition(full))
 
 
+@pytest.mark.slow
 def test_soft_cap_and_embedding_scale(griffin_params):
   tokens, positions = tokens_and_positions([[12]], seed=3)
   cfg = GRIFFIN.replace(embeddings_scale_by_sqrt_dim=True)
@@ -122,6 +125,7 @@ def _jitted_grad(config):
   return jax.jit(jax.grad(loss_fn(config)))
 
 
+@pytest.mark.slow
 def test_remat_policies_give_identical_gradients(griffin_params):
   tokens, positions = tokens_and_positions([[5, 11]], seed=4)
   reference = _jitted_grad(GRIFFIN)(griffin_params, tokens, positions)
@@ -131,6 +135,7 @@ def test_remat_policies_give_identical_gradients(griffin_params):
       np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_unrolled_depth_scan_gives_identical_gradients():
   config = GRIFFIN.replace(depth=7, width=16, rnn_width=16)  # 2 scanned units + 1 block
   assert config.depth_unroll == 2                  # the default unrolls 7 layers
@@ -143,6 +148,7 @@ def test_unrolled_depth_scan_gives_identical_gradients():
     np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_gradient_matches_finite_differences(griffin_params):
   tokens, positions = tokens_and_positions([[5, 11]], seed=4)
   grad = _jitted_grad(GRIFFIN)(griffin_params, tokens, positions)
@@ -161,6 +167,7 @@ def test_gradient_matches_finite_differences(griffin_params):
   assert analytic == pytest.approx(numeric, rel=2e-3)
 
 
+@pytest.mark.slow
 def test_program_size_does_not_grow_with_depth():
   """The lowered forward+backward of depth 48 is < 1.5x the size of depth 12."""
   tokens, positions = tokens_and_positions([[8]], seed=6)

@@ -23,6 +23,7 @@ BATCH, SEQ = 16, 64
     ("griffin", dict(data=2, fsdp=2, tensor=2)),
     ("hawk", dict(data=1, tensor=4)),
 ])
+@pytest.mark.slow
 def test_analytic_plan_matches_compiled_train_step(model_name, mesh):
   config = SMALL[model_name]
   analytic = memory.plan_memory(config, mesh, BATCH, SEQ, method="analytic")

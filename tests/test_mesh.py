@@ -4,6 +4,7 @@ import jax
 import numpy as np
 import pytest
 
+from pretrain import gin_config
 from sharding import mesh as mesh_lib
 
 
@@ -48,10 +49,18 @@ def test_two_wildcards_and_zero_size_rejected():
 
 
 def test_gin_configures_mesh():
-  with gin.unlock_config():
-    gin.parse_config(["MeshConfig.fsdp = 4", "MeshConfig.data = -1"])
+  gin_config.parse([], ["MeshConfig.fsdp = 4", "MeshConfig.data = -1"])
   try:
-    assert mesh_lib.MeshConfig().resolved_shape(8)["data"] == 2
+    assert gin_config.build(mesh_lib.MeshConfig).resolved_shape(8)["data"] == 2
+  finally:
+    gin.clear_config()
+
+
+def test_library_default_mesh_ignores_gin():
+  """Only the entry points read Gin: a plain MeshConfig() stays the default."""
+  gin_config.parse([], ["MeshConfig.fsdp = 4"])
+  try:
+    assert mesh_lib.MeshConfig().fsdp == 1
   finally:
     gin.clear_config()
 
@@ -75,10 +84,9 @@ def test_parse_mesh_flag():
     ("sequence2_tensor2", dict(replica=1, data=2, fsdp=1, sequence=2, tensor=2)),
 ])
 def test_shipped_mesh_configs_build_meshes(name, expected):
-  gin.clear_config()
-  gin.parse_config_file(f"configs/mesh/{name}.gin")
+  gin_config.parse([f"configs/mesh/{name}.gin"], [])
   try:
-    mesh = mesh_lib.create_mesh(mesh_lib.MeshConfig())
+    mesh = mesh_lib.create_mesh(gin_config.build(mesh_lib.MeshConfig))
   finally:
     gin.clear_config()
   assert dict(mesh.shape) == expected

@@ -105,6 +105,7 @@ def preempted_run(trainer_env, tmp_path_factory):
   return workdir, code, output
 
 
+@pytest.mark.slow
 def test_two_processes_reproduce_one_process(trainer_env, two_process_run, tmp_path):
   workdir, output = two_process_run
   single = str(tmp_path / "one_process")
@@ -132,6 +133,7 @@ def test_two_processes_reproduce_one_process(trainer_env, two_process_run, tmp_p
   assert {"ocdbt.process_0", "ocdbt.process_1"} <= set(os.listdir(params))
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_process_saves_one_step_on_all(preempted_run):
   workdir, code, output = preempted_run
   assert code == 0, output[-3000:]
@@ -144,6 +146,7 @@ def test_sigterm_to_one_process_saves_one_step_on_all(preempted_run):
   assert complete_steps(os.path.join(workdir, "checkpoints"))[-1] == step
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("devices,fsdp", [(4, 2), (8, 4)])
 def test_elastic_resume_continues_the_loss_curve(trainer_env, two_process_run, preempted_run,
                                                  tmp_path, devices, fsdp):
@@ -170,6 +173,7 @@ def test_elastic_resume_continues_the_loss_curve(trainer_env, two_process_run, p
              - _eval_loss(two_process_run[0])["eval_loss"]) <= LOSS_TOLERANCE
 
 
+@pytest.mark.slow
 def test_killed_process_ends_the_run_within_60s(trainer_env, tmp_path):
   workdir = str(tmp_path / "killed")
   code, output, elapsed = _run_and_signal(trainer_env, workdir, signal.SIGKILL,

@@ -109,6 +109,7 @@ def _batch(rng, rows, length, vocab):
           "segment_ids": jnp.ones((rows, length), jnp.int32)}
 
 
+@pytest.mark.slow
 def test_microbatch_accumulation_equals_big_batch():
   config = _tiny_config(width=16, rnn_width=16, depth=3)
   model = LanguageModel(config)

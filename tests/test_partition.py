@@ -72,6 +72,7 @@ def test_default_rules_match_design():
   assert table["length"] == ("sequence",)
 
 
+@pytest.mark.slow
 def test_params_are_laid_out_as_the_rules_say(mesh):
   params = make_params()
   shardings = partition.param_shardings(mesh, LOGICAL, params)

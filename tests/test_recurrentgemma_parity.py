@@ -99,6 +99,7 @@ def _relative_error(actual, expected) -> float:
   return float(np.max(np.abs(actual - expected)) / np.max(np.abs(expected)))
 
 
+@pytest.mark.slow
 def test_config_is_read_from_the_tree(case):
   spec, config = case.spec, case.config
   assert config.width == spec["width"] and config.rnn_width == spec["lru_width"]

@@ -4,6 +4,8 @@ import os
 import signal
 import time
 
+import pytest
+
 from pretrain.checkpointing import complete_steps
 from trainer_helpers import (assert_ok, train_losses,  # pylint: disable=unused-import
                              trained_workdir, trainer_env)
@@ -12,6 +14,7 @@ STEPS = 24          # 2N, as in the shared tiny config (saves every 2 steps)
 KILL_AFTER = 12     # N: kill once this many steps are logged
 
 
+@pytest.mark.slow
 def test_sigkill_then_restart_reproduces_uninterrupted_losses(trainer_env, trained_workdir,
                                                                tmp_path):
   # (a) the uninterrupted run: the shared session run (its evaluations and final sample

@@ -56,6 +56,7 @@ def _assert_close(actual, expected, rtol, what):
   assert err <= rtol, f"{what}: max error {err:.3g} of scale {scale:.3g} > {rtol}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["lax", "associative"])
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("complex_", [False, True])
@@ -72,6 +73,7 @@ def test_values_and_gradients_float32(impl, reverse, complex_):
     _assert_close(got, want, 1e-5, name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["lax", "associative"])
 def test_bfloat16_inputs_accumulate_in_float32(impl):
   a, x, h0, dh, dlast = _inputs(1, 1, 40, 6)

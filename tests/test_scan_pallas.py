@@ -64,6 +64,7 @@ def _assert_close(actual, expected, rtol, what):
 @pytest.mark.parametrize(
     "pallas_options,batch,channels,dtype,reverse,with_h0,complex_", CASES,
     indirect=["pallas_options"])
+@pytest.mark.slow
 def test_values_and_gradients(pallas_options, batch, channels, dtype, reverse, with_h0,
                               complex_):
   a, x, h0, dh, dlast = _inputs(7, batch, 37, channels, complex_)

@@ -83,6 +83,7 @@ def test_eight_sequence_shards_match_single_device(reverse, complex_):
   assert all(shape == "8,2,6" for shape in gathered), gathered
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["auto", "lookback"])
 def test_pallas_inside_sequence_batch_and_channel_sharding(strategy):
   """Pallas (interpret) as the local scan, with data and tensor sharding as well;

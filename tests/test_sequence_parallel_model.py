@@ -80,6 +80,7 @@ def _time_dims(shape):
   return [d for d in shape if d in (LENGTH, LENGTH // SHARDS)]
 
 
+@pytest.mark.slow
 def test_recurrent_block_moves_only_carries_and_conv_halo():
   ops = _collectives(_block_program(RecurrentBlock(CONFIG), _mesh()))
   channels, halo = CONFIG.rnn_width, CONFIG.conv_width - 1
@@ -97,6 +98,7 @@ def test_recurrent_block_moves_only_carries_and_conv_halo():
   assert not [(op, shape) for op, shape in ops if _time_dims(shape)], ops
 
 
+@pytest.mark.slow
 def test_gateloop_moves_only_carries():
   ops = _collectives(_block_program(GateLoopBlock(CONFIG), _mesh()))
   gathers = [shape for op, shape in ops if op == "all-gather"]
@@ -104,6 +106,7 @@ def test_gateloop_moves_only_carries():
   assert not [(op, shape) for op, shape in ops if _time_dims(shape)], ops
 
 
+@pytest.mark.slow
 def test_local_attention_exchanges_one_block():
   ops = _collectives(_block_program(AttentionBlock(CONFIG), _mesh()))
   assert not [op for op, _ in ops if op in ("all-gather", "all-to-all")], ops
@@ -128,6 +131,7 @@ def test_global_attention_gathers_keys_and_values():
 @pytest.mark.parametrize("block_class,lru_variant", [
     (RecurrentBlock, "real"), (RecurrentBlock, "complex"), (AttentionBlock, "real"),
     (GateLoopBlock, "real")])
+@pytest.mark.slow
 def test_prefill_under_sequence_mesh_equals_single_device(block_class, lru_variant):
   """Outputs and decoding caches of a time-split prefill match the unsplit ones."""
   block = block_class(dataclasses.replace(CONFIG, lru_variant=lru_variant))
@@ -147,6 +151,7 @@ def test_prefill_under_sequence_mesh_equals_single_device(block_class, lru_varia
                                err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("length", [10, 13, 16])
 def test_blocked_local_attention_equals_full_matrix(length):
   """Blocked local attention (cache-less calls, T > window, T padded to whole blocks)

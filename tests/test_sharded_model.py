@@ -95,6 +95,7 @@ def _expected_spec(logical):
   return rules_lib.logical_to_mesh_spec(logical)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_name", list(MESHES))
 @pytest.mark.parametrize("model_name", list(CONFIGS))
 def test_sharded_model_equals_single_device(model_name, mesh_name):

@@ -214,6 +214,7 @@ def test_extrapolation_metrics_of_an_exact_solver_and_a_uniform_guess():
   assert "| 4x | 64 |" in table
 
 
+@pytest.mark.slow
 def test_extrapolation_runs_a_real_model_on_longer_sequences():
   import jax
   from model import lm
@@ -274,6 +275,7 @@ DataPipeline.max_validation_documents = 16
 """
 
 
+@pytest.mark.slow
 def test_cli_trains_checkpoints_loads_and_evaluates_a_synthetic_task(trainer_env,
                                                                      tmp_path):
   """`DataPipeline.task='induction_heads'` needs no data config; the checkpoint records

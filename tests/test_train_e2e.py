@@ -4,6 +4,8 @@ import os
 import signal
 import time
 
+import pytest
+
 from pretrain.checkpointing import complete_steps
 from trainer_helpers import (assert_ok, read_metrics, train_losses,  # pylint: disable=unused-import
                              trained_workdir, trainer_env)
@@ -39,6 +41,7 @@ def test_run_writes_config_checkpoints_metrics_and_tensorboard(trained_workdir):
   assert "Done: 24 steps" in out
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_exits_cleanly(trainer_env, tmp_path):
   workdir = str(tmp_path / "preempted")
   process = trainer_env.popen(trainer_env.train_command(
