@@ -75,8 +75,7 @@ class Dense(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-X
-    init = nn.initializers.variance_scaling(self.kernel_scale, "fan_in", "untruncated_normal")
+    init = nn.initializers.variance_scaling(self.kernel_scale, "fan_in", "normal")
     kernel = logical_param(self, "kernel", init,
                            (x.shape[-1], self.features), self.kernel_axes)
     y = jnp.einsum("...i,io->...o", x.astype(self.dtype), kernel.astype(self.dtype))
