@@ -95,9 +95,14 @@ def _expected_spec(logical):
   return rules_lib.logical_to_mesh_spec(logical)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mesh_name", list(MESHES))
-@pytest.mark.parametrize("model_name", list(CONFIGS))
+# The fast tier keeps one case that splits batch, time and channels at once.
+FAST_CASE = ("griffin", "data2_sequence2_tensor2")
+CASES = [pytest.param(model_name, mesh_name, id=f"{model_name}-{mesh_name}",
+                      marks=() if (model_name, mesh_name) == FAST_CASE else pytest.mark.slow)
+         for model_name in CONFIGS for mesh_name in MESHES]
+
+
+@pytest.mark.parametrize("model_name, mesh_name", CASES)
 def test_sharded_model_equals_single_device(model_name, mesh_name):
   config = CONFIGS[model_name]
   mesh = mesh_lib.create_mesh(mesh_lib.MeshConfig(**MESHES[mesh_name]))
