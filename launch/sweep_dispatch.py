@@ -97,10 +97,10 @@ def run_local(jobs: Sequence[Job], parallel: int, max_retries: int,
   queue, running, given_up = list(jobs), {}, []
 
   def stop(signum, _frame):
-    for process in running.values():
+    for _, process in running.values():
       if process.poll() is None:
         os.killpg(process.pid, signum)
-    for process in running.values():
+    for _, process in running.values():
       process.wait()
     raise SystemExit(128 + signum)
   previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -112,13 +112,13 @@ def run_local(jobs: Sequence[Job], parallel: int, max_retries: int,
         log(f"[sweep] start {job.name}")
         with open(os.path.join(job.run_dir, "sweep_train.log"), "a",
                   encoding="utf-8") as out:
-          running[job] = subprocess.Popen(job.wrapped(sys.executable), stdout=out,
+          running[job.name] = job, subprocess.Popen(job.wrapped(sys.executable), stdout=out,
                                           stderr=subprocess.STDOUT, start_new_session=True)
       time.sleep(_POLL_S)
-      for job, process in list(running.items()):
+      for name, (job, process) in list(running.items()):
         if process.poll() is None:
           continue
-        del running[job]
+        del running[name]
         state, failures = run_state(job.run_dir, is_finished(job))
         if state == FINISHED:
           log(f"[sweep] {job.name}: finished")
