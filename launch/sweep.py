@@ -353,12 +353,14 @@ def execute(runs: Sequence[Run], gin_files: Sequence[str], gin_params: Sequence[
       continue
     log(f"[sweep] {run.name}: {state}; {non_embedding_params(run.config):,} non-embedding "
         f"params, {run.train_steps} steps, {run.tokens:,} tokens, {run.flops:.3g} FLOPs")
+    # Locally, this interpreter; on a cluster, the nodes' `python` (after --setup).
+    python = sys.executable if backend == "local" else "python"
     todo.append(sweep_dispatch.Job(run.name, run.workdir,
-                                   command(run, gin_files, gin_params)))
+                                   command(run, gin_files, gin_params, python)))
   if backend == "local":
     if dry_run:
       for job in todo:
-        print(shlex.join(job.wrapped()))
+        print(shlex.join(job.wrapped(sys.executable)))
       return states
     by_name = {run.name: run for run in runs}
     given_up = sweep_dispatch.run_local(

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from launch import scaling_fit
+from launch import scaling_laws
 
 
 def synthetic_points(e, a, alpha, n=7, noise=0.0, seed=0):
@@ -146,3 +147,33 @@ def test_cli_bad_csv_is_one_line_and_exit_code_2(tmp_path, content, fragment):
   assert result.returncode == 2, (result.stdout, result.stderr)
   errors = [l for l in result.stderr.splitlines() if l.startswith("error: ")]
   assert len(errors) == 1 and fragment in errors[0], result.stderr
+
+
+def test_study_directory_gives_approach_1_the_training_curves(tmp_path):
+  """sweep.csv plus each run's metrics.jsonl: every eval row becomes a curve point."""
+  sizes = np.geomspace(1e6, 1e8, 8)
+  with open(tmp_path / "sweep.csv", "w", newline="") as f:
+    writer = csv.writer(f)
+    writer.writerow(["run", "family", "params", "tokens", "flops", "loss", "train_steps",
+                     "workdir"])
+    for i, n in enumerate(sizes):
+      run_dir = tmp_path / "runs" / f"hawk_{i}"
+      run_dir.mkdir(parents=True)
+      steps, tokens_per_step = 100, 200 * n / 100
+      with open(run_dir / "metrics.jsonl", "w") as metrics:
+        for step in range(10, steps + 1, 10):
+          d = step * tokens_per_step
+          metrics.write(json.dumps({"step": step, "loss": 9.0}) + "\n")
+          metrics.write(json.dumps({"step": step, "eval_loss": 1.8 + 400 / n ** 0.34
+                                    + 410 / d ** 0.28}) + "\n")
+        metrics.write('{"step": 101, "eval')          # cut short by a kill
+      d = steps * tokens_per_step
+      writer.writerow([f"hawk_{i}", "hawk", n, d, 6 * n * d,
+                       1.8 + 400 / n ** 0.34 + 410 / d ** 0.28, steps, str(run_dir)])
+  families = scaling_fit.read_runs(str(tmp_path))
+  runs = families["hawk"]
+  assert runs.curves is not None and all(len(c[0]) == 10 for c in runs.curves)
+  np.testing.assert_allclose(runs.curves[0][0][-1], runs.tokens[0])
+  fit = scaling_laws.fit_envelope(runs, 1e20, replicates=20)
+  assert len(fit.details["envelope"]) >= 5           # curves, not 8 final points
+  assert fit.a.value == pytest.approx(0.28 / 0.62, abs=0.08)   # beta / (alpha + beta)

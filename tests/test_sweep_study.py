@@ -48,26 +48,44 @@ def test_budget_labels():
       "1e15", "3e15", "2.5e16", "100e0"]
 
 
+README_STUDY = ("python -m launch.sweep --families=griffin,hawk,mqa "
+                "--flop_budgets=1e15,3e15,1e16 --points_per_budget=5")
+
+
 def _study(tmp_path, *flags):
-  args = [sys.executable, "-m", "launch.sweep", "--families=griffin,hawk,mqa",
-          "--flop_budgets=1e15,3e15", "--points_per_budget=3", "--vocab_size=259",
-          f"--workdir={tmp_path}/study", "--dry_run", *flags]
+  """The README's isoFLOP command (default data config: the vocabulary from its Gin
+  file), as a dry run with `flags`; returns stdout and the number of planned runs."""
+  args = [sys.executable] + shlex.split(README_STUDY)[1:] + [
+      f"--workdir={tmp_path}/study", "--dry_run", *flags]
   result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=180)
   assert result.returncode == 0, result.stderr
-  return result.stdout
+  assert not (tmp_path / "study").exists()
+  runs = [l for l in result.stdout.splitlines() if l.startswith("| ") and "FLOPs" not in l
+          and "---" not in l]
+  assert 36 <= len(runs) <= 45 and {r.split(" | ")[0][2:] for r in runs} == {
+      "griffin", "hawk", "mqa"}
+  return result.stdout, len(runs)
 
 
-def _train_commands(stdout_lines):
-  return [l for l in stdout_lines if "-m pretrain.train" in l]
+def test_readme_isoflop_study_local_dry_run(tmp_path):
+  out, count = _study(tmp_path)
+  commands = [shlex.split(l) for l in out.splitlines() if "-m pretrain.train" in l]
+  assert len(commands) == count
+  for argv in commands:
+    train = argv[argv.index("--") + 1:]
+    assert train[1:3] == ["-m", "pretrain.train"]
+    assert "--gin_file=configs/quickstart.gin" in train
+    assert "--gin_param=ModelConfig.vocab_size = 259" in train
+    assert "--gin_param=TrainConfig.final_eval = True" in train
 
 
 def test_slurm_dry_run_is_one_job_array_of_every_run(tmp_path):
-  out = _study(tmp_path, "--backend=slurm", "--partition=gpu", "--time=02:00:00",
+  out, count = _study(tmp_path, "--backend=slurm", "--partition=gpu", "--time=02:00:00",
                "--nodes=1", "--gpus_per_node=4", "--setup=source ~/venv/bin/activate")
   script = out[out.index("#!/bin/bash"):]
   lines = script.splitlines()
   directives = [l.split(" ", 1)[1] for l in lines if l.startswith("#SBATCH")]
-  for expected in ("--array=0-17", "--nodes=1", "--ntasks-per-node=4", "--gpus-per-node=4",
+  for expected in (f"--array=0-{count - 1}", "--nodes=1", "--ntasks-per-node=4", "--gpus-per-node=4",
                    "--partition=gpu", "--time=02:00:00"):
     assert expected in directives
   assert "source ~/venv/bin/activate" in lines
@@ -75,21 +93,22 @@ def test_slurm_dry_run_is_one_job_array_of_every_run(tmp_path):
   assert srun[:4] == ["srun", "--kill-on-bad-exit=1", "bash", "-c"]
   selector = srun[4]
   cases = selector.split(" ;; ")
-  assert len(cases) == 20 and cases[0].startswith('case "$SLURM_ARRAY_TASK_ID" in 0) exec ')
+  assert len(cases) == count + 2 and cases[0].startswith('case "$SLURM_ARRAY_TASK_ID" in 0) exec ')
   first = shlex.split(cases[0].split(" exec ", 1)[1])
   assert first[:3] == ["python", "-m", "launch.sweep_job"]
   assert first[first.index("--") + 1:][:3] == ["python", "-m", "pretrain.train"]
   assert f"--workdir={tmp_path}/study/runs/griffin_C1e15_" in " ".join(first)
+  assert first[first.index("--") + 1] == "python"   # the nodes' python, not this one's
   assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
 
 
 def test_gke_dry_run_is_one_jobset_per_run(tmp_path):
-  out = _study(tmp_path, "--backend=gke", "--image=img:1", "--tpu_type=v5p-8",
+  out, count = _study(tmp_path, "--backend=gke", "--image=img:1", "--tpu_type=v5p-8",
                "--env=WANDB_MODE=offline")
   manifests = [m for m in yaml.safe_load_all(out[out.index("apiVersion"):]) if m]
-  assert len(manifests) == 18
+  assert len(manifests) == count
   names = [m["metadata"]["name"] for m in manifests]
-  assert len(set(names)) == 18 and all(len(n) <= 63 for n in names)
+  assert len(set(names)) == count and all(len(n) <= 63 for n in names)
   for manifest in manifests:
     assert manifest["kind"] == "JobSet"
     (job,) = manifest["spec"]["replicatedJobs"]
@@ -103,11 +122,11 @@ def test_gke_dry_run_is_one_jobset_per_run(tmp_path):
 
 
 def test_tpu_vm_dry_run_is_one_queued_resource_per_run(tmp_path):
-  out = _study(tmp_path, "--backend=tpu_vm", "--tpu_type=v5p-8", "--zone=us-east5-a",
+  out, count = _study(tmp_path, "--backend=tpu_vm", "--tpu_type=v5p-8", "--zone=us-east5-a",
                "--project=proj", "--setup=source ~/venv/bin/activate")
   start = out.index("gcloud ")
   commands = [shlex.split(c) for c in re.split(r"\n(?=gcloud )", out[start:].strip())]
-  assert len(commands) == 18
+  assert len(commands) == count
   for argv in commands:
     assert argv[:6] == ["gcloud", "compute", "tpus", "queued-resources", "create", argv[5]]
     assert f"--node-id={argv[5]}" in argv and "--accelerator-type=v5p-8" in argv
@@ -184,8 +203,10 @@ def test_local_backend_retries_failures_up_to_max_retries(tmp_path):
 @pytest.mark.slow
 def test_local_parallel_isoflop_study_is_killed_and_resumed(tmp_path):
   """Griffin, Hawk and MQA on an isoFLOP design with tiny budgets, 2 runs at a time:
-  killed after the first runs finish, then resumed: finished runs are not redone, the
-  rest complete, and the study is analysed."""
+  killed after the first runs finish, then resumed: finished runs are not redone and
+  the rest complete. (The budgets are so small that every size maps to the smallest
+  model of each family: this checks the machinery, not a fit; the analysis of a study
+  directory is tested in test_scaling_fit.)"""
   workdir = tmp_path / "study"
   env = dict(os.environ, GRIFFIN_DATA_CACHE=str(tmp_path / "cache"))
   env.pop("XLA_FLAGS", None)
@@ -225,10 +246,3 @@ def test_local_parallel_isoflop_study_is_killed_and_resumed(tmp_path):
     assert float(row["flops"]) == pytest.approx(float(row["flop_budget"]),
                                                 rel=0.5 * float(row["flops_per_token"])
                                                 * 64 / float(row["flop_budget"]) + 1e-9)
-  analysis = subprocess.run(
-      [sys.executable, "-m", "launch.scaling_fit", f"--runs={workdir}", "--approach=all",
-       "--json", "--replicates=20"], cwd=REPO, capture_output=True, text=True, timeout=300)
-  assert analysis.returncode == 0, analysis.stderr
-  out = json.loads(analysis.stdout)
-  assert set(out) == {"griffin", "hawk", "mqa"}
-  assert all("approach_1" in fits and "approach_2" in fits for fits in out.values())
