@@ -48,7 +48,7 @@ ENVELOPE_GRID_POINTS = 60
 _GRID_EXPONENTS = np.arange(0.0, 2.01, 0.5)
 _GRID_LOG_E = np.arange(-1.0, 1.01, 0.5)
 _GRID_LOG_AB = np.arange(0.0, 25.01, 5.0)
-_LBFGS_STARTS = 8
+_STARTS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,7 +207,7 @@ def _envelope_candidates(runs: Runs, grid_points: int):
   candidate's log C (grid value, or a single point's own compute)."""
   log_c_runs = np.log(runs.flops)
   flops_per_token = runs.flops / runs.tokens
-  lo, hi = None, float(log_c_runs.max())
+  hi = float(log_c_runs.max())
   curves = runs.curves or [None] * len(runs.params)
   spans = []
   for i, curve in enumerate(curves):
@@ -474,7 +474,7 @@ def fit_parametric(runs: Runs, target_flops: float, *, replicates: int = 100,
                    delta: float = HUBER_DELTA) -> ParametricFit:
   """Approach 3 (module docstring): Huber on log loss, grid starts, L-BFGS, bootstrap.
 
-  The point estimate: `_irls` from the `_LBFGS_STARTS` best grid points at once, then
+  The point estimate: `_irls` from the `_STARTS` best grid points at once, then
   L-BFGS from the best of their optima (scipy's L-BFGS-B costs milliseconds per
   iteration, so it polishes one optimum rather than running from every start). Each bootstrap replicate minimises the same objective on its resample
   (`_irls`, batched) from the full data's optimum and from its own best grid point.
@@ -485,7 +485,7 @@ def fit_parametric(runs: Runs, target_flops: float, *, replicates: int = 100,
   log_n, log_d, log_loss = np.log(runs.params), np.log(runs.tokens), np.log(runs.loss)
   n = len(log_n)
   ones = np.ones(n)
-  starts = _grid_starts(log_n, log_d, log_loss, ones[None], delta, _LBFGS_STARTS)[0]
+  starts = _grid_starts(log_n, log_d, log_loss, ones[None], delta, _STARTS)[0]
   optima, values = _irls(starts, log_n, log_d, log_loss, np.broadcast_to(ones, starts.shape[:1]
                                                                          + ones.shape), delta)
   theta, objective = _lbfgs(optima[np.argmin(values)], log_n, log_d, log_loss, ones, delta)

@@ -1,26 +1,35 @@
-r"""Scaling-law sweeps: train each family at each size to its compute-optimal budget, fit.
+r"""Scaling-law studies: plan the runs, run them here or on a cluster, collect, fit.
 
   python -m launch.sweep --families=griffin,hawk,mqa --sizes=0.5m,1m,2m \
       [--tokens_per_param=20] --workdir=DIR [--dry_run] [--gin_file=DATA.gin ...] \
       [--gin_param=B ...] [--batch_size=8 --sequence_length=128] [--max_steps=N]
+  python -m launch.sweep --families=griffin,hawk,mqa --flop_budgets=1e15,3e15,1e16 \
+      --points_per_budget=5 [--isoflop_spread=3] --workdir=DIR \
+      [--backend=local|slurm|gke|tpu_vm] [--parallel=N] [--max_retries=1] [--dry_run]
 
-For every (family, size) the sweep builds a model by the size rule below, computes its
-compute-optimal budget (`tokens_per_param` x non-embedding parameters, Chinchilla's ~20
-by default), and trains it with `python -m pretrain.train` in `DIR/runs/<family>_<size>`,
-one run after another (or, with `--dry_run`, prints the commands for a cluster). It then
-collects each run's final evaluation loss against its training FLOPs (FLOPs per token
-from `model.counting` x tokens trained), fits L(C) = E + A·C^(-α) per family
-(`launch.scaling_fit`) and writes `sweep.csv`, `fit.json`, `scaling.png` and
-`scaling.md` in DIR.
+Two designs. With `--sizes`, every (family, size) gets a model by the size rule below
+and the compute-optimal budget `tokens_per_param` x non-embedding parameters
+(Chinchilla's ~20 by default). With `--flop_budgets` (the isoFLOP design,
+`plan_isoflop`), every budget gets `--points_per_budget` sizes around its expected
+optimum, each trained for the steps that spend the budget by the trainer's own FLOPs
+count (`pretrain.flops`, the numerator of MFU). Each run is `python -m pretrain.train`
+in `DIR/runs/<name>` with the user's Gin files, the run's model and budget as bindings,
+then the user's bindings.
+
+`--backend` picks where the runs execute (`launch.sweep_dispatch`: N at a time here,
+one SLURM job array, a GKE JobSet per run, a TPU queued resource per run); `--dry_run`
+prints the plan and every job spec. What a run needs is read from its directory
+(finished, running, interrupted, failed, pending), so running the same command again
+resumes a study, retries failed runs up to `--max_retries`, and never redoes finished
+work. Once every run is finished the sweep writes `sweep.csv` (what
+`launch.scaling_fit` reads: `params`, `tokens`, `flops`, `flop_budget`, `loss`, ...),
+`fit.json`, `scaling.png` and `scaling.md` (L(C) = E + A·C^(-α) per family) in DIR; the
+three Chinchilla approaches are `python -m launch.scaling_fit --runs=DIR`
+(docs/scaling.md).
 
 Every run warms its learning rate up over `warmup_fraction` of its steps (the
 optimizer's fixed default would make a short run all warm-up) and may get a common
 `--peak_learning_rate`.
-
-Resuming: a run whose metrics hold the final evaluation (at its last step) is finished
-and not run again; an unfinished run is started with the same command, and the trainer
-resumes it from its newest checkpoint. So an interrupted sweep is resumed by running
-the same command again.
 
 Size rule (per family; also in docs/demos.md). A size names a target number of
 non-embedding parameters ("0.5m", "2m", "1.3b"). Candidates are widths D on a grid of

@@ -1,7 +1,6 @@
 """The three Chinchilla approaches recover a known law: synthetic runs drawn from
 L(N, D) = E + A/N^α + B/D^β with log-normal noise, 50 seeds per approach; each
 approach's 95% bootstrap interval must hold the truth in at least 90% of them."""
-import math
 
 import numpy as np
 import pytest
