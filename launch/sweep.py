@@ -55,6 +55,7 @@ import os
 import re
 import shlex
 import sys
+import time
 from typing import Dict, List, Optional, Sequence
 
 from absl import flags
@@ -82,6 +83,7 @@ ASPECT_TOLERANCE = 3   # depths with D/depth in [64/3, 64*3] are candidates
 WIDTH_STEP = 32
 MAX_WIDTH = 16384
 MLP_EXPANSION = 3
+ORPHAN_POLL_S = 2.0
 # `params` (non-embedding), `tokens`, `loss`, `flops` and `flop_budget` are what
 # `launch.scaling_fit` reads.
 CSV_FIELDS = ("run", "family", "size", "target_params", "params", "total_params",
@@ -576,12 +578,23 @@ def main(argv: Sequence[str]) -> None:
       for run in runs:
         print(f"# {run.name}: the run's bindings (--gin_param):")
         print("\n".join("#   " + line for line in run_gin(run).splitlines()))
-  states = execute(runs, FLAGS.gin_file, FLAGS.gin_param, backend=FLAGS.backend,
-                   parallel=FLAGS.parallel, max_retries=FLAGS.max_retries, cluster=cluster,
-                   study_dir=workdir, dry_run=FLAGS.dry_run,
-                   log=(lambda _: None) if FLAGS.dry_run else print)
-  if FLAGS.dry_run:
-    return
+  while True:
+    states = execute(runs, FLAGS.gin_file, FLAGS.gin_param, backend=FLAGS.backend,
+                     parallel=FLAGS.parallel, max_retries=FLAGS.max_retries, cluster=cluster,
+                     study_dir=workdir, dry_run=FLAGS.dry_run,
+                     log=(lambda _: None) if FLAGS.dry_run else print)
+    if FLAGS.dry_run:
+      return
+    # Locally, runs still training from an earlier (killed) sweep are waited for, then
+    # looked at again: finished, or to be resumed.
+    orphans = [r.name for r in runs if FLAGS.backend == "local"
+               and states[r.name] == sweep_dispatch.RUNNING
+               and sweep_dispatch.running_here(r.workdir)]
+    if not orphans:
+      break
+    print(f"[sweep] waiting for {', '.join(orphans)}, still running from an earlier sweep")
+    while any(sweep_dispatch.running_here(r.workdir) for r in runs if r.name in orphans):
+      time.sleep(ORPHAN_POLL_S)
   if all(state == sweep_dispatch.FINISHED for state in states.values()):
     write_results(runs, workdir)
   else:

@@ -81,6 +81,13 @@ def run_state(run_dir: str, finished: bool) -> tuple[str, int]:
   return FAILED, failures
 
 
+def running_here(run_dir: str) -> bool:
+  """Whether the run is a live process on this host (e.g. left by a killed sweep)."""
+  status = sweep_job.read_status(run_dir) or {}
+  return (status.get("state") == "running" and status.get("host") == socket.gethostname()
+          and _process_alive(int(status.get("pid", -1))))
+
+
 def default_parallel() -> int:
   """Local runs at a time: one per 4 cores (each JAX process runs several threads)."""
   return max(1, (os.cpu_count() or 1) // 4)
