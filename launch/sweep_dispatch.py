@@ -102,6 +102,7 @@ def run_local(jobs: Sequence[Job], parallel: int, max_retries: int,
   names of the jobs that failed more than `max_retries` times.
   """
   queue, running, given_up = list(jobs), {}, []
+  unfinished_exits: Dict[str, int] = {}
 
   def stop(signum, _frame):
     for _, process in running.values():
@@ -133,7 +134,15 @@ def run_local(jobs: Sequence[Job], parallel: int, max_retries: int,
           log(f"[sweep] {job.name}: failed {failures} times, giving up; see "
               f"{os.path.join(job.run_dir, 'sweep_train.log')}")
           given_up.append(job.name)
+        elif state == INTERRUPTED and unfinished_exits.get(job.name, 0) >= max_retries:
+          # Nobody stopped it, yet it ended without its final evaluation.
+          log(f"[sweep] {job.name}: exited {process.returncode} without the final evaluation "
+              "at its last step; does the data config have a validation split? See "
+              f"{os.path.join(job.run_dir, 'sweep_train.log')}")
+          given_up.append(job.name)
         else:
+          if state == INTERRUPTED:
+            unfinished_exits[job.name] = unfinished_exits.get(job.name, 0) + 1
           log(f"[sweep] {job.name}: {state} (exit code {process.returncode}, "
               f"{failures} failures), starting again")
           queue.append(job)
@@ -143,10 +152,12 @@ def run_local(jobs: Sequence[Job], parallel: int, max_retries: int,
   return given_up
 
 
-def dns_name(*parts: str) -> str:
-  """A Kubernetes/GCE resource name: lower-case letters, digits and '-', <= 63 chars."""
+def dns_name(*parts: str, suffix: str = "") -> str:
+  """A Kubernetes/GCE resource name: lower-case letters, digits and '-', <= 63 chars;
+  `suffix` (an attempt number) is kept whole, so resubmissions never collide."""
   name = re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")
-  return name[:63].rstrip("-")
+  tail = f"-{suffix}" if suffix else ""
+  return name[:63 - len(tail)].rstrip("-") + tail
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +197,7 @@ def gke_manifests(jobs: Sequence[Job], options: ClusterOptions, attempt: int) ->
   """One JobSet manifest (YAML) per job."""
   tpu_slice = common.TpuSlice(options.tpu_type)
   return [common.to_yaml(gke.jobset_manifest(
-      dns_name(options.job_name, job.name, f"a{attempt}"), options.image, job.wrapped(),
+      dns_name(options.job_name, job.name, suffix=f"a{attempt}"), options.image, job.wrapped(),
       tpu_slice, env=options.env)) for job in jobs]
 
 
@@ -196,7 +207,7 @@ def tpu_queued_resource_commands(jobs: Sequence[Job], options: ClusterOptions,
   on every worker (tpu_vm.remote_command: cd, setup, env, command)."""
   commands = []
   for job in jobs:
-    name = dns_name(options.job_name, job.name, f"a{attempt}")
+    name = dns_name(options.job_name, job.name, suffix=f"a{attempt}")
     script = "#!/bin/bash\n" + tpu_vm.remote_command(job.wrapped(), options.remote_dir,
                                                      options.setup, options.env) + "\n"
     argv = ["gcloud", "compute", "tpus", "queued-resources", "create", name,

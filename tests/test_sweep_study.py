@@ -200,6 +200,19 @@ def test_local_backend_retries_failures_up_to_max_retries(tmp_path):
   assert sweep_job.read_status(good.run_dir)["failures"] == 0
 
 
+def test_local_backend_gives_up_on_runs_that_end_unfinished(tmp_path):
+  """Exit 0 without the final evaluation (e.g. no validation split) is not retried forever."""
+  job = sweep_dispatch.Job("quiet", str(tmp_path / "quiet"), [sys.executable, "-c", "pass"])
+  assert sweep_dispatch.run_local([job], parallel=1, max_retries=1,
+                                  is_finished=lambda _: False, log=lambda _: None) == ["quiet"]
+
+
+def test_dns_names_keep_the_attempt_suffix():
+  name = sweep_dispatch.dns_name("Study_X" * 10, "griffin_C1e15_962k", suffix="a1795428729")
+  assert len(name) <= 63 and name.endswith("-a1795428729")
+  assert re.fullmatch(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?", name)
+
+
 @pytest.mark.slow
 def test_local_parallel_isoflop_study_is_killed_and_resumed(tmp_path):
   """Griffin, Hawk and MQA on an isoFLOP design with tiny budgets, 2 runs at a time:
