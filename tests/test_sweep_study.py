@@ -141,9 +141,7 @@ def test_tpu_vm_dry_run_is_one_queued_resource_per_run(tmp_path):
 @pytest.mark.parametrize("flags, fragment", [
     (["--backend=gke"], "--backend=gke needs --image and --tpu_type"),
     (["--backend=tpu_vm", "--tpu_type=v5p-8"], "needs --zone"),
-    (["--backend=gke", "--image=i", "--tpu_type=v9-8"], "must look like"),
     (["--flop_budgets=1e15,lots"], "--flop_budgets: 'lots'"),
-    (["--backend=ray"], "--backend"),
 ])
 def test_bad_study_flags_are_one_line_and_exit_code_2(tmp_path, flags, fragment):
   result = subprocess.run(
