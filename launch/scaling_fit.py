@@ -1,4 +1,21 @@
-"""Power-law fits of loss against training compute, their plot and tables.
+r"""Scaling-law analysis of a study or of any runs: `python -m launch.scaling_fit`.
+
+  python -m launch.scaling_fit --runs=FILE.csv|STUDY_DIR [--approach=1|2|3|all] [--json]
+      [--target_flops=1e21] [--plots=DIR] [--replicates=200] [--confidence=0.95]
+
+`--runs` is a CSV with at least the columns `params`, `tokens` and `loss` (and `flops`
+where known, otherwise 6·N·D; `family` to fit families separately; `flop_budget` to
+name a run's isoFLOP budget, otherwise runs within 10% of each other's compute share
+one; rows with an empty loss are unfinished and skipped), or a study directory written
+by `launch.sweep`, whose `sweep.csv` is read and whose runs' `metrics.jsonl` evaluation
+rows give approach 1 its training curves. It prints, per family, the fits of the three
+Chinchilla approaches (`launch.scaling_laws`) with bootstrap intervals and the
+compute-optimal N and D at `--target_flops` (default: the largest compute in the data),
+as tables or, with `--json`, as one JSON object; `--plots` writes the figures
+(`launch.scaling_plots`).
+
+Below: the single power law of loss against compute per family that `launch.sweep`
+reports for a fixed tokens-per-parameter design.
 
 The scaling law is L(C) = E + A · C^(-α): an irreducible loss E plus a power law in the
 training FLOPs C (Kaplan et al. 2020; Hoffmann et al. 2022). We fit it by least squares
@@ -19,13 +36,23 @@ gets an exponent with an uncertainty.
 """
 from __future__ import annotations
 
+import csv
 import dataclasses
+import json
 import math
+import os
+import sys
 import warnings
-from typing import Dict, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence
 
+from absl import flags
 import numpy as np
 from scipy import optimize
+
+from launch import scaling_laws
+from launch import scaling_plots
+from pretrain import cli
+from pretrain.errors import UserError, usage_error
 
 FULL_FORM = "E + A*C^-alpha"
 POWER_FORM = "A*C^-alpha"
@@ -189,3 +216,170 @@ def plot_scaling(points: Mapping[str, tuple[Sequence[float], Sequence[float]]],
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
+
+
+# -- The three approaches from the command line ----------------------------------------------
+REQUIRED_COLUMNS = ("params", "tokens", "loss")
+APPROACHES = ("1", "2", "3", "all")
+
+
+def _read_curve(workdir: str, tokens_per_step: float) -> Optional[tuple]:
+  """(tokens, eval loss) of a run's metrics.jsonl evaluation rows, or None."""
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return None
+  steps, losses = [], []
+  with open(path, encoding="utf-8") as f:
+    for line in f:
+      try:
+        row = json.loads(line)
+      except json.JSONDecodeError:
+        continue  # a line cut short by a kill
+      if row.get("eval_loss") is not None and row.get("step", 0) > 0:
+        steps.append(float(row["step"]))
+        losses.append(float(row["eval_loss"]))
+  if not steps:
+    return None
+  return np.asarray(steps) * tokens_per_step, np.asarray(losses)
+
+
+def read_runs(path: str) -> Dict[str, scaling_laws.Runs]:
+  """Runs per family from a CSV file or a study directory (module docstring).
+
+  Raises:
+    UserError (exit code 2): a missing file or column, or a value that is not a number.
+  """
+  study = os.path.isdir(path)
+  csv_path = os.path.join(path, "sweep.csv") if study else path
+  if not os.path.exists(csv_path):
+    raise usage_error(f"--runs: {csv_path} does not exist; pass a CSV with the columns "
+                      "params,tokens,loss or a study directory holding sweep.csv")
+  with open(csv_path, newline="", encoding="utf-8") as f:
+    reader = csv.DictReader(f)
+    missing = [c for c in REQUIRED_COLUMNS if c not in (reader.fieldnames or [])]
+    if missing:
+      raise usage_error(f"--runs: {csv_path} has no column {', '.join(missing)}; it needs "
+                        "params, tokens and loss (flops, family, flop_budget optional)")
+    rows = [r for r in reader if (r.get("loss") or "").strip()]
+  grouped: Dict[str, List[dict]] = {}
+  for row in rows:
+    grouped.setdefault(row.get("family") or "all", []).append(row)
+  if not grouped:
+    raise usage_error(f"--runs: {csv_path} has no finished run (no row with a loss)")
+  families = {}
+  for family, members in grouped.items():
+    try:
+      number = lambda name: [float(r[name]) for r in members]  # noqa: E731
+      flops = number("flops") if all((r.get("flops") or "").strip() for r in members) else None
+      budget = (number("flop_budget") if all((r.get("flop_budget") or "").strip()
+                                             for r in members) else None)
+      curves = None
+      if study and all(r.get("workdir") and r.get("train_steps") for r in members):
+        curves = [_read_curve(r["workdir"], float(r["tokens"]) / float(r["train_steps"]))
+                  for r in members]
+      families[family] = scaling_laws.Runs.from_columns(
+          number("params"), number("tokens"), number("loss"), flops, budget, curves)
+    except ValueError as error:
+      raise usage_error(f"--runs: {csv_path}, family {family}: {error}") from None
+  return families
+
+
+def analyse(runs: scaling_laws.Runs, approaches: Sequence[str], target_flops: float,
+            replicates: int, confidence: float, seed: int) -> Dict[str, object]:
+  """The requested approaches' fits; an approach the data cannot support says why."""
+  fitters = {
+      "1": lambda: scaling_laws.fit_envelope(runs, target_flops, replicates=replicates,
+                                             confidence=confidence, seed=seed),
+      "2": lambda: scaling_laws.fit_isoflop(runs, target_flops, replicates=replicates,
+                                            confidence=confidence, seed=seed),
+      "3": lambda: scaling_laws.fit_parametric(runs, target_flops, replicates=replicates,
+                                               confidence=confidence, seed=seed),
+  }
+  results = {}
+  for approach in approaches:
+    try:
+      results[approach] = fitters[approach]()
+    except ValueError as error:
+      results[approach] = str(error)
+  return results
+
+
+def _interval_text(estimate: scaling_laws.Estimate) -> str:
+  return f"{estimate.value:.4g} [{estimate.low:.4g}, {estimate.high:.4g}]"
+
+
+def results_markdown(family: str, results: Mapping[str, object], confidence: float) -> str:
+  """One table per family: each approach's exponents and answer at the target."""
+  pct = f"{100 * confidence:g}%"
+  lines = [f"### {family}", "",
+           f"| approach | a (N_opt ∝ C^a) | b (D_opt ∝ C^b) | N_opt | D_opt | notes |",
+           "| --- | --- | --- | --- | --- | --- |"]
+  for approach, fit in results.items():
+    if isinstance(fit, str):
+      lines.append(f"| {approach} | — | — | — | — | not fitted: {fit} |")
+      continue
+    frontier = fit.frontier if isinstance(fit, scaling_laws.ParametricFit) else fit
+    note = ""
+    if isinstance(fit, scaling_laws.ParametricFit):
+      note = ", ".join(f"{k} = {_interval_text(v)}" for k, v in fit.params.items())
+    lines.append(f"| {frontier.approach} | {_interval_text(frontier.a)} | "
+                 f"{_interval_text(frontier.b)} | {_interval_text(frontier.n_opt)} | "
+                 f"{_interval_text(frontier.d_opt)} | {note} |")
+  lines.append(f"\nValues with {pct} bootstrap intervals; N_opt and D_opt at "
+               f"{frontier.target_flops:.3g} FLOPs.")
+  return "\n".join(lines)
+
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """Command-line flags, defined only when run as a program."""
+  flags.DEFINE_string("runs", None, "CSV (params,tokens,loss[,flops,family,flop_budget]) "
+                      "or a launch.sweep study directory.")
+  flags.DEFINE_enum("approach", "all", APPROACHES, "Chinchilla approach(es) to fit.")
+  flags.DEFINE_bool("json", False, "Print one JSON object instead of tables.")
+  flags.DEFINE_float("target_flops", None, "Compute budget to answer for (default: the "
+                     "largest in the data).", lower_bound=0.0)
+  flags.DEFINE_string("plots", None, "Directory for the PNG figures.")
+  flags.DEFINE_integer("replicates", 200, "Bootstrap replicates per approach.",
+                       lower_bound=10)
+  flags.DEFINE_float("confidence", scaling_laws.DEFAULT_CONFIDENCE,
+                     "Coverage of the bootstrap intervals.", lower_bound=0.5, upper_bound=0.999)
+  flags.DEFINE_integer("seed", 0, "Seed of the bootstrap resampling.")
+  flags.mark_flag_as_required("runs")
+
+
+def main(argv: Sequence[str]) -> None:
+  cli.reject_extra_arguments(argv)
+  families = read_runs(FLAGS.runs)
+  approaches = ("1", "2", "3") if FLAGS.approach == "all" else (FLAGS.approach,)
+  out, isoflop, parametric = {}, {}, {}
+  for family, runs in families.items():
+    target = FLAGS.target_flops or float(runs.flops.max())
+    results = analyse(runs, approaches, target, FLAGS.replicates, FLAGS.confidence,
+                      FLAGS.seed)
+    if all(isinstance(fit, str) for fit in results.values()):
+      raise UserError(f"{family}: no approach could be fitted: " + "; ".join(
+          f"approach {k}: {v}" for k, v in results.items()))
+    if isinstance(results.get("2"), scaling_laws.FrontierFit):
+      isoflop[family] = results["2"]
+    if isinstance(results.get("3"), scaling_laws.ParametricFit):
+      parametric[family] = results["3"]
+    out[family] = {f"approach_{k}": ({"error": v} if isinstance(v, str) else v.to_json())
+                   for k, v in results.items()}
+    out[family]["runs"] = len(runs.params)
+    if not FLAGS.json:
+      print(results_markdown(family, results, FLAGS.confidence) + "\n")
+  if FLAGS.plots:
+    paths = scaling_plots.write_plots(families, isoflop, parametric, FLAGS.plots)
+    if not FLAGS.json:
+      print("plots: " + ", ".join(sorted(paths.values())))
+  if FLAGS.json:
+    json.dump(out, sys.stdout, indent=2)
+    print()
+
+
+if __name__ == "__main__":
+  define_flags()
+  cli.run(main)

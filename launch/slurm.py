@@ -29,8 +29,8 @@ from pretrain.errors import usage_error
 def batch_script(command: Sequence[str], *, job_name: str, nodes: int, gpus_per_node: int,
                  cpus_per_task: int, time_limit: Optional[str], partition: Optional[str],
                  account: Optional[str], output: str, chdir: Optional[str], setup: str,
-                 env: dict[str, str]) -> str:
-  """The sbatch script text."""
+                 env: dict[str, str], array: Optional[str] = None) -> str:
+  """The sbatch script text; `array` (e.g. "0-9") makes it a job array (launch.sweep)."""
   if nodes < 1 or gpus_per_node < 1:
     raise usage_error("--nodes and --gpus_per_node must be >= 1")
   directives = [
@@ -43,7 +43,7 @@ def batch_script(command: Sequence[str], *, job_name: str, nodes: int, gpus_per_
       "--exclusive",
   ]
   for flag, value in (("--time", time_limit), ("--partition", partition),
-                      ("--account", account), ("--chdir", chdir)):
+                      ("--account", account), ("--chdir", chdir), ("--array", array)):
     if value:
       directives.append(f"{flag}={value}")
   lines = ["#!/bin/bash"] + [f"#SBATCH {d}" for d in directives]

@@ -1,26 +1,35 @@
-r"""Scaling-law sweeps: train each family at each size to its compute-optimal budget, fit.
+r"""Scaling-law studies: plan the runs, run them here or on a cluster, collect, fit.
 
   python -m launch.sweep --families=griffin,hawk,mqa --sizes=0.5m,1m,2m \
       [--tokens_per_param=20] --workdir=DIR [--dry_run] [--gin_file=DATA.gin ...] \
       [--gin_param=B ...] [--batch_size=8 --sequence_length=128] [--max_steps=N]
+  python -m launch.sweep --families=griffin,hawk,mqa --flop_budgets=1e15,3e15,1e16 \
+      --points_per_budget=5 [--isoflop_spread=3] --workdir=DIR \
+      [--backend=local|slurm|gke|tpu_vm] [--parallel=N] [--max_retries=1] [--dry_run]
 
-For every (family, size) the sweep builds a model by the size rule below, computes its
-compute-optimal budget (`tokens_per_param` x non-embedding parameters, Chinchilla's ~20
-by default), and trains it with `python -m pretrain.train` in `DIR/runs/<family>_<size>`,
-one run after another (or, with `--dry_run`, prints the commands for a cluster). It then
-collects each run's final evaluation loss against its training FLOPs (FLOPs per token
-from `model.counting` x tokens trained), fits L(C) = E + A·C^(-α) per family
-(`launch.scaling_fit`) and writes `sweep.csv`, `fit.json`, `scaling.png` and
-`scaling.md` in DIR.
+Two designs. With `--sizes`, every (family, size) gets a model by the size rule below
+and the compute-optimal budget `tokens_per_param` x non-embedding parameters
+(Chinchilla's ~20 by default). With `--flop_budgets` (the isoFLOP design,
+`plan_isoflop`), every budget gets `--points_per_budget` sizes around its expected
+optimum, each trained for the steps that spend the budget by the trainer's own FLOPs
+count (`pretrain.flops`, the numerator of MFU). Each run is `python -m pretrain.train`
+in `DIR/runs/<name>` with the user's Gin files, the run's model and budget as bindings,
+then the user's bindings.
+
+`--backend` picks where the runs execute (`launch.sweep_dispatch`: N at a time here,
+one SLURM job array, a GKE JobSet per run, a TPU queued resource per run); `--dry_run`
+prints the plan and every job spec. What a run needs is read from its directory
+(finished, running, interrupted, failed, pending), so running the same command again
+resumes a study, retries failed runs up to `--max_retries`, and never redoes finished
+work. Once every run is finished the sweep writes `sweep.csv` (what
+`launch.scaling_fit` reads: `params`, `tokens`, `flops`, `flop_budget`, `loss`, ...),
+`fit.json`, `scaling.png` and `scaling.md` (L(C) = E + A·C^(-α) per family) in DIR; the
+three Chinchilla approaches are `python -m launch.scaling_fit --runs=DIR`
+(docs/scaling.md).
 
 Every run warms its learning rate up over `warmup_fraction` of its steps (the
 optimizer's fixed default would make a short run all warm-up) and may get a common
 `--peak_learning_rate`.
-
-Resuming: a run whose metrics hold the final evaluation (at its last step) is finished
-and not run again; an unfinished run is started with the same command, and the trainer
-resumes it from its newest checkpoint. So an interrupted sweep is resumed by running
-the same command again.
 
 Size rule (per family; also in docs/demos.md). A size names a target number of
 non-embedding parameters ("0.5m", "2m", "1.3b"). Candidates are widths D on a grid of
@@ -45,17 +54,21 @@ import math
 import os
 import re
 import shlex
-import subprocess
 import sys
-from typing import Dict, Iterable, List, Optional, Sequence
+import time
+from typing import Dict, List, Optional, Sequence
 
 from absl import flags
+from etils import epath
 import gin
 
+from launch import common
 from launch import scaling_fit
+from launch import sweep_dispatch
 from model import counting
 from model.config import ModelConfig, model_config_to_dict
 from pretrain import cli
+from pretrain import flops as flops_lib
 from pretrain import gin_config
 from pretrain.errors import UserError, usage_error
 
@@ -70,9 +83,12 @@ ASPECT_TOLERANCE = 3   # depths with D/depth in [64/3, 64*3] are candidates
 WIDTH_STEP = 32
 MAX_WIDTH = 16384
 MLP_EXPANSION = 3
-CSV_FIELDS = ("family", "size", "target_params", "non_embedding_params", "total_params",
+ORPHAN_POLL_S = 2.0
+# `params` (non-embedding), `tokens`, `loss`, `flops` and `flop_budget` are what
+# `launch.scaling_fit` reads.
+CSV_FIELDS = ("run", "family", "size", "target_params", "params", "total_params",
               "width", "depth", "rnn_width", "num_heads", "train_steps", "tokens",
-              "flops_per_token", "flops", "eval_loss", "workdir")
+              "flops_per_token", "flops", "flop_budget", "loss", "workdir")
 
 
 def parse_size(text: str) -> int:
@@ -144,11 +160,14 @@ class Run:
   workdir: str
   warmup_steps: int = 0
   peak_learning_rate: Optional[float] = None
+  flop_budget: Optional[float] = None     # isoFLOP design: the budget this run spends
   eval_loss: Optional[float] = None
 
   @property
   def name(self) -> str:
-    return f"{self.family}_{self.size}"
+    if self.flop_budget is None:
+      return f"{self.family}_{self.size}"
+    return f"{self.family}_C{budget_label(self.flop_budget)}_{self.size}"
 
   @property
   def tokens(self) -> int:
@@ -156,7 +175,7 @@ class Run:
 
   @property
   def flops_per_token(self) -> float:
-    return counting.training_flops_per_token(self.config, self.sequence_length)
+    return flops_lib.training_flops_per_token(self.config, self.sequence_length)
 
   @property
   def flops(self) -> float:
@@ -164,13 +183,15 @@ class Run:
 
   def row(self) -> Dict[str, object]:
     counts = counting.analytic_param_counts(self.config)
-    return {"family": self.family, "size": self.size, "target_params": self.target_params,
-            "non_embedding_params": counts.non_embedding, "total_params": counts.total,
+    return {"run": self.name, "family": self.family, "size": self.size,
+            "target_params": self.target_params,
+            "params": counts.non_embedding, "total_params": counts.total,
             "width": self.config.width, "depth": self.config.depth,
             "rnn_width": self.config.rnn_width, "num_heads": self.config.num_heads,
             "train_steps": self.train_steps, "tokens": self.tokens,
             "flops_per_token": f"{self.flops_per_token:.6g}", "flops": f"{self.flops:.6g}",
-            "eval_loss": "" if self.eval_loss is None else f"{self.eval_loss:.6f}",
+            "flop_budget": "" if self.flop_budget is None else f"{self.flop_budget:.6g}",
+            "loss": "" if self.eval_loss is None else f"{self.eval_loss:.6f}",
             "workdir": self.workdir}
 
 
@@ -193,6 +214,62 @@ def plan(families: Sequence[str], sizes: Sequence[str], *, tokens_per_param: flo
                       warmup_steps=int(math.ceil(warmup_fraction * steps)),
                       peak_learning_rate=peak_learning_rate))
   return runs
+
+
+def budget_label(flops: float) -> str:
+  """1e15 -> '1e15', 3e15 -> '3e15', 2.5e16 -> '2.5e16' (run names, no '+')."""
+  mantissa, exponent = f"{flops:.3g}".split("e") if "e" in f"{flops:.3g}" else (
+      f"{flops:.3g}", "0")
+  return f"{mantissa}e{int(exponent)}"
+
+
+def size_label(params: float) -> str:
+  """A target size as launch.sweep's --sizes would write it: 123456 -> '123k'."""
+  if params >= 1e9:
+    return f"{params / 1e9:.3g}b"
+  if params >= 1e6:
+    return f"{params / 1e6:.3g}m"
+  return f"{params / 1e3:.3g}k"
+
+
+def plan_isoflop(families: Sequence[str], budgets: Sequence[float], *,
+                 points_per_budget: int, spread: float, tokens_per_param: float,
+                 batch_size: int, sequence_length: int, vocab_size: int, workdir: str,
+                 warmup_fraction: float = 0.1,
+                 peak_learning_rate: Optional[float] = None) -> List[Run]:
+  """The isoFLOP design: for every budget C, `points_per_budget` sizes spread evenly in
+  log N over [N*/spread, N*·spread] around the expected optimum N* (C = 6·N·D with
+  D = tokens_per_param·N, so N* = sqrt(C / (6·tokens_per_param))), each trained for
+  the steps that spend C by the trainer's own FLOPs count (`pretrain.flops`, the MFU
+  numerator), rounded to whole steps. Sizes the size rule maps to the same model are
+  kept once."""
+  runs = []
+  tokens_per_step = batch_size * sequence_length
+  for family in families:
+    for budget in budgets:
+      optimum = math.sqrt(budget / (6 * tokens_per_param))
+      seen = set()
+      for factor in _log_spaced(1 / spread, spread, points_per_budget):
+        target = max(1000, int(round(optimum * factor)))
+        config = config_for_size(family, target, vocab_size, sequence_length)
+        if (config.width, config.depth) in seen:
+          continue
+        seen.add((config.width, config.depth))
+        per_step = flops_lib.training_flops_per_token(config, sequence_length) * tokens_per_step
+        steps = max(1, int(round(budget / per_step)))
+        runs.append(Run(family, size_label(target), target, config, steps, batch_size,
+                        sequence_length,
+                        os.path.join(workdir, "runs", f"{family}_C{budget_label(budget)}_"
+                                     f"{size_label(target)}"),
+                        warmup_steps=int(math.ceil(warmup_fraction * steps)),
+                        peak_learning_rate=peak_learning_rate, flop_budget=float(budget)))
+  return runs
+
+
+def _log_spaced(low: float, high: float, count: int) -> List[float]:
+  if count == 1:
+    return [1.0]
+  return [low * (high / low) ** (i / (count - 1)) for i in range(count)]
 
 
 def _gin_value(value) -> str:
@@ -229,23 +306,29 @@ def run_gin(run: Run) -> str:
   return "\n".join(lines) + "\n"
 
 
+def run_bindings(run: Run) -> List[str]:
+  """`run_gin` as command-line bindings (no file to ship to a cluster's nodes)."""
+  return [line for line in run_gin(run).splitlines()
+          if line and not line.startswith(("#", "import "))]
+
+
 def command(run: Run, gin_files: Sequence[str], gin_params: Sequence[str],
-            python: str = sys.executable) -> List[str]:
+            python: str = "python") -> List[str]:
+  """The run's training command: the user's files, the run's bindings, the user's."""
   args = [python, "-m", "pretrain.train"]
   args += [f"--gin_file={f}" for f in gin_files]
-  args.append(f"--gin_file={os.path.join(run.workdir, 'sweep_run.gin')}")
-  args += [f"--gin_param={p}" for p in gin_params]
+  args += [f"--gin_param={p}" for p in run_bindings(run) + list(gin_params)]
   args.append(f"--workdir={run.workdir}")
   return args
 
 
 def final_eval_loss(run: Run) -> Optional[float]:
   """The evaluation loss logged at the run's last step, or None if it is not finished."""
-  path = os.path.join(run.workdir, "metrics.jsonl")
-  if not os.path.exists(path):
+  path = epath.Path(run.workdir) / "metrics.jsonl"
+  if not path.exists():
     return None
   loss = None
-  with open(path, encoding="utf-8") as f:
+  with path.open("r") as f:
     for line in f:
       line = line.strip()
       if not line:
@@ -259,33 +342,53 @@ def final_eval_loss(run: Run) -> Optional[float]:
   return loss
 
 
-def execute(runs: Iterable[Run], gin_files: Sequence[str], gin_params: Sequence[str],
-            log=print) -> None:
-  """Trains every unfinished run in turn; fills in `eval_loss`."""
+def execute(runs: Sequence[Run], gin_files: Sequence[str], gin_params: Sequence[str], *,
+            backend: str = "local", parallel: int = 1, max_retries: int = 1,
+            cluster: Optional[sweep_dispatch.ClusterOptions] = None, study_dir: str = "",
+            dry_run: bool = False, log=print) -> Dict[str, str]:
+  """Starts every run that is not finished or running (sweep_dispatch); fills in
+  `eval_loss` of the finished ones. Returns each run's state."""
+  todo, states = [], {}
   for run in runs:
     run.eval_loss = final_eval_loss(run)
-    if run.eval_loss is not None:
-      log(f"[sweep] {run.name}: finished (eval loss {run.eval_loss:.4f}), skipped")
+    state, failures = sweep_dispatch.run_state(run.workdir, run.eval_loss is not None)
+    states[run.name] = state
+    if state == sweep_dispatch.FAILED and failures > max_retries:
+      log(f"[sweep] {run.name}: failed {failures} times (more than --max_retries="
+          f"{max_retries}); not retried; see {run.workdir}")
       continue
-    os.makedirs(run.workdir, exist_ok=True)
-    with open(os.path.join(run.workdir, "sweep_run.gin"), "w", encoding="utf-8") as f:
-      f.write(run_gin(run))
-    args = command(run, gin_files, gin_params)
-    log(f"[sweep] {run.name}: {non_embedding_params(run.config):,} non-embedding params, "
-        f"{run.train_steps} steps, {run.tokens:,} tokens, {run.flops:.3g} FLOPs")
-    log("[sweep]   " + shlex.join(args))
-    with open(os.path.join(run.workdir, "sweep_train.log"), "a", encoding="utf-8") as out:
-      result = subprocess.run(args, stdout=out, stderr=subprocess.STDOUT, check=False)
-    if result.returncode != 0:
-      raise UserError(
-          f"run {run.name} failed with exit code {result.returncode}; see "
-          f"{os.path.join(run.workdir, 'sweep_train.log')}. Fix it and run the same "
-          "sweep command again: finished runs are kept, this one resumes.")
-    run.eval_loss = final_eval_loss(run)
-    if run.eval_loss is None:
-      raise UserError(
-          f"run {run.name} exited without a final evaluation at step {run.train_steps} "
-          f"in {run.workdir}/metrics.jsonl; the data config needs a validation split")
+    if state in (sweep_dispatch.FINISHED, sweep_dispatch.RUNNING):
+      detail = (f"eval loss {run.eval_loss:.4f}" if run.eval_loss is not None
+                else "started elsewhere")
+      log(f"[sweep] {run.name}: {state} ({detail}), skipped")
+      continue
+    log(f"[sweep] {run.name}: {state}; {non_embedding_params(run.config):,} non-embedding "
+        f"params, {run.train_steps} steps, {run.tokens:,} tokens, {run.flops:.3g} FLOPs")
+    # Locally, this interpreter; on a cluster, the nodes' `python` (after --setup).
+    python = sys.executable if backend == "local" else "python"
+    todo.append(sweep_dispatch.Job(run.name, run.workdir,
+                                   command(run, gin_files, gin_params, python)))
+  if backend == "local":
+    if dry_run:
+      for job in todo:
+        print(shlex.join(job.wrapped(sys.executable)))
+      return states
+    by_name = {run.name: run for run in runs}
+    given_up = sweep_dispatch.run_local(
+        todo, parallel, max_retries, lambda job: final_eval_loss(by_name[job.name]) is not None,
+        log)
+    for run in runs:
+      run.eval_loss = final_eval_loss(run)
+      states[run.name] = sweep_dispatch.run_state(run.workdir, run.eval_loss is not None)[0]
+    if given_up:
+      write_results(runs, study_dir, log=log)
+      raise UserError(f"runs {given_up} failed more than --max_retries={max_retries} times; "
+                      "their logs are sweep_train.log in their directories. Fix the cause "
+                      "and run the same command again (finished runs are kept)")
+    return states
+  sweep_dispatch.submit_cluster(backend, todo, cluster or sweep_dispatch.ClusterOptions(),
+                                study_dir, dry_run, log)
+  return states
 
 
 def write_results(runs: Sequence[Run], workdir: str, log=print) -> Dict[str, object]:
@@ -296,6 +399,9 @@ def write_results(runs: Sequence[Run], workdir: str, log=print) -> Dict[str, obj
     writer.writeheader()
     for run in runs:
       writer.writerow(run.row())
+  if any(run.flop_budget is not None for run in runs):
+    log("[sweep] isoFLOP design: fit the three approaches with "
+        f"`python -m launch.scaling_fit --runs={workdir} --plots={workdir}/plots`")
   points, fits, fit_json = {}, {}, {}
   for family in dict.fromkeys(run.family for run in runs):
     done = [r for r in runs if r.family == family and r.eval_loss is not None]
@@ -377,9 +483,67 @@ def define_flags() -> None:
   flags.DEFINE_integer("max_steps", None,
                        "Cap on the steps of each run (for smoke tests; breaks the "
                        "compute-optimal budget, which the table then shows).", lower_bound=1)
+  flags.DEFINE_list("flop_budgets", [], "IsoFLOP design: training FLOP budgets, e.g. "
+                    "1e15,3e15,1e16 (replaces --sizes).")
+  flags.DEFINE_integer("points_per_budget", 5, "IsoFLOP design: sizes per budget.",
+                       lower_bound=1)
+  flags.DEFINE_float("isoflop_spread", 3.0, "IsoFLOP design: sizes span N*/spread to "
+                     "N*·spread around the expected optimum N*.", lower_bound=1.0)
+  flags.DEFINE_enum("backend", "local", sweep_dispatch.BACKENDS, "Where the runs execute.")
+  flags.DEFINE_integer("parallel", sweep_dispatch.default_parallel(),
+                       "Local backend: runs at a time (default: one per 4 cores).",
+                       lower_bound=1)
+  flags.DEFINE_integer("max_retries", 1, "Times a failed run is started again.",
+                       lower_bound=0)
+  # Cluster backends: every run gets the same resources (see the launchers).
+  flags.DEFINE_string("job_name", "sweep", "Cluster job name prefix.")
+  flags.DEFINE_string("setup", "", "Cluster: shell line before each run (venv, cd).")
+  flags.DEFINE_multi_string("env", [], "Cluster: NAME=VALUE environment of each run.")
+  flags.DEFINE_integer("nodes", 1, "slurm: nodes per run.", lower_bound=1)
+  flags.DEFINE_integer("gpus_per_node", 8, "slurm: GPUs per node.", lower_bound=1)
+  flags.DEFINE_string("time", None, "slurm: wall-clock limit per run.")
+  flags.DEFINE_string("partition", None, "slurm: partition.")
+  flags.DEFINE_string("account", None, "slurm: account.")
+  flags.DEFINE_string("image", None, "gke: container image with this repository.")
+  flags.DEFINE_string("tpu_type", None, "gke, tpu_vm: slice per run, e.g. v5p-8.")
+  flags.DEFINE_string("zone", None, "tpu_vm: zone of the queued resources.")
+  flags.DEFINE_string("project", None, "tpu_vm: Google Cloud project.")
+  flags.DEFINE_string("runtime_version", "v2-alpha-tpuv5", "tpu_vm: TPU VM software.")
+  flags.DEFINE_string("remote_dir", "griffin-pretrain",
+                      "tpu_vm: repository checkout on each worker.")
   flags.mark_flag_as_required("workdir")
   flags.register_validator("workdir", lambda value: value is None or bool(value.strip()),
                            message="--workdir must name a directory")
+
+
+def _budgets(texts: Sequence[str]) -> List[float]:
+  budgets = []
+  for text in texts:
+    try:
+      value = float(text)
+    except ValueError:
+      value = -1.0
+    if not (value > 0 and math.isfinite(value)):
+      raise usage_error(f"--flop_budgets: {text!r} is not a positive number of FLOPs; "
+                        "write e.g. 1e15,3e15,1e16")
+    budgets.append(value)
+  return budgets
+
+
+def _cluster_options(backend: str) -> sweep_dispatch.ClusterOptions:
+  """The cluster flags, with the ones `backend` needs checked."""
+  required = {"gke": ("image", "tpu_type"), "tpu_vm": ("tpu_type", "zone")}.get(backend, ())
+  missing = [f"--{name}" for name in required if not getattr(FLAGS, name)]
+  if missing:
+    raise usage_error(f"--backend={backend} needs {' and '.join(missing)}")
+  if FLAGS.tpu_type:
+    common.TpuSlice(FLAGS.tpu_type)  # a bad type is a usage error now, not at submission
+  return sweep_dispatch.ClusterOptions(
+      job_name=FLAGS.job_name, setup=FLAGS.setup, env=common.parse_env_flags(FLAGS.env),
+      nodes=FLAGS.nodes, gpus_per_node=FLAGS.gpus_per_node, time_limit=FLAGS.time, partition=FLAGS.partition,
+      account=FLAGS.account, image=FLAGS.image, tpu_type=FLAGS.tpu_type, zone=FLAGS.zone,
+      project=FLAGS.project, runtime_version=FLAGS.runtime_version,
+      remote_dir=FLAGS.remote_dir)
 
 
 def main(argv: Sequence[str]) -> None:
@@ -393,22 +557,51 @@ def main(argv: Sequence[str]) -> None:
       parse_size(size)
     except ValueError as error:
       raise usage_error(f"--sizes: {error}") from None
-  workdir = os.path.abspath(os.path.expanduser(FLAGS.workdir))
+  budgets = _budgets(FLAGS.flop_budgets)
+  cluster = _cluster_options(FLAGS.backend) if FLAGS.backend != "local" else None
+  workdir = FLAGS.workdir if FLAGS.workdir.startswith("gs://") else os.path.abspath(
+      os.path.expanduser(FLAGS.workdir))
   vocab_size = FLAGS.vocab_size or vocab_size_from_gin(FLAGS.gin_file, FLAGS.gin_param)
-  runs = plan(FLAGS.families, FLAGS.sizes, tokens_per_param=FLAGS.tokens_per_param,
-              batch_size=FLAGS.batch_size, sequence_length=FLAGS.sequence_length,
-              vocab_size=vocab_size, workdir=workdir, max_steps=FLAGS.max_steps,
-              warmup_fraction=FLAGS.warmup_fraction,
-              peak_learning_rate=FLAGS.peak_learning_rate)
+  shared = dict(batch_size=FLAGS.batch_size, sequence_length=FLAGS.sequence_length,
+                vocab_size=vocab_size, workdir=workdir, warmup_fraction=FLAGS.warmup_fraction,
+                peak_learning_rate=FLAGS.peak_learning_rate)
+  if budgets:
+    runs = plan_isoflop(FLAGS.families, budgets, points_per_budget=FLAGS.points_per_budget,
+                        spread=FLAGS.isoflop_spread, tokens_per_param=FLAGS.tokens_per_param,
+                        **shared)
+  else:
+    runs = plan(FLAGS.families, FLAGS.sizes, tokens_per_param=FLAGS.tokens_per_param,
+                max_steps=FLAGS.max_steps, **shared)
   if FLAGS.dry_run:
     print(runs_table_markdown(runs))
-    for run in runs:
-      print(f"# {run.name}: write {os.path.join(run.workdir, 'sweep_run.gin')}:")
-      print("\n".join("#   " + line for line in run_gin(run).splitlines()))
-      print(shlex.join(command(run, FLAGS.gin_file, FLAGS.gin_param)))
-    return
-  execute(runs, FLAGS.gin_file, FLAGS.gin_param)
-  write_results(runs, workdir)
+    if FLAGS.backend == "local":
+      for run in runs:
+        print(f"# {run.name}: the run's bindings (--gin_param):")
+        print("\n".join("#   " + line for line in run_gin(run).splitlines()))
+  while True:
+    states = execute(runs, FLAGS.gin_file, FLAGS.gin_param, backend=FLAGS.backend,
+                     parallel=FLAGS.parallel, max_retries=FLAGS.max_retries, cluster=cluster,
+                     study_dir=workdir, dry_run=FLAGS.dry_run,
+                     log=(lambda _: None) if FLAGS.dry_run else print)
+    if FLAGS.dry_run:
+      return
+    # Locally, runs still training from an earlier (killed) sweep are waited for, then
+    # looked at again: finished, or to be resumed.
+    orphans = [r.name for r in runs if FLAGS.backend == "local"
+               and states[r.name] == sweep_dispatch.RUNNING
+               and sweep_dispatch.running_here(r.workdir)]
+    if not orphans:
+      break
+    print(f"[sweep] waiting for {', '.join(orphans)}, still running from an earlier sweep")
+    while any(sweep_dispatch.running_here(r.workdir) for r in runs if r.name in orphans):
+      time.sleep(ORPHAN_POLL_S)
+  if all(state == sweep_dispatch.FINISHED for state in states.values()):
+    write_results(runs, workdir)
+  else:
+    waiting = sorted(name for name, state in states.items()
+                     if state != sweep_dispatch.FINISHED)
+    print(f"[sweep] {len(waiting)} run(s) not finished yet ({', '.join(waiting[:5])}"
+          f"{', ...' if len(waiting) > 5 else ''}); run the same command again later")
 
 
 if __name__ == "__main__":

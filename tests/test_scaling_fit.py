@@ -1,8 +1,17 @@
-"""Scaling-law fits recover known power laws; plots and tables are written."""
+"""Scaling-law fits recover known power laws; plots and tables are written; the
+`launch.scaling_fit` command fits the three approaches from a CSV."""
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
 from launch import scaling_fit
+from launch import scaling_laws
 
 
 def synthetic_points(e, a, alpha, n=7, noise=0.0, seed=0):
@@ -67,3 +76,104 @@ def test_plot_and_table(tmp_path):
   assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   table = scaling_fit.fit_table_markdown(fits)
   assert table.count("\n") == 3 and "| hawk |" in table and "0.15" in table
+
+
+# -- The command line: all three approaches from a CSV ----------------------------------------
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _write_runs_csv(path, with_flops):
+  """Two families on an isoFLOP design drawn from known laws (the CSV a user brings)."""
+  rng = np.random.default_rng(0)
+  with open(path, "w", newline="") as f:
+    writer = csv.writer(f)
+    writer.writerow(["family", "params", "tokens", "loss"] + (["flops"] if with_flops else []))
+    for family, e in (("hawk", 1.8), ("mqa", 2.0)):
+      for budget in np.geomspace(1e17, 1e19, 4):
+        n_opt = 0.6 * (budget / 6) ** 0.45
+        for n in n_opt * np.geomspace(0.25, 4, 6):
+          d = budget / (6 * n)
+          loss = (e + 400 / n ** 0.34 + 410 / d ** 0.28) * math.exp(rng.normal(0, 0.005))
+          writer.writerow([family, n, d, loss] + ([7 * n * d] if with_flops else []))
+    writer.writerow(["hawk", 1e8, 1e9, ""])   # an unfinished run: skipped
+
+
+@pytest.mark.slow
+def test_cli_fits_all_three_approaches_with_intervals_and_plots(tmp_path):
+  path = tmp_path / "runs.csv"
+  _write_runs_csv(path, with_flops=False)
+  result = subprocess.run(
+      [sys.executable, "-m", "launch.scaling_fit", f"--runs={path}", "--approach=all",
+       "--json", "--target_flops=1e21", f"--plots={tmp_path / 'plots'}", "--replicates=40"],
+      cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr
+  out = json.loads(result.stdout)
+  assert set(out) == {"hawk", "mqa"} and out["hawk"]["runs"] == 24
+  for family in out.values():
+    for approach in ("approach_1", "approach_2", "approach_3"):
+      fit = family[approach]
+      assert fit["target_flops"] == 1e21
+      for key in ("a", "b", "N_opt", "D_opt"):
+        assert fit[key]["low"] <= fit[key]["value"] <= fit[key]["high"], (approach, key)
+    third = family["approach_3"]
+    assert third["alpha"]["value"] == pytest.approx(0.34, abs=0.04)  # coverage: test_scaling_laws
+    assert third["flops_per_param_token"] == pytest.approx(6.0)
+    assert 0.4 < family["approach_2"]["a"]["value"] < 0.5
+  for name in ("loss_vs_compute", "isoflop_hawk", "contours_mqa"):
+    assert (tmp_path / "plots" / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_uses_the_flops_column_for_the_frontier(tmp_path):
+  path = tmp_path / "runs.csv"
+  _write_runs_csv(path, with_flops=True)
+  result = subprocess.run(
+      [sys.executable, "-m", "launch.scaling_fit", f"--runs={path}", "--approach=3",
+       "--replicates=20"], cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr
+  assert "| 3: parametric L(N, D) |" in result.stdout and "### mqa" in result.stdout
+  assert "alpha = 0.3" in result.stdout
+
+
+@pytest.mark.parametrize("content, fragment", [
+    ("params,tokens\n1,2\n", "has no column loss"),
+    ("params,tokens,loss\n1e6,2e7,x\n", "could not convert"),
+    ("params,tokens,loss\n1e6,2e7,-1\n", "positive"),
+])
+def test_cli_bad_csv_is_one_line_and_exit_code_2(tmp_path, content, fragment):
+  path = tmp_path / "runs.csv"
+  path.write_text(content)
+  result = subprocess.run([sys.executable, "-m", "launch.scaling_fit", f"--runs={path}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert result.returncode == 2, (result.stdout, result.stderr)
+  errors = [l for l in result.stderr.splitlines() if l.startswith("error: ")]
+  assert len(errors) == 1 and fragment in errors[0], result.stderr
+
+
+def test_study_directory_gives_approach_1_the_training_curves(tmp_path):
+  """sweep.csv plus each run's metrics.jsonl: every eval row becomes a curve point."""
+  sizes = np.geomspace(1e6, 1e8, 8)
+  with open(tmp_path / "sweep.csv", "w", newline="") as f:
+    writer = csv.writer(f)
+    writer.writerow(["run", "family", "params", "tokens", "flops", "loss", "train_steps",
+                     "workdir"])
+    for i, n in enumerate(sizes):
+      run_dir = tmp_path / "runs" / f"hawk_{i}"
+      run_dir.mkdir(parents=True)
+      steps, tokens_per_step = 100, 200 * n / 100
+      with open(run_dir / "metrics.jsonl", "w") as metrics:
+        for step in range(10, steps + 1, 10):
+          d = step * tokens_per_step
+          metrics.write(json.dumps({"step": step, "loss": 9.0}) + "\n")
+          metrics.write(json.dumps({"step": step, "eval_loss": 1.8 + 400 / n ** 0.34
+                                    + 410 / d ** 0.28}) + "\n")
+        metrics.write('{"step": 101, "eval')          # cut short by a kill
+      d = steps * tokens_per_step
+      writer.writerow([f"hawk_{i}", "hawk", n, d, 6 * n * d,
+                       1.8 + 400 / n ** 0.34 + 410 / d ** 0.28, steps, str(run_dir)])
+  families = scaling_fit.read_runs(str(tmp_path))
+  runs = families["hawk"]
+  assert runs.curves is not None and all(len(c[0]) == 10 for c in runs.curves)
+  np.testing.assert_allclose(runs.curves[0][0][-1], runs.tokens[0])
+  fit = scaling_laws.fit_envelope(runs, 1e20, replicates=20)
+  assert len(fit.details["envelope"]) >= 5           # curves, not 8 final points
+  assert fit.a.value == pytest.approx(0.28 / 0.62, abs=0.08)   # beta / (alpha + beta)

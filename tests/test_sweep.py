@@ -169,7 +169,7 @@ def test_results_files(tmp_path):
   fits = sweep.write_results(runs, str(tmp_path), log=lambda _: None)
   with open(tmp_path / "sweep.csv") as f:
     rows = list(csv.DictReader(f))
-  assert len(rows) == 6 and rows[0]["family"] == "hawk" and float(rows[0]["eval_loss"]) > 0
+  assert len(rows) == 6 and rows[0]["family"] == "hawk" and float(rows[0]["loss"]) > 0
   assert set(fits) == {"hawk", "mqa"}
   assert json.loads((tmp_path / "fit.json").read_text())["hawk"]["alpha"] == pytest.approx(
       0.1, abs=1e-3)
@@ -207,7 +207,7 @@ def test_toy_sweep_trains_fits_and_resumes(tmp_path):
     rows = list(csv.DictReader(f))
   assert [(r["family"], r["size"]) for r in rows] == [
       ("hawk", "30k"), ("hawk", "120k"), ("mqa", "30k"), ("mqa", "120k")]
-  assert all(0 < float(r["eval_loss"]) < 10 and int(r["train_steps"]) == 3 for r in rows)
+  assert all(0 < float(r["loss"]) < 10 and int(r["train_steps"]) == 3 for r in rows)
   flops = [float(r["flops"]) for r in rows]
   assert flops[1] > flops[0] and flops[3] > flops[2]
   fits = json.loads((workdir / "fit.json").read_text())

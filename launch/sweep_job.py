@@ -1,0 +1,106 @@
+"""Runs one training run of a study and records how it ended in the run's directory.
+
+  python -m launch.sweep_job --run_dir=DIR -- python -m pretrain.train ... --workdir=DIR
+
+Every backend of `launch.sweep` starts its runs through this wrapper, so a run's own
+directory (local or `gs://`, through `etils.epath`) says what became of it wherever it
+ran: `sweep_status.json` holds `{"state": "running", "host", "pid", "failures"}` while
+the command runs and `{"state": "exited", "exit_code", "failures"}` after it, where
+`failures` counts the attempts that failed (exit code other than 0 and not a
+preemption). Whether the run is finished is read from its metrics (`launch.sweep`).
+In a multi-process job only process 0 (SLURM_PROCID, TPU_WORKER_ID or
+JOB_COMPLETION_INDEX) writes; the others just run the command.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Optional, Sequence
+
+from absl import flags
+from etils import epath
+
+from launch import common
+from pretrain import cli
+
+STATUS_FILE = "sweep_status.json"
+_PROCESS_INDEX_VARIABLES = ("SLURM_PROCID", "TPU_WORKER_ID", "JOB_COMPLETION_INDEX")
+# Exit codes of a run stopped from outside (the trainer checkpoints on SIGTERM and exits
+# 0); such a run is resumed, not counted as a failure.
+INTERRUPTED_CODES = frozenset({0, -signal.SIGTERM, -signal.SIGINT, -signal.SIGKILL,
+                               128 + signal.SIGTERM, 128 + signal.SIGINT,
+                               128 + signal.SIGKILL})
+
+
+def read_status(run_dir: str) -> Optional[dict]:
+  path = epath.Path(run_dir) / STATUS_FILE
+  try:
+    return json.loads(path.read_text())
+  except (FileNotFoundError, json.JSONDecodeError):
+    return None
+
+
+def write_status(run_dir: str, status: dict) -> None:
+  """Writes the status whole (a temporary file renamed over the old one, locally)."""
+  directory = epath.Path(run_dir)
+  directory.mkdir(parents=True, exist_ok=True)
+  text = json.dumps(dict(status, time=time.time()))
+  if str(directory).startswith("gs://"):
+    (directory / STATUS_FILE).write_text(text)
+    return
+  temporary = directory / (STATUS_FILE + ".tmp")
+  temporary.write_text(text)
+  os.replace(temporary, directory / STATUS_FILE)
+
+
+def is_process_zero() -> bool:
+  return all(os.environ.get(name, "0") == "0" for name in _PROCESS_INDEX_VARIABLES)
+
+
+def run(command: Sequence[str], run_dir: str) -> int:
+  """Runs `command`, recording its start and exit in `run_dir`; returns its exit code."""
+  writer = is_process_zero()
+  failures = int((read_status(run_dir) or {}).get("failures", 0))
+  process = subprocess.Popen(list(command))
+  if writer:
+    write_status(run_dir, {"state": "running", "host": socket.gethostname(),
+                           "pid": os.getpid(), "failures": failures})
+
+  def forward(signum, _frame):
+    if process.poll() is None:
+      process.send_signal(signum)
+  previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+  try:
+    code = process.wait()
+  finally:
+    for s, handler in previous.items():
+      signal.signal(s, handler)
+  if writer:
+    if code not in INTERRUPTED_CODES:
+      failures += 1
+    write_status(run_dir, {"state": "exited", "exit_code": code, "failures": failures})
+  return code
+
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  common.stop_flags_at_command()
+  flags.DEFINE_string("run_dir", None, "The run's directory (its --workdir).")
+  flags.mark_flag_as_required("run_dir")
+
+
+def main(argv: Sequence[str]) -> None:
+  code = run(common.child_command(argv), FLAGS.run_dir)
+  sys.exit(code if 0 <= code < 256 else 128 - code)
+
+
+if __name__ == "__main__":
+  define_flags()
+  cli.run(main)
