@@ -24,6 +24,14 @@ _COMMAND_EXAMPLE = ("-- python -m pretrain.train --gin_file=configs/quickstart.g
                     "--workdir=/tmp/run")
 
 
+# Restarts after a failure or preemption that the cluster launchers allow by default: a
+# run on a large pod meets interruptions every few hours, and the trainer resumes from
+# its newest checkpoint; a budget still ends a run that fails for good (a bad config).
+DEFAULT_MAX_RESTARTS = 5
+# Which attempt a restarted process belongs to (0 = the first start), for its logs.
+ENV_RESTART_ATTEMPT = "GRIFFIN_RESTART_ATTEMPT"
+
+
 def stop_flags_at_command() -> None:
   """Makes absl stop reading launcher flags at the first argument that is not one.
 

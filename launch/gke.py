@@ -53,7 +53,8 @@ def container_env(num_slices: int, extra: dict[str, str]) -> list[dict[str, Any]
 
 def jobset_manifest(name: str, image: str, command: Sequence[str], tpu_slice: common.TpuSlice,
                     num_slices: int = 1, env: Optional[dict[str, str]] = None,
-                    max_restarts: int = 0, working_dir: Optional[str] = None) -> dict[str, Any]:
+                    max_restarts: int = common.DEFAULT_MAX_RESTARTS,
+                    working_dir: Optional[str] = None) -> dict[str, Any]:
   """The JobSet as a plain dict (render with `common.to_yaml`)."""
   if num_slices < 1:
     raise usage_error("--num_slices must be >= 1")
@@ -116,8 +117,9 @@ def define_flags() -> None:
   flags.DEFINE_string("topology", None, "Override of the slice's topology, e.g. 4x4x4.")
   flags.DEFINE_integer("num_slices", 1, "Slices (JobSet replicas), joined over DCN.",
                        lower_bound=1)
-  flags.DEFINE_integer("max_restarts", 0, "JobSet restarts after a failure (training "
-                       "resumes from the latest checkpoint).", lower_bound=0)
+  flags.DEFINE_integer("max_restarts", common.DEFAULT_MAX_RESTARTS,
+                       "JobSet restarts after a failure or preemption (training resumes "
+                       "from the latest checkpoint).", lower_bound=0)
   flags.DEFINE_string("working_dir", None, "Container working directory.")
   common.define_cluster_flags("Print the manifest only.")
   for name in ("name", "image", "tpu_type"):

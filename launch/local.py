@@ -7,12 +7,15 @@ Each process gets the coordinator address, process count and id in its environme
 (see `sharding.distributed`), runs on CPU with `--devices_per_process` simulated devices,
 and talks to the others over gloo: the same code path as a real multi-host job. Output
 lines are prefixed with the process index. If any process fails, the others are stopped
-and the launcher exits non-zero naming the process that failed first.
+and the launcher names the process that failed first; with `--max_restarts=N` it then
+starts all of them again (at most N times), and exits non-zero only when the budget is
+spent.
 """
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -23,10 +26,11 @@ from absl import flags
 
 from launch import common
 from pretrain import cli
-from pretrain.errors import usage_error
+from pretrain.errors import UserError, usage_error
 
 _POLL_S = 0.05
 _TERMINATE_GRACE_S = 5.0
+_PORT_FREE_TIMEOUT_S = 60.0
 
 
 def _pump(index: int, stream, lock: threading.Lock) -> None:
@@ -68,12 +72,30 @@ def _describe(code: int) -> str:
   return f"exited with code {code}"
 
 
-def run(command: Sequence[str], num_processes: int, devices_per_process: int = 1,
-        port: Optional[int] = None) -> int:
-  """Runs `command` as `num_processes` cooperating processes; returns the exit status."""
-  if num_processes < 1 or devices_per_process < 1:
-    raise usage_error("--num_processes and --devices_per_process must be >= 1")
-  coordinator = f"127.0.0.1:{port or common.free_port()}"
+def _port_is_free(port: int) -> bool:
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    try:
+      sock.bind(("127.0.0.1", port))
+    except OSError:
+      return False
+  return True
+
+
+def _wait_for_port(port: int, timeout_s: float = _PORT_FREE_TIMEOUT_S) -> None:
+  """Blocks until the coordinator port can be bound again (the dead coordinator's socket
+  may linger), so the next attempt's coordinator does not fail to start."""
+  deadline = time.monotonic() + timeout_s
+  while not _port_is_free(port):
+    if time.monotonic() > deadline:
+      raise UserError(f"launch.local: coordinator port {port} is still in use "
+                      f"{timeout_s:.0f} s after the processes stopped; pass a free --port")
+    time.sleep(0.2)
+
+
+def _attempt(command: Sequence[str], num_processes: int, devices_per_process: int,
+             coordinator: str, attempt: int) -> tuple[Optional[int], int, bool]:
+  """Runs every process once. Returns (index of the first failed process or None, its
+  exit code, whether the launcher itself was signalled)."""
   lock = threading.Lock()
   processes, pumps = [], []
   base_flags = os.environ.get("XLA_FLAGS", "")
@@ -82,6 +104,7 @@ def run(command: Sequence[str], num_processes: int, devices_per_process: int = 1
     env.update(common.local_process_env(coordinator, num_processes, index,
                                         devices_per_process, base_flags))
     env["PYTHONUNBUFFERED"] = "1"
+    env[common.ENV_RESTART_ATTEMPT] = str(attempt)
     process = subprocess.Popen(list(command), env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, start_new_session=True)
     processes.append(process)
@@ -89,7 +112,10 @@ def run(command: Sequence[str], num_processes: int, devices_per_process: int = 1
     pump.start()
     pumps.append(pump)
 
+  signalled = []
+
   def forward(signum, _frame):
+    signalled.append(signum)
     for p in processes:
       if p.poll() is None:
         os.killpg(p.pid, signum)
@@ -109,12 +135,40 @@ def run(command: Sequence[str], num_processes: int, devices_per_process: int = 1
       signal.signal(s, handler)
     for pump in pumps:
       pump.join(timeout=2.0)
-  if failed is None:
-    return 0
-  code = processes[failed].returncode
+  code = 0 if failed is None else processes[failed].returncode
+  return failed, code, bool(signalled)
+
+
+def run(command: Sequence[str], num_processes: int, devices_per_process: int = 1,
+        port: Optional[int] = None, max_restarts: int = 0) -> int:
+  """Runs `command` as `num_processes` cooperating processes; returns the exit status.
+
+  When a process fails, the others are stopped; with `max_restarts` > 0 all of them are
+  then started again on the same coordinator port (once it is free), up to that many
+  times, so a trainer resumes from its newest checkpoint without a person. A signal to
+  the launcher itself (Ctrl-C, SIGTERM) is forwarded and never restarts anything.
+  """
+  if num_processes < 1 or devices_per_process < 1:
+    raise usage_error("--num_processes and --devices_per_process must be >= 1")
+  if max_restarts < 0:
+    raise usage_error("--max_restarts must be >= 0")
+  port = port or common.free_port()
+  coordinator = f"127.0.0.1:{port}"
   others = num_processes - 1
-  sys.stderr.write(f"launch.local: process {failed} of {num_processes} {_describe(code)}; "
-                   f"stopped the other {others} process{'es' if others != 1 else ''}\n")
+  for attempt in range(max_restarts + 1):
+    started = time.monotonic()
+    failed, code, signalled = _attempt(command, num_processes, devices_per_process,
+                                       coordinator, attempt)
+    if failed is None:
+      return 0
+    sys.stderr.write(f"launch.local: process {failed} of {num_processes} {_describe(code)}; "
+                     f"stopped the other {others} process{'es' if others != 1 else ''}\n")
+    if signalled or attempt == max_restarts:
+      break
+    _wait_for_port(port)
+    sys.stderr.write(f"launch.local: restart {attempt + 1} of {max_restarts} (attempt ran "
+                     f"{time.monotonic() - started:.1f} s)\n")
+    sys.stderr.flush()
   sys.stderr.flush()
   return code if 0 < code < 256 else 1
 
@@ -131,12 +185,16 @@ def define_flags() -> None:
                        lower_bound=1)
   flags.DEFINE_integer("port", None, "Coordinator port on 127.0.0.1 (default: a free one).",
                        lower_bound=1, upper_bound=65535)
+  flags.DEFINE_integer("max_restarts", 0, "Restart every process this many times at most "
+                       "after one fails (the trainer resumes from its newest checkpoint).",
+                       lower_bound=0)
   flags.mark_flag_as_required("num_processes")
 
 
 def main(argv: Sequence[str]) -> None:
   command = common.child_command(argv)
-  sys.exit(run(command, FLAGS.num_processes, FLAGS.devices_per_process, FLAGS.port))
+  sys.exit(run(command, FLAGS.num_processes, FLAGS.devices_per_process, FLAGS.port,
+               FLAGS.max_restarts))
 
 
 if __name__ == "__main__":

@@ -8,8 +8,10 @@
 `srun` starts nodes x gpus_per_node tasks; in each, JAX reads SLURM's variables (job id,
 node list, task id, local id) to find the coordinator on the first node and to bind the
 task to its GPU, so the command is the same as on one host. `--kill-on-bad-exit` ends
-the whole step when any task fails. `--dry_run` prints the batch script and the sbatch
-command instead of submitting.
+the whole step when any task fails. With `--max_restarts=N` (default 5) the job requeues
+itself after a failed step or a preemption signal, and the trainer resumes from its
+newest checkpoint. `--dry_run` prints the batch script and the sbatch command instead of
+submitting.
 """
 from __future__ import annotations
 
@@ -26,13 +28,54 @@ from pretrain import cli
 from pretrain.errors import usage_error
 
 
+def _recovery_lines(max_restarts: int) -> list[str]:
+  """Bash that requeues the job after a failed step or a preemption signal.
+
+  SLURM counts requeues in SLURM_RESTART_COUNT, which bounds the restarts. On SIGTERM
+  (preemption, scancel) or the early warning signal the step gets SIGTERM, on which the
+  trainer saves its current step; once it has exited the job is requeued and resumes
+  from that checkpoint.
+  """
+  return [
+      f"max_restarts={max_restarts}",
+      "restarts=${SLURM_RESTART_COUNT:-0}",
+      "requeue() {",
+      '  if [ "$restarts" -lt "$max_restarts" ]; then',
+      '    echo "launch.slurm: $1; requeueing job $SLURM_JOB_ID (restart $((restarts + 1)) '
+      'of $max_restarts)" >&2',
+      '    scontrol requeue "$SLURM_JOB_ID"',
+      "  else",
+      '    echo "launch.slurm: $1; restart budget of $max_restarts spent" >&2',
+      "  fi",
+      "}",
+      "on_signal() {",
+      '  echo "launch.slurm: received SIG$1; asking the training step to save" >&2',
+      '  kill -TERM "$step" 2>/dev/null || true',
+      '  wait "$step" || true',
+      '  requeue "preempted (SIG$1)"',
+      "  exit 0",
+      "}",
+      "trap 'on_signal USR1' USR1",
+      "trap 'on_signal TERM' TERM",
+  ]
+
+
 def batch_script(command: Sequence[str], *, job_name: str, nodes: int, gpus_per_node: int,
                  cpus_per_task: int, time_limit: Optional[str], partition: Optional[str],
                  account: Optional[str], output: str, chdir: Optional[str], setup: str,
-                 env: dict[str, str], array: Optional[str] = None) -> str:
-  """The sbatch script text; `array` (e.g. "0-9") makes it a job array (launch.sweep)."""
+                 env: dict[str, str], array: Optional[str] = None, max_restarts: int = 0,
+                 warning_s: int = 120) -> str:
+  """The sbatch script text; `array` (e.g. "0-9") makes it a job array (launch.sweep).
+
+  With `max_restarts` > 0 the job is requeueable: a failed training step or a preemption
+  signal requeues it (at most `max_restarts` times in all), and with a `time_limit` SLURM
+  sends SIGUSR1 `warning_s` seconds before the limit so the run saves and continues in
+  the requeued job.
+  """
   if nodes < 1 or gpus_per_node < 1:
     raise usage_error("--nodes and --gpus_per_node must be >= 1")
+  if max_restarts < 0:
+    raise usage_error("--max_restarts must be >= 0")
   directives = [
       f"--job-name={job_name}",
       f"--nodes={nodes}",
@@ -46,12 +89,32 @@ def batch_script(command: Sequence[str], *, job_name: str, nodes: int, gpus_per_
                       ("--account", account), ("--chdir", chdir), ("--array", array)):
     if value:
       directives.append(f"{flag}={value}")
+  if max_restarts:
+    # --open-mode=append keeps the output of every attempt in one file.
+    directives += ["--requeue", "--open-mode=append"]
+    if time_limit:
+      directives.append(f"--signal=B:USR1@{warning_s}")
   lines = ["#!/bin/bash"] + [f"#SBATCH {d}" for d in directives]
   lines += ["set -euo pipefail"]
   if setup:
     lines.append(setup)
   lines += [f"export {name}={common.shell_join([value])}" for name, value in env.items()]
-  lines.append("srun --kill-on-bad-exit=1 " + common.shell_join(command))
+  srun = "srun --kill-on-bad-exit=1 " + common.shell_join(command)
+  if not max_restarts:
+    lines.append(srun)
+    return "\n".join(lines) + "\n"
+  lines += _recovery_lines(max_restarts)
+  # srun runs in the background so the traps run while it does; `wait` returns early
+  # when a trapped signal arrives.
+  lines += [
+      f"{srun} &",
+      "step=$!",
+      'code=0; wait "$step" || code=$?',
+      'if [ "$code" -ne 0 ]; then',
+      '  requeue "the training step exited with code $code"',
+      "fi",
+      'exit "$code"',
+  ]
   return "\n".join(lines) + "\n"
 
 
@@ -70,6 +133,12 @@ def define_flags() -> None:
   flags.DEFINE_string("account", None, "SLURM account.")
   flags.DEFINE_string("output", "slurm-%j.out", "The job's output file.")
   flags.DEFINE_string("chdir", None, "Working directory on the nodes.")
+  flags.DEFINE_integer("max_restarts", common.DEFAULT_MAX_RESTARTS, "Requeue the job after a failure or preemption at "
+                       "most this many times (0: never); training resumes from its newest "
+                       "checkpoint.", lower_bound=0)
+  flags.DEFINE_integer("warning_s", 120, "With --time and --max_restarts: seconds before the "
+                       "limit at which SLURM signals the job to save and requeue.",
+                       lower_bound=1)
   common.define_cluster_flags("Print the script and the sbatch command only.",
                               setup_help="Shell line before srun, e.g. venv activation.")
   flags.mark_flag_as_required("nodes")
@@ -81,7 +150,8 @@ def main(argv: Sequence[str]) -> None:
       command, job_name=FLAGS.job_name, nodes=FLAGS.nodes, gpus_per_node=FLAGS.gpus_per_node,
       cpus_per_task=FLAGS.cpus_per_task, time_limit=FLAGS.time, partition=FLAGS.partition,
       account=FLAGS.account, output=FLAGS.output, chdir=FLAGS.chdir, setup=FLAGS.setup,
-      env=common.parse_env_flags(FLAGS.env))
+      env=common.parse_env_flags(FLAGS.env), max_restarts=FLAGS.max_restarts,
+      warning_s=FLAGS.warning_s)
   if FLAGS.dry_run:
     sys.stdout.write(script)
     print("# submit with: sbatch <this script>")

@@ -9,7 +9,9 @@
 Every worker runs the same command; JAX finds its peers from the TPU VM's metadata
 (`sharding.distributed.initialize_from_environment`), so no addresses are passed. The
 repository must already be on every worker at `--remote_dir` (e.g. cloned by a startup
-script). `--dry_run` prints the exact gcloud command instead of running it.
+script). Each worker reruns the command after a failure, up to `--max_restarts` times,
+and the trainer resumes from its newest checkpoint. `--dry_run` prints the exact gcloud
+command instead of running it.
 """
 from __future__ import annotations
 
@@ -24,13 +26,31 @@ from pretrain import cli
 
 
 def remote_command(command: Sequence[str], remote_dir: str, setup: str,
-                   env: dict[str, str]) -> str:
-  """The shell line every worker runs."""
+                   env: dict[str, str], max_restarts: int = 0,
+                   retry_delay_s: int = 30) -> str:
+  """The shell line every worker runs.
+
+  With `max_restarts` > 0 a worker whose command fails runs it again, at most that many
+  times, `retry_delay_s` apart: when one worker dies the others' runtimes stop too (the
+  coordinator's heartbeat), so all of them retry and meet again, and the trainer resumes
+  from its newest checkpoint. Each attempt sees its number in GRIFFIN_RESTART_ATTEMPT.
+  """
   steps = [f"cd {remote_dir}"]
   if setup:
     steps.append(setup)
-  steps.append(common.env_prefix(env) + common.shell_join(command))
-  return " && ".join(steps)
+  run = common.env_prefix(env) + common.shell_join(command)
+  if not max_restarts:
+    return " && ".join(steps + [run])
+  loop = (
+      f"attempt=0; while true; do {common.ENV_RESTART_ATTEMPT}=$attempt {run} && exit 0; "
+      "code=$?; "
+      f'if [ "$attempt" -ge {max_restarts} ]; then '
+      'echo "launch.tpu_vm: the command exited with code $code; restart budget of '
+      f'{max_restarts} spent" >&2; exit "$code"; fi; '
+      "attempt=$((attempt + 1)); "
+      'echo "launch.tpu_vm: the command exited with code $code; retry $attempt of '
+      f'{max_restarts} in {retry_delay_s} s" >&2; sleep {retry_delay_s}; done')
+  return " && ".join(steps) + " && { " + loop + "; }"
 
 
 def gcloud_argv(tpu: str, zone: str, project: Optional[str], remote: str) -> list[str]:
@@ -53,6 +73,11 @@ def define_flags() -> None:
                       "e.g. v5p-128; only reported (workers, chips), never required.")
   flags.DEFINE_string("remote_dir", "griffin-pretrain",
                       "Repository checkout on each worker (relative to $HOME).")
+  flags.DEFINE_integer("max_restarts", common.DEFAULT_MAX_RESTARTS,
+                       "Each worker reruns the command after a failure at most this many "
+                       "times (training resumes from its newest checkpoint).", lower_bound=0)
+  flags.DEFINE_integer("retry_delay_s", 30, "Seconds between a failure and the rerun.",
+                       lower_bound=0)
   common.define_cluster_flags(
       "Print the gcloud command instead of running it.",
       setup_help="Shell snippet run before the command, e.g. activating a venv.")
@@ -63,7 +88,8 @@ def define_flags() -> None:
 def main(argv: Sequence[str]) -> None:
   command = common.child_command(argv)
   remote = remote_command(command, FLAGS.remote_dir, FLAGS.setup,
-                          common.parse_env_flags(FLAGS.env))
+                          common.parse_env_flags(FLAGS.env), FLAGS.max_restarts,
+                          FLAGS.retry_delay_s)
   gcloud = gcloud_argv(FLAGS.tpu, FLAGS.zone, FLAGS.project, remote)
   if FLAGS.tpu_type:
     tpu_slice = common.TpuSlice(FLAGS.tpu_type)

@@ -182,6 +182,47 @@ class EvalHook(Hook):
       self._run(step, state.params)
 
 
+class ProfileHook(Hook):
+  """Captures a JAX profiler trace of optimizer steps `first`..`last` into `logdir`.
+
+  The trace starts before step `first` is dispatched and stops once step `last` has
+  finished on the device (the state is awaited), so the trace holds exactly those steps'
+  device work; TensorBoard's profile plugin (or xprof) reads `logdir`. A run resumed
+  inside the window traces from its first step to `last`.
+  """
+  drains_metrics = False
+
+  def __init__(self, logdir: str, first: int, last: int, start_step: int):
+    self._logdir = logdir
+    self._first, self._last = first, last
+    self._tracing = False
+    if start_step + 1 >= first and start_step < last:
+      self._start()
+
+  def is_due(self, step: int) -> bool:
+    return step in (self._first - 1, self._last)
+
+  def on_step(self, step: int, state: TrainState) -> None:
+    if step == self._first - 1 and not self._tracing:
+      self._start()
+    elif step == self._last and self._tracing:
+      jax.block_until_ready(state)
+      self._stop()
+
+  def close(self) -> None:
+    if self._tracing:
+      self._stop()
+
+  def _start(self) -> None:
+    jax.profiler.start_trace(self._logdir)
+    self._tracing = True
+    logging.info("profiling steps %d..%d into %s", self._first, self._last, self._logdir)
+
+  def _stop(self) -> None:
+    jax.profiler.stop_trace()
+    self._tracing = False
+
+
 class PreemptionHook(Hook):
   """Stops the run at a step boundary when SIGTERM arrives; the final save follows.
 

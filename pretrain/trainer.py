@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 import time
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -53,6 +54,9 @@ class TrainConfig:
     sample_prompt: if set, print a sample continuing this prompt after training.
     sample_tokens: new tokens of that sample.
     print_sharding: log the parameter sharding table at start-up.
+    profile_steps: (first, last) optimizer steps to capture in a JAX profiler trace
+      under `<workdir>/profile` (TensorBoard's profile plugin reads it); None: none.
+    profile_all_processes: trace every process, not only process 0.
   """
   train_steps: int = 1000
   batch_size: int = 8
@@ -68,6 +72,8 @@ class TrainConfig:
   sample_prompt: Optional[str] = None
   sample_tokens: int = 200
   print_sharding: bool = False
+  profile_steps: Optional[tuple[int, int]] = None
+  profile_all_processes: bool = False
 
   def __post_init__(self):
     for name in ("train_steps", "batch_size", "sequence_length", "checkpoint_every",
@@ -82,6 +88,12 @@ class TrainConfig:
                        f"microbatches={self.microbatches}")
     if self.z_loss_weight < 0:
       raise ValueError(f"TrainConfig.z_loss_weight must be >= 0, got {self.z_loss_weight}")
+    if self.profile_steps is not None:
+      steps = tuple(self.profile_steps)
+      if len(steps) != 2 or not all(isinstance(s, int) for s in steps) or not (
+          1 <= steps[0] <= steps[1]):
+        raise ValueError(f"TrainConfig.profile_steps must be (first, last) steps with "
+                         f"1 <= first <= last, got {self.profile_steps!r}")
 
 
 @dataclasses.dataclass
@@ -193,6 +205,9 @@ class Trainer:
     ]
     if cfg.sample_prompt:
       hooks.append(hooks_lib.SampleHook(self.sample, cfg.sample_prompt, self.writer))
+    if cfg.profile_steps and (cfg.profile_all_processes or jax.process_index() == 0):
+      logdir = os.path.join(self.checkpointer.directory.parent, "profile")
+      hooks.append(hooks_lib.ProfileHook(logdir, *cfg.profile_steps, start_step=start_step))
     return hooks
 
   def evaluate(self, params: Any) -> tuple[float, int]:

@@ -34,7 +34,8 @@ def test_tpu_vm_dry_run_runs_train_command_on_all_workers():
   out, _ = _dry_run("launch.tpu_vm", "--tpu=my-slice", "--zone=us-east5-a",
                     "--project=proj", "--tpu_type=v5p-128",
                     "--setup=source ~/venv/bin/activate", "--env=WANDB_MODE=offline",
-                    "--env=XLA_FLAGS=--xla_tpu_enable_latency_hiding_scheduler=true")
+                    "--env=XLA_FLAGS=--xla_tpu_enable_latency_hiding_scheduler=true",
+                    "--max_restarts=0")  # the plain command; retries: test_launch_recovery
   header, line = out.strip().splitlines()
   assert header == "# v5p-128: 16 workers x 4 chips (topology 4x4x4); one process per worker"
   argv = shlex.split(line)
@@ -180,7 +181,10 @@ def test_slurm_script_runs_one_task_per_gpu():
     assert expected in directives
   assert "source ~/venv/bin/activate" in lines and "export NCCL_DEBUG=WARN" in lines
   srun = next(l for l in lines if l.startswith("srun "))
-  assert shlex.split(srun) == ["srun", "--kill-on-bad-exit=1"] + TRAIN
+  # Requeueing is on by default: srun runs in the background under the signal traps.
+  assert shlex.split(srun) == ["srun", "--kill-on-bad-exit=1"] + TRAIN + ["&"]
+  for expected in ("--requeue", "--signal=B:USR1@120"):
+    assert expected in directives
   # The script is valid bash.
   script = "\n".join(l for l in lines if not l.startswith("# submit"))
   assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0

@@ -95,6 +95,32 @@ def test_failing_process_stops_the_rest_and_sets_exit_code():
   assert time.monotonic() - start < 30
 
 
+def test_max_restarts_starts_every_process_again_until_they_succeed():
+  # Process 1 fails in attempts 0 and 1; every process records each attempt it ran.
+  script = ("import os, sys\n"
+            "attempt = int(os.environ['GRIFFIN_RESTART_ATTEMPT'])\n"
+            "print('ATTEMPT', os.environ['JAX_PROCESS_ID'], attempt, flush=True)\n"
+            "sys.exit(4 if os.environ['JAX_PROCESS_ID'] == '1' and attempt < 2 else 0)\n")
+  launcher = _launch("--num_processes=2", "--max_restarts=3", "--", sys.executable, "-c",
+                     script)
+  out, err = launcher.communicate(timeout=120)
+  assert launcher.returncode == 0, err
+  attempts = sorted(tuple(line.split()[-2:]) for line in out.splitlines() if "ATTEMPT" in line)
+  assert attempts == sorted((str(p), str(a)) for p in range(2) for a in range(3))
+  assert err.count("process 1 of 2 exited with code 4") == 2
+  assert "restart 1 of 3" in err and "restart 2 of 3" in err and "restart 3" not in err
+
+
+def test_restart_budget_spent_exits_with_the_failure():
+  script = "import os, sys\nsys.exit(5 if os.environ['JAX_PROCESS_ID'] == '0' else 0)\n"
+  launcher = _launch("--num_processes=2", "--max_restarts=2", "--", sys.executable, "-c",
+                     script)
+  _, err = launcher.communicate(timeout=120)
+  assert launcher.returncode == 5
+  assert err.count("process 0 of 2 exited with code 5") == 3
+  assert "restart 2 of 2" in err
+
+
 @pytest.mark.slow
 def test_killed_process_is_named_and_launcher_exits_within_60s(program):
   launcher = _launch("--num_processes=2", "--devices_per_process=2", "--", sys.executable,

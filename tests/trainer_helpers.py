@@ -147,7 +147,8 @@ def trainer_env(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def trained_workdir(trainer_env):
-  """A finished tiny run (24 steps, evals, sample) shared by several test modules; also
+  """A finished tiny run (24 steps, evals, sample, a profile of steps 2-3) shared by
+  several test modules; also
   the uninterrupted reference of the exact-resume test (evaluation does not touch the
   training state)."""
   workdir = os.path.join(trainer_env.root, "trained")
@@ -155,7 +156,8 @@ def trained_workdir(trainer_env):
   if not os.path.exists(finished):
     result = trainer_env.run(trainer_env.train_command(
         workdir, "EVAL_EVERY=12", "TrainConfig.final_eval=True",
-        "TrainConfig.sample_prompt='def '", "TrainConfig.sample_tokens=16"))
+        "TrainConfig.sample_prompt='def '", "TrainConfig.sample_tokens=16",
+        "TrainConfig.profile_steps=(2, 3)"))
     assert_ok(result)
     with open(finished, "w", encoding="utf-8") as f:
       json.dump({"stdout": result.stdout, "stderr": result.stderr}, f)
