@@ -4,9 +4,10 @@ r"""Trains a model, or resumes the run in --workdir.
   python -m pretrain.train --gin_file=F --gin_param=TRAIN_STEPS=2000 --workdir=DIR
 
 If DIR holds checkpoints the run continues from the newest complete one (same losses as
-an uninterrupted run). SIGTERM saves a checkpoint at the next step boundary and exits 0;
-run the same command again to resume. Exit codes: 0 done or preempted-and-saved,
-1 the run failed (diverged, data or checkpoint problem), 2 bad command line or config.
+an uninterrupted run). SIGTERM or Ctrl-C saves a checkpoint at the next step boundary
+and exits 0 (a second Ctrl-C aborts without saving); run the same command again to
+resume. Exit codes: 0 done or preempted-and-saved, 1 the run failed (diverged, data or
+checkpoint problem), 2 bad command line or config.
 """
 from __future__ import annotations
 

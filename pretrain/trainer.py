@@ -212,6 +212,7 @@ class Trainer:
     """Trains from the newest checkpoint (or from scratch) to `train_steps`."""
     state, rng = self.initial_state()
     step = start_step = int(host_scalar(state.step))
+    self.writer.rewind(start_step)
     hooks = list(hooks) if hooks is not None else self.default_hooks(start_step, rng)
     pending = _PendingMetrics(hooks)
     started = time.perf_counter()
