@@ -47,7 +47,9 @@ def check_writable(workdir: str) -> None:
 
 
 def write_config(workdir: str) -> None:
-  """Writes the operative Gin config (only process 0)."""
+  """Checks that every binding was used, then writes the operative Gin config (only
+  process 0)."""
+  gin_config.check_bindings_used()
   if jax.process_index() == 0:
     with open(os.path.join(workdir, "config.gin"), "w", encoding="utf-8") as f:
       f.write(gin_config.operative_config())
@@ -56,9 +58,9 @@ def write_config(workdir: str) -> None:
 def train_from_gin(workdir: str, gin_files: Sequence[str],
                    gin_bindings: Sequence[str]) -> trainer.RunResult:
   """Parses Gin, builds every config once, and trains in `workdir`."""
-  gin_config.check_files(gin_files)
-  check_writable(workdir)
   gin_config.parse(gin_files, gin_bindings)
+  gin_config.check_training_config()
+  check_writable(workdir)
   gin_config.build(initialize_from_environment)
   train_config = gin_config.build(trainer.TrainConfig)
   runtime = gin_config.build_runtime(gin_config.build_model_config())

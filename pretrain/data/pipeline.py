@@ -9,10 +9,8 @@ processes.
 Gin (see configs/data/*.gin):
   DataPipeline.task = @text_files_task()       # or any registered task/mixture name
   text_files_task.train_files = %TRAIN_FILES
-  DataPipeline.sequence_length = %SEQUENCE_LENGTH
-  DataPipeline.batch_size = %BATCH_SIZE
-  DataPipeline.seed = %SEED
-The trainer passes `process_index` and `process_count`.
+The trainer passes `sequence_length`, `batch_size` and `seed` (from its TrainConfig, so
+the data and the model never disagree), `process_index` and `process_count`.
 """
 from __future__ import annotations
 
