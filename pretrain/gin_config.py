@@ -153,6 +153,53 @@ def check_training_config() -> None:
     if not _bound(selector, parameter):
       raise usage_error(message)
   check_macros()
+  check_bindings_reachable(TRAINING_ROOTS)
+
+
+# What `pretrain.train` builds from Gin; with what their bindings reference, every
+# binding of a training config must be read by one of them.
+TRAINING_ROOTS = (initialize_from_environment, TrainConfig, ModelConfig, ScanOptions,
+                  MeshConfig, logical_axis_rules, ReplicationCheck, CheckpointConfig,
+                  OptimizerConfig, pipeline_lib.DataPipeline)
+
+
+def unreachable_bindings(roots: Sequence[Callable[..., Any]]) -> list[str]:
+  """Bindings and macros that nothing built from `roots` can read, without building.
+
+  Follows references (`@task()`, `%MACRO`) out from the bindings of `roots`; whatever
+  is left configures something the command never calls. Checked right after parsing,
+  so a leftover binding fails before any data is prepared or anything is compiled.
+  """
+  bindings = _bindings()
+  registry = gin.config._REGISTRY  # pylint: disable=protected-access
+  wrapped = [_CONFIGURABLES.get(root, root) for root in roots]
+  root_selectors = {configurable.selector for _, configurable in registry.items()
+                    if configurable.wrapped in roots or configurable.wrapper in wrapped}
+  frontier = [key for key in bindings if key[1] in root_selectors]
+  reached: set[tuple[str, str]] = set()
+  while frontier:
+    key = frontier.pop()
+    if key in reached or key not in bindings:
+      continue
+    reached.add(key)
+    for reference in gin.config.iterate_references(bindings[key]):
+      frontier += [reference.config_key, ("", reference.configurable.selector)]
+  return sorted(_binding_name(key) for key in bindings if key not in reached)
+
+
+def _binding_name(key: tuple[str, str]) -> str:
+  scope, selector = key
+  if selector == "gin.macro":
+    return f"macro {scope}"
+  return f"{scope + '/' if scope else ''}{_minimal(selector)}"
+
+
+def check_bindings_reachable(roots: Sequence[Callable[..., Any]] = TRAINING_ROOTS) -> None:
+  """A usage error naming the first binding nothing built from `roots` reads."""
+  unreachable = unreachable_bindings(roots)
+  if unreachable:
+    raise usage_error(f"Gin bindings of {unreachable[0]} are set but this command never "
+                      "reads them (a leftover of another config?); remove them")
 
 
 def check_bindings_used() -> None:
