@@ -16,6 +16,7 @@ otherwise it is piped to `kubectl apply -f -`.
 """
 from __future__ import annotations
 
+from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
 import subprocess
 import sys
 from typing import Any, Optional, Sequence

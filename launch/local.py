@@ -11,6 +11,7 @@ and the launcher exits non-zero naming the process that failed first.
 """
 from __future__ import annotations
 
+from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
 import os
 import signal
 import subprocess

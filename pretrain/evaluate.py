@@ -11,6 +11,7 @@ the answer positions only and the result adds their arg-max "accuracy".
 """
 from __future__ import annotations
 
+from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
 import json
 import os
 from typing import Sequence

@@ -11,8 +11,8 @@ checkpoint problem), 2 bad command line or config.
 """
 from __future__ import annotations
 
+from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
 import os
-import tempfile
 from typing import Sequence
 
 import jax
@@ -22,7 +22,6 @@ from pretrain import cli
 from pretrain import gin_config
 from pretrain import trainer
 from pretrain.checkpointing import CheckpointConfig, Checkpointer
-from pretrain.errors import UserError
 from pretrain.optimizer import OptimizerConfig
 from sharding.distributed import initialize_from_environment
 
@@ -32,18 +31,8 @@ FLAGS = flags.FLAGS
 def define_flags() -> None:
   cli.define_gin_flags()
   flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics, config.gin.")
-  flags.mark_flags_as_required(["workdir", "gin_file"])
-
-
-def check_writable(workdir: str) -> None:
-  """Creates `workdir` and proves it writable, before any compute starts."""
-  try:
-    os.makedirs(workdir, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=workdir, prefix=".write_test"):
-      pass
-  except OSError as error:
-    raise UserError(f"Workdir {workdir} is not writable: {error.strerror or error}. "
-                    "Choose another --workdir or fix its permissions.") from None
+  flags.mark_flag_as_required("workdir")
+  cli.require_gin_files()
 
 
 def write_config(workdir: str) -> None:
@@ -60,7 +49,7 @@ def train_from_gin(workdir: str, gin_files: Sequence[str],
   """Parses Gin, builds every config once, and trains in `workdir`."""
   gin_config.parse(gin_files, gin_bindings)
   gin_config.check_training_config()
-  check_writable(workdir)
+  cli.prepare_workdir(workdir)
   gin_config.build(initialize_from_environment)
   train_config = gin_config.build(trainer.TrainConfig)
   runtime = gin_config.build_runtime(gin_config.build_model_config())
