@@ -28,6 +28,7 @@ flags.DEFINE_bool("verbose", False, "Show third-party logs (TensorFlow, XLA, Orb
 # Flags of these packages are listed by a command's --help (absl lists only the flags
 # of the main module unless others are declared key flags of it).
 _OWN_PACKAGES = ("pretrain", "model", "launch", "sharding", "benchmarks")
+_HELP_FLAGS = {"--help", "--helpshort", "--helpfull", "--helpxml", "-?"}
 
 
 def define_gin_flags() -> None:
@@ -76,13 +77,18 @@ def reject_extra_arguments(argv: Sequence[str]) -> None:
 
 
 def _flags_parser(argv: list[str]) -> list[str]:
-  """absl's flag parsing with a bad flag reported as one line and exit code 2."""
+  """absl's flag parsing with a bad flag reported as one line and exit code 2, `-h` for
+  `--help`, and help exiting 0 (absl exits 1 after printing it)."""
   argv = ["--help" if arg == "-h" else arg for arg in argv]
   try:
     return flags.FLAGS(argv)
   except flags.Error as error:
     print(f"error: {error} (--help lists the flags)", file=sys.stderr)
     sys.exit(EXIT_USAGE)
+  except SystemExit as done:
+    if done.code == 1 and _HELP_FLAGS.intersection(argv):
+      sys.exit(0)
+    raise
 
 
 def run(main: Callable[[Sequence[str]], Optional[int]]) -> None:
