@@ -71,6 +71,19 @@ def child_command(argv: Sequence[str],
   return command
 
 
+def gin_arguments(command: Sequence[str]) -> tuple[list[str], list[str]]:
+  """The --gin_file and --gin_param values of a training command, in order."""
+  found: dict[str, list[str]] = {"gin_file": [], "gin_param": []}
+  args = list(command)
+  for i, arg in enumerate(args):
+    for name, values in found.items():
+      if arg.startswith(f"--{name}="):
+        values.append(arg.split("=", 1)[1])
+      elif arg == f"--{name}" and i + 1 < len(args):
+        values.append(args[i + 1])
+  return found["gin_file"], found["gin_param"]
+
+
 def shell_join(argv: Sequence[str]) -> str:
   return " ".join(shlex.quote(str(a)) for a in argv)
 
