@@ -53,6 +53,24 @@ _CONFIGURABLES = {
 }
 
 
+def _never_raises(exists: Callable[[str], bool]) -> Callable[[str], bool]:
+  def checked(path: str) -> bool:
+    try:
+      return exists(path)
+    except (TypeError, ValueError, ImportError):
+      return False
+  return checked
+
+
+# Gin's second file reader looks a relative path up as a Python package resource, and
+# crashes (TypeError) on `configs/...` from outside the repository root, because
+# `configs` is then an importable namespace package without a file; it should just
+# report "not here" so the search goes on to the roots above.
+gin.config._FILE_READERS[:] = [  # pylint: disable=protected-access
+    (reader, _never_raises(exists))
+    for reader, exists in gin.config._FILE_READERS]  # pylint: disable=protected-access
+
+
 def _first_line(error: BaseException) -> str:
   text = str(error).strip() or type(error).__name__
   return text.splitlines()[0]

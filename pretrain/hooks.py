@@ -94,7 +94,11 @@ class MetricsLogger(Hook):
 
   Throughput is measured between two fetched steps, so it covers whole steps of device
   work; the time the loop spends in other hooks (evaluation, saves) is left out.
+
+  Attributes:
+    last_loss: the training loss of the newest step seen (None before the first).
   """
+  last_loss: Optional[float] = None
 
   def __init__(self, writer: MetricsWriter, *, log_every: int, start_step: int,
                tokens_per_step: int, flops_per_token: float, log_z_loss: bool = False):
@@ -108,6 +112,7 @@ class MetricsLogger(Hook):
     self._started = time.perf_counter()
 
   def on_metrics(self, step: int, values: Mapping[str, float]) -> None:
+    self.last_loss = values["loss"]
     if step % self._log_every and step != self._start_step + 1:
       return
     step_time = self._timer.mark(step)

@@ -14,7 +14,9 @@ import math
 import os
 import sys
 import time
-from typing import Mapping, Optional, TextIO
+from typing import Iterable, Iterator, Mapping, Optional, TextIO, TypeVar
+
+T = TypeVar("T")
 
 import jax
 from clu import metric_writers
@@ -41,6 +43,24 @@ def progress_line(step: int, total_steps: int, row: Mapping[str, float]) -> str:
           f"{row['step_time_s']:.3f} s/step | "
           f"MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | "
           f"ETA {format_duration(remaining)}")
+
+
+def with_progress(items: Iterable[T], total: int, label: str, *, every_s: float = 5.0,
+                  stream: TextIO = sys.stderr) -> Iterator[T]:
+  """Yields `items`, printing 'label: i/total (p%), ETA ...' about every `every_s`
+  seconds and once at the end, so a long pass is never silent."""
+  started = last = time.perf_counter()
+  done = 0
+  for done, item in enumerate(items, start=1):
+    yield item
+    now = time.perf_counter()
+    if now - last >= every_s and done < total:
+      last = now
+      eta = (now - started) / done * (total - done)
+      print(f"{label}: {done}/{total} ({100 * done // total}%), ETA {format_duration(eta)}",
+            file=stream, flush=True)
+  print(f"{label}: {done}/{total} in {format_duration(time.perf_counter() - started)}",
+        file=stream, flush=True)
 
 
 class MetricsWriter:

@@ -38,7 +38,12 @@ def test_run_writes_config_checkpoints_metrics_and_tensorboard(trained_workdir):
   assert "step 24/24 | loss" in out and "MFU n/a" in out and "ETA" in out and "tok/s" in out
   assert "eval_loss" in out
   assert "Sample:\ndef " in out
-  assert "Done: 24 steps" in out
+  assert "Done: 24 steps, 3,072 tokens; this session" in out
+  assert "run: 2 cpu device(s) in 1 process(es); mesh replica 1, data 2" in out
+  assert "128 tokens/step; workdir " + workdir in out
+  assert "validation loss" in out and f"checkpoints: {workdir}/checkpoints (newest: step 24)" in out
+  assert f"next: python -m pretrain.evaluate --workdir={workdir}" in out
+  assert result.stderr == "", result.stderr   # no third-party noise
 
 
 @pytest.mark.slow

@@ -122,10 +122,7 @@ class DataPipeline:
     are padding (all weights 0), so the weighted mean loss is over real tokens only.
     """
     store = self.validation_store
-    num_batches = -(-store.num_rows // self.batch_size)
-    if max_batches is not None:
-      num_batches = min(num_batches, max_batches)
-    for b in range(num_batches):
+    for b in range(self.validation_batch_count(max_batches)):
       start = b * self.batch_size + self.process_index * self.rows_per_process
       rows = np.arange(start, start + self.rows_per_process)
       real = rows[rows < store.num_rows]
@@ -135,6 +132,11 @@ class DataPipeline:
       for name, array in stored.items():
         padded[name][:len(real)] = array
       yield features_from_rows(**padded)
+
+  def validation_batch_count(self, max_batches: Optional[int] = None) -> int:
+    """How many batches `validation_batches(max_batches)` yields."""
+    count = -(-self.validation_store.num_rows // self.batch_size)
+    return count if max_batches is None else min(count, max_batches)
 
   @property
   def validation_store(self) -> token_store.TokenStore:
