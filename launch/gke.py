@@ -21,13 +21,11 @@ import subprocess
 import sys
 from typing import Any, Optional, Sequence
 
-import gin
 from absl import flags
 
 from launch import common
 from pretrain import cli
-from pretrain import gin_config
-from pretrain.errors import UserError, usage_error
+from pretrain.errors import usage_error
 
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 REPLICATED_JOB = "slice"
@@ -127,28 +125,15 @@ def define_flags() -> None:
     flags.mark_flag_as_required(name)
 
 
-def mesh_replica(command: Sequence[str]) -> Optional[int]:
-  """MeshConfig.replica as the training command's Gin config sets it (1 if unset or
-  unreadable here: the command runs in the container, where its files may differ)."""
-  files, params = common.gin_arguments(command)
-  try:
-    gin_config.parse(files, params)
-    return gin.query_parameter("MeshConfig.replica")
-  except (UserError, ValueError):
-    return 1
-  finally:
-    gin.clear_config()
-
-
 def main(argv: Sequence[str]) -> None:
   command = common.child_command(argv)
   tpu_slice = common.TpuSlice(FLAGS.tpu_type, FLAGS.topology)
-  replica = mesh_replica(command) if FLAGS.num_slices > 1 else 1
-  if replica != FLAGS.num_slices:
-    print(f"# note: {FLAGS.num_slices} slices, but the command's Gin config sets "
-          f"MeshConfig.replica={replica}; set it to {FLAGS.num_slices} (e.g. "
-          "--gin_file=configs/mesh/multislice_fsdp.gin) so the batch spans slices",
-          file=sys.stderr)
+  replica = common.gin_literal(command, "MeshConfig.replica")
+  replica = 1 if replica is None else replica  # MeshConfig's default
+  if FLAGS.num_slices > 1 and replica != FLAGS.num_slices:
+    print(f"# note: {FLAGS.num_slices} slices; the command should set "
+          f"MeshConfig.replica={FLAGS.num_slices} so the batch spans slices (its Gin "
+          f"config gives {replica}; see configs/mesh/multislice_fsdp.gin)", file=sys.stderr)
   manifest = common.to_yaml(jobset_manifest(
       FLAGS.name, FLAGS.image, command, tpu_slice, FLAGS.num_slices,
       common.parse_env_flags(FLAGS.env), FLAGS.max_restarts, FLAGS.working_dir))

@@ -49,6 +49,8 @@ def require_gin_files() -> None:
 
 
 def _list_shared_flags_in_help() -> None:
+  """Makes the flags defined in shared modules (this one, launch.common) key flags of
+  the main module, which is what absl's --help lists."""
   main = sys.argv[0]
   for module, module_flags in flags.FLAGS.flags_by_module_dict().items():
     if module != main and module.split(".")[0] in _OWN_PACKAGES:
@@ -79,14 +81,15 @@ def reject_extra_arguments(argv: Sequence[str]) -> None:
 def _flags_parser(argv: list[str]) -> list[str]:
   """absl's flag parsing with a bad flag reported as one line and exit code 2, `-h` for
   `--help`, and help exiting 0 (absl exits 1 after printing it)."""
-  argv = ["--help" if arg == "-h" else arg for arg in argv]
+  own = argv.index("--") if "--" in argv else len(argv)  # a launcher's command follows
+  argv = ["--help" if arg == "-h" and i < own else arg for i, arg in enumerate(argv)]
   try:
     return flags.FLAGS(argv)
   except flags.Error as error:
     print(f"error: {error} (--help lists the flags)", file=sys.stderr)
     sys.exit(EXIT_USAGE)
   except SystemExit as done:
-    if done.code == 1 and _HELP_FLAGS.intersection(argv):
+    if done.code == 1 and _HELP_FLAGS.intersection(argv[:own]):
       sys.exit(0)
     raise
 
