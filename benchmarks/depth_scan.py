@@ -16,6 +16,7 @@ Examples:
 """
 from __future__ import annotations
 
+from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
 import os
 import statistics
 import sys

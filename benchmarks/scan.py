@@ -26,6 +26,7 @@ number: it is skipped unless --include_interpret, and then marked "interpret".
 """
 from __future__ import annotations
 
+from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
 import statistics
 import time
 from typing import Callable, Sequence

@@ -39,6 +39,7 @@ compile on CPU: expect the reference's compile time to dominate a CPU run.
 """
 from __future__ import annotations
 
+from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
 import dataclasses
 import json
 import os

@@ -7,7 +7,9 @@ add only what the cluster needs around it. Their flags are absl flags, run throu
 """
 from __future__ import annotations
 
+import ast
 import json
+import os
 import re
 import shlex
 import socket
@@ -19,6 +21,7 @@ from absl import flags
 from pretrain.errors import usage_error
 from sharding import distributed
 
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 _COMMAND_EXAMPLE = ("-- python -m pretrain.train --gin_file=configs/quickstart.gin "
                     "--workdir=/tmp/run")
@@ -77,6 +80,59 @@ def child_command(argv: Sequence[str],
     raise usage_error(f"unexpected arguments {extra} before `--`; launcher options are "
                       "--flags, and the command to run goes after `--`")
   return command
+
+
+_GIN_ROOTS = (REPO_ROOT, os.path.join(REPO_ROOT, "configs"))
+
+
+def _gin_lines(path: str, seen: set[str]) -> list[str]:
+  """The statements of a Gin file with its includes spliced in, in parse order."""
+  found = next((p for p in [path] + [os.path.join(r, path) for r in _GIN_ROOTS]
+                if os.path.isfile(p)), None)
+  if found is None or found in seen:
+    return []
+  seen.add(found)
+  lines = []
+  with open(found, encoding="utf-8") as f:
+    for line in f:
+      line = line.split("#", 1)[0].strip()
+      include = re.match(r"include\s+['\"](.+)['\"]$", line)
+      lines += _gin_lines(include.group(1), seen) if include else [line]
+  return lines
+
+
+def gin_literal(command: Sequence[str], binding: str) -> Any:
+  """The literal value the training command's Gin files and --gin_param set for
+  `binding` (the last one wins, as in Gin), or None if unset or not a literal.
+
+  Launchers only read the command, for sanity notes; reading it through Gin would
+  import the data libraries (TensorFlow) into every launcher.
+  """
+  files, params = gin_arguments(command)
+  seen: set[str] = set()
+  statements = [line for path in files for line in _gin_lines(path, seen)] + params
+  value = None
+  for statement in statements:
+    name, _, text = statement.partition("=")
+    if name.strip() == binding:
+      try:
+        value = ast.literal_eval(text.strip())
+      except (ValueError, SyntaxError):
+        value = None
+  return value
+
+
+def gin_arguments(command: Sequence[str]) -> tuple[list[str], list[str]]:
+  """The --gin_file and --gin_param values of a training command, in order."""
+  found: dict[str, list[str]] = {"gin_file": [], "gin_param": []}
+  args = list(command)
+  for i, arg in enumerate(args):
+    for name, values in found.items():
+      if arg.startswith(f"--{name}="):
+        values.append(arg.split("=", 1)[1])
+      elif arg == f"--{name}" and i + 1 < len(args):
+        values.append(args[i + 1])
+  return found["gin_file"], found["gin_param"]
 
 
 def shell_join(argv: Sequence[str]) -> str:

@@ -16,6 +16,7 @@ otherwise it is piped to `kubectl apply -f -`.
 """
 from __future__ import annotations
 
+from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
 import subprocess
 import sys
 from typing import Any, Optional, Sequence
@@ -129,9 +130,12 @@ def define_flags() -> None:
 def main(argv: Sequence[str]) -> None:
   command = common.child_command(argv)
   tpu_slice = common.TpuSlice(FLAGS.tpu_type, FLAGS.topology)
-  if FLAGS.num_slices > 1 and "MeshConfig.replica" not in " ".join(command):
+  replica = common.gin_literal(command, "MeshConfig.replica")
+  replica = 1 if replica is None else replica  # MeshConfig's default
+  if FLAGS.num_slices > 1 and replica != FLAGS.num_slices:
     print(f"# note: {FLAGS.num_slices} slices; the command should set "
-          f"MeshConfig.replica={FLAGS.num_slices} so the batch spans slices", file=sys.stderr)
+          f"MeshConfig.replica={FLAGS.num_slices} so the batch spans slices (its Gin "
+          f"config gives {replica}; see configs/mesh/multislice_fsdp.gin)", file=sys.stderr)
   manifest = common.to_yaml(jobset_manifest(
       FLAGS.name, FLAGS.image, command, tpu_slice, FLAGS.num_slices,
       common.parse_env_flags(FLAGS.env), FLAGS.max_restarts, FLAGS.working_dir))

@@ -13,6 +13,7 @@ spent.
 """
 from __future__ import annotations
 
+from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
 import os
 import signal
 import socket

@@ -15,6 +15,7 @@ submitting.
 """
 from __future__ import annotations
 
+from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
 import os
 import subprocess
 import sys

@@ -47,6 +47,7 @@ coarse: a family may land up to ~15% from the target, which the FLOPs axis absor
 """
 from __future__ import annotations
 
+from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
 import csv
 import dataclasses
 import json

@@ -15,6 +15,7 @@ command instead of running it.
 """
 from __future__ import annotations
 
+from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
 import subprocess
 import sys
 from typing import Optional, Sequence

@@ -22,6 +22,7 @@ ends the program with one `error: ...` line on stderr and exit status 2.
 """
 from __future__ import annotations
 
+from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
 import dataclasses
 import json
 from typing import Any, Optional, Sequence

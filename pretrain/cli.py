@@ -3,24 +3,32 @@
 Every `python -m pretrain.<command>`, `launch.<command>`, `model.summary` and
 `benchmarks/*.py` runs its `main` through `run`. A `UserError` (see `pretrain.errors`)
 becomes one line on stderr and its exit code; anything else is a bug and keeps its
-traceback. `--traceback` shows the stack of a UserError too.
+traceback. `--traceback` shows the stack of a UserError too. `--help` (or `-h`) lists
+the command's own flags and the shared ones; `--verbose` shows the third-party logs
+that `pretrain.quiet` hides.
 """
 from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from typing import Callable, Optional, Sequence
 
 from absl import app
 from absl import flags
 from absl import logging
 
+from pretrain import quiet
 from pretrain.errors import EXIT_USAGE, UserError, usage_error
 
-# TensorFlow (imported by SeqIO) otherwise prints start-up notices on every command.
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
 flags.DEFINE_bool("traceback", False, "Show the full Python traceback of a failure.")
+flags.DEFINE_bool("verbose", False, "Show third-party logs (TensorFlow, XLA, Orbax, "
+                  "gloo start-up lines) and INFO logging, which are hidden by default.")
+
+# Flags of these packages are listed by a command's --help (absl lists only the flags
+# of the main module unless others are declared key flags of it).
+_OWN_PACKAGES = ("pretrain", "model", "launch", "sharding", "benchmarks")
+_HELP_FLAGS = {"--help", "--helpshort", "--helpfull", "--helpxml", "-?"}
 
 
 def define_gin_flags() -> None:
@@ -33,6 +41,37 @@ def define_gin_flags() -> None:
       "--gin_param=TRAIN_STEPS=100 (repeatable).")
 
 
+def require_gin_files() -> None:
+  """--gin_file must be given at least once (a multi-flag's default is [], so absl's
+  `mark_flag_as_required` cannot tell)."""
+  flags.register_validator("gin_file", bool, message="--gin_file is required "
+                           "(e.g. --gin_file=configs/quickstart.gin)")
+
+
+def _list_shared_flags_in_help() -> None:
+  """Makes the flags defined in shared modules (this one, launch.common) key flags of
+  the main module, which is what absl's --help lists."""
+  main = sys.argv[0]
+  for module, module_flags in flags.FLAGS.flags_by_module_dict().items():
+    if module != main and module.split(".")[0] in _OWN_PACKAGES:
+      for flag in module_flags:
+        flags.FLAGS.register_key_flag_for_module(main, flag)
+
+
+def prepare_workdir(workdir: str) -> None:
+  """Creates `workdir` and proves it writable, before any compute starts."""
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise usage_error(f"--workdir {workdir} is a file, not a directory; choose a "
+                      "directory (it is created if missing)")
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=workdir, prefix=".write_test"):
+      pass
+  except OSError as error:
+    raise UserError(f"Workdir {workdir} is not writable: {error.strerror or error}. "
+                    "Choose another --workdir or fix its permissions.") from None
+
+
 def reject_extra_arguments(argv: Sequence[str]) -> None:
   """Raises a usage error for positional arguments a command does not take."""
   if len(argv) > 1:
@@ -40,21 +79,30 @@ def reject_extra_arguments(argv: Sequence[str]) -> None:
 
 
 def _flags_parser(argv: list[str]) -> list[str]:
-  """absl's flag parsing with a bad flag reported as one line and exit code 2."""
+  """absl's flag parsing with a bad flag reported as one line and exit code 2, `-h` for
+  `--help`, and help exiting 0 (absl exits 1 after printing it)."""
+  own = argv.index("--") if "--" in argv else len(argv)  # a launcher's command follows
+  argv = ["--help" if arg == "-h" and i < own else arg for i, arg in enumerate(argv)]
   try:
     return flags.FLAGS(argv)
   except flags.Error as error:
-    print(f"error: {error}", file=sys.stderr)
-    print(f"Run {os.path.basename(argv[0])} --helpfull for the flags.", file=sys.stderr)
+    print(f"error: {error} (--help lists the flags)", file=sys.stderr)
     sys.exit(EXIT_USAGE)
+  except SystemExit as done:
+    if done.code == 1 and _HELP_FLAGS.intersection(argv[:own]):
+      sys.exit(0)
+    raise
 
 
 def run(main: Callable[[Sequence[str]], Optional[int]]) -> None:
   """absl `app.run(main)`, with a UserError reported in one line and its exit code."""
   def guarded(argv: Sequence[str]) -> Optional[int]:
-    if not flags.FLAGS["verbosity"].present:
+    if flags.FLAGS.verbose:
+      logging.set_verbosity(logging.INFO)
+    elif not flags.FLAGS["verbosity"].present:
       # Orbax and JAX log every save at INFO; the commands print their own progress.
       logging.set_verbosity(logging.WARNING)
+      quiet.install_log_filters()
     try:
       return main(argv)
     except KeyboardInterrupt:
@@ -66,4 +114,5 @@ def run(main: Callable[[Sequence[str]], Optional[int]]) -> None:
       print(f"error: {str(error).strip() or type(error).__name__}", file=sys.stderr)
       sys.exit(error.exit_code)
 
+  _list_shared_flags_in_help()
   app.run(guarded, flags_parser=_flags_parser)

@@ -15,6 +15,7 @@ DIR/model.gin holds the ModelConfig bindings to train with.
 """
 from __future__ import annotations
 
+from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
 import os
 from typing import Any, Optional, Sequence
 
@@ -130,7 +131,7 @@ def convert_recurrentgemma(checkpoint: str, workdir: str, settings: dict[str, An
     raise UserError(f"--vocab has {vocabulary.vocab_size} ids but the checkpoint's "
                         f"embedding only {config.vocab_size} rows; pass the vocabulary "
                         "the model was trained with")
-  os.makedirs(workdir, exist_ok=True)
+  cli.prepare_workdir(workdir)
   if complete_steps(os.path.join(workdir, "checkpoints")):
     raise UserError(f"{workdir} already holds checkpoints; convert into a new --workdir")
   runtime = Runtime.create(config, MeshConfig())

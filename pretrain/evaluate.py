@@ -11,6 +11,7 @@ the answer positions only and the result adds their arg-max "accuracy".
 """
 from __future__ import annotations
 
+from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
 import json
 import os
 from typing import Sequence
@@ -20,6 +21,7 @@ from absl import flags
 from pretrain import cli
 from pretrain import evaluation
 from pretrain import gin_config
+from pretrain import metrics as metrics_lib
 from pretrain.data import synthetic
 from pretrain.errors import UserError
 from pretrain.load import LoadedModel, load
@@ -61,7 +63,9 @@ def validation_metrics(model: LoadedModel, workdir: str) -> dict[str, float]:
                     "unknown (a converted checkpoint has none); pass --text_file=PATH")
   gin_config.parse([config_path], [])
   pipeline = gin_config.build_pipeline(gin_config.build(TrainConfig), model.runtime)
-  batches = pipeline.validation_batches(None)
+  batches = metrics_lib.with_progress(pipeline.validation_batches(None),
+                                     pipeline.validation_batch_count(None),
+                                     "evaluating validation batches")
   if pipeline.task_name in synthetic.SPECS:
     return evaluation.answer_metrics(model.runtime, model.params, batches)
   loss, tokens = evaluation.evaluate_batches(model.runtime, model.params, batches)

@@ -18,6 +18,7 @@ model trained on a shortened variant is evaluated on that variant); --task may n
 """
 from __future__ import annotations
 
+from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
 import json
 import os
 from typing import Callable, Dict, List, Optional, Sequence

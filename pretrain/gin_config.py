@@ -13,7 +13,10 @@ any directory.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import inspect
 import os
+import re
 import tokenize
 from typing import Any, Callable, Sequence, TypeVar
 
@@ -50,6 +53,24 @@ _CONFIGURABLES = {
 }
 
 
+def _never_raises(exists: Callable[[str], bool]) -> Callable[[str], bool]:
+  def checked(path: str) -> bool:
+    try:
+      return exists(path)
+    except (TypeError, ValueError, ImportError):
+      return False
+  return checked
+
+
+# Gin's second file reader looks a relative path up as a Python package resource, and
+# crashes (TypeError) on `configs/...` from outside the repository root, because
+# `configs` is then an importable namespace package without a file; it should just
+# report "not here" so the search goes on to the roots above.
+gin.config._FILE_READERS[:] = [  # pylint: disable=protected-access
+    (reader, _never_raises(exists))
+    for reader, exists in gin.config._FILE_READERS]  # pylint: disable=protected-access
+
+
 def _first_line(error: BaseException) -> str:
   text = str(error).strip() or type(error).__name__
   return text.splitlines()[0]
@@ -61,6 +82,166 @@ def _gin_context(error: BaseException) -> str:
   context = [line for line in lines if line.startswith(("In file", "In bindings",
                                                         "In call to configurable"))]
   return f" ({'; '.join(context)})" if context else ""
+
+
+def _did_you_mean(name: str, known: Sequence[str]) -> str:
+  close = difflib.get_close_matches(name, sorted(set(known)), n=1, cutoff=0.75)
+  return f"; did you mean {close[0]}?" if close else ""
+
+
+def _minimal(selector: str) -> str:
+  return gin.config._REGISTRY.minimal_selector(selector)  # pylint: disable=protected-access
+
+
+def _suggestion(message: str) -> str:
+  """The nearest known name for Gin's "unknown configurable / parameter" errors."""
+  registry = gin.config._REGISTRY  # pylint: disable=protected-access
+  unknown_parameter = re.match(
+      r"Configurable '([^']+)' doesn't have a parameter named '([^']+)'", message)
+  if unknown_parameter:
+    configurable = registry.get_match(unknown_parameter.group(1))
+    if configurable is not None:
+      known = inspect.signature(configurable.wrapped).parameters
+      return _did_you_mean(unknown_parameter.group(2), list(known))
+  unknown_configurable = re.match(r"No configurable matching '([^']+)'", message)
+  if unknown_configurable:
+    known = [_minimal(selector) for selector, _ in registry.items()]
+    return _did_you_mean(unknown_configurable.group(1).rsplit("/", 1)[-1], known)
+  return ""
+
+
+def _bindings() -> dict[tuple[str, str], dict[str, Any]]:
+  return gin.config._CONFIG  # pylint: disable=protected-access
+
+
+def _macros_defined() -> set[str]:
+  return {scope for scope, selector in _bindings() if selector == "gin.macro"}
+
+
+def _macros_referenced() -> set[str]:
+  macro = gin.config.get_configurable(gin.config.macro)
+  return {reference.scoped_selector.rsplit("/", 1)[0]
+          for reference in gin.config.iterate_references(_bindings(), to=macro)}
+
+
+def check_macros() -> None:
+  """Every macro set is read somewhere, and every macro read is set.
+
+  A macro nothing refers to is almost always a typo (`TRAIN_STEP=20` for TRAIN_STEPS),
+  which Gin would otherwise accept silently and run with the default.
+  """
+  defined, referenced = _macros_defined(), _macros_referenced()
+  unread, unset = sorted(defined - referenced), sorted(referenced - defined)
+  if unread:
+    raise usage_error(f"Gin macro {unread[0]} is set but nothing reads it"
+                      f"{_did_you_mean(unread[0], referenced)}")
+  if unset:
+    raise usage_error(f"Gin macro {unset[0]} is read but never set; add "
+                      f"--gin_param={unset[0]}=... or the Gin file that sets it"
+                      f"{_did_you_mean(unset[0], defined)}")
+
+
+def _bound(selector: str, parameter: str) -> bool:
+  try:
+    gin.query_parameter(f"{selector}.{parameter}")
+  except ValueError:
+    return False
+  return True
+
+
+# What a training run needs besides a model, and the Gin file that provides it.
+_TRAINING_PARTS = (
+    ("ModelConfig", "width", "No model configuration: add a preset, e.g. "
+     "--gin_file=configs/models/griffin_100m.gin (see configs/models/)"),
+    ("TrainConfig", "train_steps", "No trainer configuration: add "
+     "--gin_file=configs/base/trainer.gin (it defines TRAIN_STEPS, BATCH_SIZE, "
+     "SEQUENCE_LENGTH, ...) and --gin_file=configs/base/optimizer.gin"),
+    ("DataPipeline", "task", "No data configuration: add one of configs/data/*.gin, e.g. "
+     "--gin_file=configs/data/text_files.gin --gin_param=\"TRAIN_FILES='corpus/*.txt'\""),
+)
+
+
+def check_training_config() -> None:
+  """A training run has a model, trainer and data config, and no macro typos.
+
+  Called right after `parse`, before anything is built, so a missing Gin file is one
+  line naming the file to add rather than a failure deep inside the data pipeline.
+  """
+  for selector, parameter, message in _TRAINING_PARTS:
+    if not _bound(selector, parameter):
+      raise usage_error(message)
+  check_macros()
+  check_bindings_reachable(TRAINING_ROOTS)
+
+
+# What `pretrain.train` builds from Gin; with what their bindings reference, every
+# binding of a training config must be read by one of them.
+TRAINING_ROOTS = (initialize_from_environment, TrainConfig, ModelConfig, ScanOptions,
+                  MeshConfig, logical_axis_rules, ReplicationCheck, CheckpointConfig,
+                  OptimizerConfig, pipeline_lib.DataPipeline)
+
+
+def unreachable_bindings(roots: Sequence[Callable[..., Any]]) -> list[str]:
+  """Bindings and macros that nothing built from `roots` can read, without building.
+
+  Follows references (`@task()`, `%MACRO`) out from the bindings of `roots`; whatever
+  is left configures something the command never calls. Checked right after parsing,
+  so a leftover binding fails before any data is prepared or anything is compiled.
+  """
+  bindings = _bindings()
+  registry = gin.config._REGISTRY  # pylint: disable=protected-access
+  wrapped = [_CONFIGURABLES.get(root, root) for root in roots]
+  root_selectors = {configurable.selector for _, configurable in registry.items()
+                    if configurable.wrapped in roots or configurable.wrapper in wrapped}
+  frontier = [key for key in bindings if key[1] in root_selectors]
+  reached: set[tuple[str, str]] = set()
+  while frontier:
+    key = frontier.pop()
+    if key in reached or key not in bindings:
+      continue
+    reached.add(key)
+    for reference in gin.config.iterate_references(bindings[key]):
+      frontier += [reference.config_key, ("", reference.configurable.selector)]
+  return sorted(_binding_name(key) for key in bindings if key not in reached)
+
+
+def _binding_name(key: tuple[str, str]) -> str:
+  scope, selector = key
+  if selector == "gin.macro":
+    return f"macro {scope}"
+  return f"{scope + '/' if scope else ''}{_minimal(selector)}"
+
+
+def check_bindings_reachable(roots: Sequence[Callable[..., Any]] = TRAINING_ROOTS) -> None:
+  """A usage error naming the first binding nothing built from `roots` reads."""
+  unreachable = unreachable_bindings(roots)
+  if unreachable:
+    raise usage_error(f"Gin bindings of {unreachable[0]} are set but this command never "
+                      "reads them (a leftover of another config?); remove them")
+
+
+def check_bindings_used() -> None:
+  """Every binding was read by a configurable this command built.
+
+  Call after everything is built: Gin records in its operative config the bindings a
+  call actually used, so a binding missing there configures something this run never
+  builds (a leftover of another data config) or that the caller sets itself.
+  """
+  operative = gin.config._OPERATIVE_CONFIG  # pylint: disable=protected-access
+  unused = [(scope, selector, parameter)
+            for (scope, selector), parameters in _bindings().items()
+            for parameter in parameters
+            if parameter not in operative.get((scope, selector), {})]
+  if not unused:
+    return
+  # A macro is unused when only unused bindings read it: name the binding.
+  scope, selector, parameter = min(unused, key=lambda u: u[1] == "gin.macro")
+  if selector == "gin.macro":
+    raise usage_error(f"Gin macro {scope} is set but nothing this run builds reads it; "
+                      "remove it")
+  name = f"{scope + '/' if scope else ''}{_minimal(selector)}.{parameter}"
+  raise usage_error(f"Gin binding {name} is set but this run never reads it (nothing "
+                    "calls it, or the trainer sets that value itself); remove it")
 
 
 def check_files(files: Sequence[str]) -> None:
@@ -88,7 +269,7 @@ def parse(files: Sequence[str], bindings: Sequence[str], skip_unknown: bool = Fa
   except (IOError, ValueError, SyntaxError, KeyError, TypeError, NameError,
           tokenize.TokenError) as error:
     raise usage_error(f"Bad Gin configuration: {_first_line(error)}"
-                      f"{_gin_context(error)}") from error
+                      f"{_gin_context(error)}{_suggestion(_first_line(error))}") from error
 
 
 def build(target: Callable[..., T], *args: Any, **kwargs: Any) -> T:

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import signal
+import sys
 import time
 from typing import Any, Callable, Mapping, Optional
 
@@ -92,7 +94,11 @@ class MetricsLogger(Hook):
 
   Throughput is measured between two fetched steps, so it covers whole steps of device
   work; the time the loop spends in other hooks (evaluation, saves) is left out.
+
+  Attributes:
+    last_loss: the training loss of the newest step seen (None before the first).
   """
+  last_loss: Optional[float] = None
 
   def __init__(self, writer: MetricsWriter, *, log_every: int, start_step: int,
                tokens_per_step: int, flops_per_token: float, log_z_loss: bool = False):
@@ -106,6 +112,7 @@ class MetricsLogger(Hook):
     self._started = time.perf_counter()
 
   def on_metrics(self, step: int, values: Mapping[str, float]) -> None:
+    self.last_loss = values["loss"]
     if step % self._log_every and step != self._start_step + 1:
       return
     step_time = self._timer.mark(step)
@@ -224,41 +231,56 @@ class ProfileHook(Hook):
 
 
 class PreemptionHook(Hook):
-  """Stops the run at a step boundary when SIGTERM arrives; the final save follows.
+  """Stops the run at a step boundary on SIGTERM or Ctrl-C; the final save follows.
 
-  With one process a Python SIGTERM handler sets a flag. With several, each host gets
-  its own notice at its own moment, and a host that stopped alone would leave the
-  others blocked in the next step's collectives; so the decision goes through JAX's
-  preemption sync service (via Orbax's `reached_preemption`), which catches SIGTERM
-  itself and lets every process agree on the first step all of them can still reach.
+  Ctrl-C (SIGINT) means the same as a preemption notice: save the current step, exit 0,
+  rerun to resume. A second Ctrl-C kills the process at once (the default action is
+  restored after the first), for when the save itself is not wanted.
+
+  With one process Python handlers set a flag. With several, each host gets its own
+  notice at its own moment, and a host that stopped alone would leave the others
+  blocked in the next step's collectives; so the decision goes through JAX's preemption
+  sync service (via Orbax's `reached_preemption`), which catches SIGTERM itself and lets
+  every process agree on the first step all of them can still reach. There, Ctrl-C is
+  turned into a SIGTERM to this process, so it takes the same agreed path.
   """
   every = 1
   drains_metrics = False
 
   def __init__(self, checkpointer: Checkpointer):
     self._checkpointer = checkpointer
-    self._previous_handler = None
-    if jax.process_count() == 1:
+    self._multi_process = jax.process_count() > 1
+    self._previous_handlers: dict[int, Any] = {}
+    watched = (signal.SIGINT,) if self._multi_process else (signal.SIGINT, signal.SIGTERM)
+    for signum in watched:
       try:
-        self._previous_handler = signal.signal(signal.SIGTERM, self._on_signal)
+        self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
       except ValueError:  # not the main thread: no handler, no preemption saves
-        self._previous_handler = None
+        break
 
   def _on_signal(self, signum: int, frame: Any) -> None:
     del frame
-    logging.warning("Received signal %d: saving a checkpoint and stopping", signum)
+    if signum == signal.SIGINT:
+      signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C aborts at once
+      print("\nCtrl-C: saving the current step, then stopping (Ctrl-C again aborts "
+            "without saving)", file=sys.stderr, flush=True)
+      if self._multi_process:
+        os.kill(os.getpid(), signal.SIGTERM)  # the preemption sync service's notice
+        return
+    else:
+      logging.warning("Received signal %d: saving a checkpoint and stopping", signum)
     self.stop_requested = True
 
   def on_step(self, step: int, state: TrainState) -> None:
     del state
-    if jax.process_count() > 1 and self._checkpointer.reached_preemption(step):
+    if self._multi_process and self._checkpointer.reached_preemption(step):
       logging.warning("Preemption notice: all processes save step %d and stop", step)
       self.stop_requested = True
 
   def close(self) -> None:
-    if self._previous_handler is not None:
-      signal.signal(signal.SIGTERM, self._previous_handler)
-      self._previous_handler = None
+    for signum, handler in self._previous_handlers.items():
+      signal.signal(signum, handler)
+    self._previous_handlers = {}
 
 
 class SampleHook(Hook):

@@ -14,7 +14,9 @@ import math
 import os
 import sys
 import time
-from typing import Mapping, Optional, TextIO
+from typing import Iterable, Iterator, Mapping, Optional, TextIO, TypeVar
+
+T = TypeVar("T")
 
 import jax
 from clu import metric_writers
@@ -43,11 +45,32 @@ def progress_line(step: int, total_steps: int, row: Mapping[str, float]) -> str:
           f"ETA {format_duration(remaining)}")
 
 
+def with_progress(items: Iterable[T], total: int, label: str, *, every_s: float = 5.0,
+                  stream: TextIO = sys.stderr) -> Iterator[T]:
+  """Yields `items`, printing 'label: i/total (p%), ETA ...' about every `every_s`
+  seconds and once at the end, so a long pass is never silent."""
+  started = last = time.perf_counter()
+  done = 0
+  for done, item in enumerate(items, start=1):
+    yield item
+    now = time.perf_counter()
+    if now - last >= every_s and done < total:
+      last = now
+      eta = (now - started) / done * (total - done)
+      print(f"{label}: {done}/{total} ({100 * done // total}%), ETA {format_duration(eta)}",
+            file=stream, flush=True)
+  print(f"{label}: {done}/{total} in {format_duration(time.perf_counter() - started)}",
+        file=stream, flush=True)
+
+
 class MetricsWriter:
   """Appends metric rows to `workdir/metrics.jsonl` and TensorBoard; prints progress.
 
-  Rows are appended (not rewritten), so a resumed run continues the same file; a row's
-  `step` says which step it belongs to.
+  Rows are appended, so a resumed run continues the same file; a row's `step` says
+  which step it belongs to. `rewind(step)` first drops the rows of steps after the
+  restored checkpoint (they are about to be trained again), and an evaluation of a step
+  already in the file is printed but not appended again, so the file never holds two
+  rows of the same kind for one step, however often a run is stopped and rerun.
   """
 
   def __init__(self, workdir: str, total_steps: int, *, tensorboard: bool = True,
@@ -57,9 +80,11 @@ class MetricsWriter:
     self._stream = stream
     self._jsonl = None
     self._summary = None
+    self._path = os.path.join(workdir, "metrics.jsonl")
+    self._eval_steps: set[int] = set()
     if not self._enabled:
       return
-    self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8")
+    self._jsonl = open(self._path, "a", encoding="utf-8")
     if tensorboard:
       self._summary = metric_writers.SummaryWriter(os.path.join(workdir, "tensorboard"))
 
@@ -73,6 +98,21 @@ class MetricsWriter:
           name: value for name, value in record.items()
           if name != "step" and value is not None and math.isfinite(value)})
 
+  def rewind(self, step: int) -> None:
+    """Drops the rows of steps after `step` (and a half-written last line): the run
+    continues from the checkpoint of `step`, so those steps are logged again."""
+    if not self._enabled:
+      return
+    self._jsonl.close()
+    with open(self._path, encoding="utf-8") as f:
+      rows = [line for line in f if line.endswith("\n")]
+    kept = [line for line in rows if json.loads(line)["step"] <= step]
+    with open(self._path + ".tmp", "w", encoding="utf-8") as f:  # replaced atomically
+      f.writelines(kept)
+    os.replace(self._path + ".tmp", self._path)
+    self._eval_steps = {row["step"] for row in map(json.loads, kept) if "eval_loss" in row}
+    self._jsonl = open(self._path, "a", encoding="utf-8")
+
   def log_train(self, step: int, row: Mapping[str, Optional[float]]) -> None:
     """A training row: loss, learning_rate, tokens_per_second, step_time_s, mfu, ..."""
     if not self._enabled:
@@ -83,7 +123,9 @@ class MetricsWriter:
   def log_eval(self, step: int, eval_loss: float, tokens: int) -> None:
     if not self._enabled:
       return
-    self._write(step, {"eval_loss": eval_loss, "eval_tokens": tokens})
+    if step not in self._eval_steps:  # a rerun of a finished run evaluates it again
+      self._write(step, {"eval_loss": eval_loss, "eval_tokens": tokens})
+      self._eval_steps.add(step)
     print(f"step {step}/{self._total_steps} | eval_loss {eval_loss:.4f} "
           f"({tokens:,} tokens)", file=self._stream, flush=True)
 

@@ -7,6 +7,7 @@ See `pretrain.generation` for how decoding works (one prefill, then cached steps
 """
 from __future__ import annotations
 
+from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
 from typing import Sequence
 
 from absl import flags

@@ -13,6 +13,7 @@ bytes) and uses the ids the pipeline expects: 0 = padding, 1 = EOS, 2 = UNK, no 
 """
 from __future__ import annotations
 
+from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
 import io
 import os
 from typing import Iterator, Sequence

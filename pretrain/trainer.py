@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
+import shlex
 import time
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -25,7 +26,7 @@ from pretrain import hooks as hooks_lib
 from pretrain.checkpointing import Checkpointer
 from pretrain.errors import usage_error
 from pretrain.metadata import RunMetadata, vocabulary_spec
-from pretrain.metrics import MetricsWriter
+from pretrain.metrics import MetricsWriter, format_duration
 from pretrain.optimizer import OptimizerConfig, learning_rate_schedule, make_optimizer
 from pretrain.runtime import Runtime, host_scalar
 from pretrain.steps import TrainState, make_train_step
@@ -227,6 +228,7 @@ class Trainer:
     """Trains from the newest checkpoint (or from scratch) to `train_steps`."""
     state, rng = self.initial_state()
     step = start_step = int(host_scalar(state.step))
+    self.writer.rewind(start_step)
     hooks = list(hooks) if hooks is not None else self.default_hooks(start_step, rng)
     pending = _PendingMetrics(hooks)
     started = time.perf_counter()
@@ -258,10 +260,40 @@ class Trainer:
               seconds: float) -> RunResult:
     eval_loss = next((h.last_loss for h in hooks if isinstance(h, hooks_lib.EvalHook)), None)
     sample = next((h.text for h in hooks if isinstance(h, hooks_lib.SampleHook)), None)
+    train_loss = next((h.last_loss for h in hooks if isinstance(h, hooks_lib.MetricsLogger)),
+                      None)
     if not preempted:
-      self.writer.info(f"Done: {step} steps in {seconds:.1f}s" + (
-          f", validation loss {eval_loss:.4f}" if eval_loss is not None else ""))
+      self.writer.info(end_summary(
+          str(self.checkpointer.directory.parent), step,
+          self.config.batch_size * self.config.sequence_length, seconds, train_loss,
+          eval_loss, str(self.checkpointer.directory)))
     return RunResult(step, preempted, None if preempted else eval_loss, sample)
+
+
+def start_summary(workdir: str, config: TrainConfig, runtime: Runtime) -> str:
+  """Where and how the run trains: devices, processes, mesh, tokens per step, workdir."""
+  devices = jax.devices()
+  mesh = ", ".join(f"{axis} {size}" for axis, size in runtime.mesh.shape.items())
+  return (f"run: {len(devices)} {devices[0].platform} device(s) in {jax.process_count()} "
+          f"process(es); mesh {mesh}; batch {config.batch_size} x "
+          f"{config.sequence_length} = {config.batch_size * config.sequence_length:,} "
+          f"tokens/step; workdir {workdir}")
+
+
+def end_summary(workdir: str, step: int, tokens_per_step: int, seconds: float,
+                train_loss: Optional[float], eval_loss: Optional[float],
+                checkpoints: str) -> str:
+  """What the run did and what to run next."""
+  losses = ", ".join(
+      f"{name} {value:.4f}" for name, value in (("train loss", train_loss),
+                                                ("validation loss", eval_loss))
+      if value is not None)
+  quoted = shlex.quote(workdir)
+  return (f"Done: {step} steps, {step * tokens_per_step:,} tokens; this session "
+          f"{format_duration(seconds)}" + (f"; {losses}" if losses else "") +
+          f"\ncheckpoints: {checkpoints} (newest: step {step})\nnext: python -m "
+          f"pretrain.evaluate --workdir={quoted}\n      python -m pretrain.sample "
+          f"--workdir={quoted} --prompt='...'")
 
 
 def train(workdir: str, config: TrainConfig, runtime: Runtime,
@@ -287,6 +319,7 @@ def train(workdir: str, config: TrainConfig, runtime: Runtime,
           f"vocabulary ({pipeline.vocab_size} ids); set ModelConfig.vocab_size >= "
           f"{pipeline.vocab_size}")
     trainer = Trainer(config, runtime, optimizer_config, pipeline, checkpointer, writer)
+    writer.info(start_summary(workdir, config, runtime))
     writer.info(pipeline.describe())
     writer.info(f"model: {counting.count_params(runtime.config).total:,} parameters, "
                 f"{trainer.flops_per_token:,.0f} training FLOPs/token")

@@ -8,6 +8,7 @@ import pytest
 import seqio
 import tensorflow as tf
 
+from pretrain import gin_config
 from pretrain.data import DataError, corpus_files, pipeline, tasks
 
 CONFIGS = os.path.join(os.path.dirname(__file__), os.pardir, "configs", "data")
@@ -77,14 +78,12 @@ def test_text_files_gin_config_builds_a_pipeline(tmp_path):
   (tmp_path / "corpus").mkdir()
   for i in range(5):
     (tmp_path / "corpus" / f"{i}.txt").write_text(f"document {i} " * 20)
-  gin.clear_config()
   try:
-    gin.parse_config_files_and_bindings(
-        [os.path.join(CONFIGS, "text_files.gin")],
-        [f"TRAIN_FILES = '{tmp_path}/corpus/*.txt'", "SEQUENCE_LENGTH = 32",
-         "BATCH_SIZE = 4", "SEED = 1",
-         f"DataPipeline.cache_dir = '{tmp_path}/cache'"])
-    data = pipeline.DataPipeline(process_index=1, process_count=2)
+    gin_config.parse([os.path.join(CONFIGS, "text_files.gin")],
+                     [f"TRAIN_FILES = '{tmp_path}/corpus/*.txt'",
+                      f"DataPipeline.cache_dir = '{tmp_path}/cache'"])
+    data = gin_config.build(pipeline.DataPipeline, sequence_length=32, batch_size=4,
+                            seed=1, process_index=1, process_count=2)
     assert (data.sequence_length, data.batch_size, data.seed) == (32, 4, 1)
     assert data.batch(0)["targets"].shape == (2, 32)
     assert data.vocab_size == 259
@@ -95,15 +94,12 @@ def test_text_files_gin_config_builds_a_pipeline(tmp_path):
 @pytest.mark.parametrize("config,task", [("c4.gin", "c4_task"),
                                          ("wikitext103.gin", "wikitext103_task")])
 def test_tfds_gin_configs_parse(config, task):
-  gin.clear_config()
   try:
-    gin.parse_config_files_and_bindings(
-        [os.path.join(CONFIGS, config)],
-        ["SEQUENCE_LENGTH = 32", "BATCH_SIZE = 4", "SEED = 1"])
+    gin_config.parse(["configs/base/trainer.gin", "configs/models/tiny_griffin.gin",
+                      os.path.join(CONFIGS, config)], ["SEQUENCE_LENGTH = 32"])
+    gin_config.check_training_config()
     reference = gin.query_parameter("DataPipeline.task")
     assert reference.selector.endswith(task)
-    assert repr(gin.query_parameter("DataPipeline.sequence_length")) == (
-        "%SEQUENCE_LENGTH")
   finally:
     gin.clear_config()
 

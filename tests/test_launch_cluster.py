@@ -188,3 +188,18 @@ def test_slurm_script_runs_one_task_per_gpu():
   # The script is valid bash.
   script = "\n".join(l for l in lines if not l.startswith("# submit"))
   assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+
+
+def test_gin_literal_follows_files_includes_and_params_in_order(tmp_path):
+  base = tmp_path / "base.gin"
+  base.write_text("MeshConfig.replica = 3  # a comment\nMeshConfig.fsdp = -1\n")
+  top = tmp_path / "top.gin"
+  top.write_text(f"include '{base}'\nMeshConfig.data = 1\n")
+  command = ["python", "-m", "pretrain.train", f"--gin_file={top}"]
+  assert common.gin_literal(command, "MeshConfig.replica") == 3
+  assert common.gin_literal(command + ["--gin_param=MeshConfig.replica=2"],
+                            "MeshConfig.replica") == 2
+  assert common.gin_literal(command, "MeshConfig.tensor") is None
+  multislice = ["--gin_file=configs/base/trainer.gin",
+                "--gin_file=configs/mesh/multislice_fsdp.gin"]
+  assert common.gin_literal(multislice, "MeshConfig.replica") == 2

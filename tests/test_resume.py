@@ -7,7 +7,7 @@ import time
 import pytest
 
 from pretrain.checkpointing import complete_steps
-from trainer_helpers import (assert_ok, train_losses,  # pylint: disable=unused-import
+from trainer_helpers import (assert_ok, read_metrics, train_losses,  # pylint: disable=unused-import
                              trained_workdir, trainer_env)
 
 STEPS = 24          # 2N, as in the shared tiny config (saves every 2 steps)
@@ -44,10 +44,10 @@ def test_sigkill_then_restart_reproduces_uninterrupted_losses(trainer_env, train
   assert_ok(result)
   if resumable:
     assert f"Resuming from the checkpoint of step {resume_step}" in result.stdout
-  # Rows after the restart are appended to the same metrics.jsonl: the last value
-  # logged for each step is the restarted run's.
+  # The restart drops the rows logged after its checkpoint and logs those steps again:
+  # one row per step, the restarted run's.
   restarted = train_losses(workdir)
-  assert sorted(restarted) == list(range(1, STEPS + 1))
+  assert [row["step"] for row in read_metrics(workdir)] == list(range(1, STEPS + 1))
   for step in range(resume_step + 1, STEPS + 1):
     assert abs(restarted[step] - reference[step]) <= 1e-6, (
         step, restarted[step], reference[step], resume_step)

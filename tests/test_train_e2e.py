@@ -38,7 +38,12 @@ def test_run_writes_config_checkpoints_metrics_and_tensorboard(trained_workdir):
   assert "step 24/24 | loss" in out and "MFU n/a" in out and "ETA" in out and "tok/s" in out
   assert "eval_loss" in out
   assert "Sample:\ndef " in out
-  assert "Done: 24 steps" in out
+  assert "Done: 24 steps, 3,072 tokens; this session" in out
+  assert "run: 2 cpu device(s) in 1 process(es); mesh replica 1, data 2" in out
+  assert "128 tokens/step; workdir " + workdir in out
+  assert "validation loss" in out and f"checkpoints: {workdir}/checkpoints (newest: step 24)" in out
+  assert f"next: python -m pretrain.evaluate --workdir={workdir}" in out
+  assert result.stderr == "", result.stderr   # no third-party noise
 
 
 @pytest.mark.slow
@@ -57,3 +62,61 @@ def test_sigterm_saves_and_exits_cleanly(trainer_env, tmp_path):
   steps = complete_steps(os.path.join(workdir, "checkpoints"))
   assert len(steps) == 1 and 3 <= steps[0] < 400
   assert max(train_losses(workdir)) == steps[0]
+
+
+def _popen_until(trainer_env, workdir, *gin_params, steps=3):
+  """Starts a run and returns it once `steps` steps are logged."""
+  process = trainer_env.popen(trainer_env.train_command(workdir, *gin_params))
+  deadline = time.time() + 240
+  while time.time() < deadline and len(train_losses(workdir)) < steps:
+    assert process.poll() is None, process.stdout.read()
+    time.sleep(0.05)
+  return process
+
+
+def _rows_per_step(workdir, kind):
+  steps = [row["step"] for row in read_metrics(workdir) if kind in row]
+  assert len(steps) == len(set(steps)), f"duplicate {kind} rows: {steps}"
+  return steps
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_and_reruns_never_duplicate_metric_rows(trainer_env, tmp_path):
+  workdir = str(tmp_path / "stopped")
+  settings = ("CHECKPOINT_EVERY=1000", "TrainConfig.final_eval=True")
+  process = _popen_until(trainer_env, workdir, "TRAIN_STEPS=400", *settings)
+  process.send_signal(signal.SIGINT)
+  output, _ = process.communicate(timeout=120)
+  assert process.returncode == 0, output
+  assert "Ctrl-C: saving the current step" in output and "Preempted: saved step" in output
+  assert "Traceback" not in output and "interrupted" not in output.splitlines()
+  saved = complete_steps(os.path.join(workdir, "checkpoints"))
+  assert len(saved) == 1 and 3 <= saved[0] < 400
+  stopped = saved[0]
+  assert _rows_per_step(workdir, "loss") == list(range(1, stopped + 1))
+
+  # A resumed run continues after the saved step; its rows follow without repeats.
+  finish = f"TRAIN_STEPS={stopped + 2}"
+  result = trainer_env.run(trainer_env.train_command(workdir, finish, *settings))
+  assert_ok(result)
+  assert f"Resuming from the checkpoint of step {stopped}" in result.stdout
+  assert _rows_per_step(workdir, "loss") == list(range(1, stopped + 3))
+  assert _rows_per_step(workdir, "eval_loss") == [stopped + 2]
+  # Rerunning the finished run evaluates again but appends nothing.
+  result = trainer_env.run(trainer_env.train_command(workdir, finish, *settings))
+  assert_ok(result)
+  assert _rows_per_step(workdir, "loss") == list(range(1, stopped + 3))
+  assert _rows_per_step(workdir, "eval_loss") == [stopped + 2]
+
+
+@pytest.mark.slow
+def test_second_ctrl_c_aborts_at_once(trainer_env, tmp_path):
+  workdir = str(tmp_path / "aborted")
+  process = _popen_until(trainer_env, workdir, "TRAIN_STEPS=400", "CHECKPOINT_EVERY=1000")
+  process.send_signal(signal.SIGINT)
+  for line in process.stdout:  # the first Ctrl-C is acknowledged before the second
+    if line.startswith("Ctrl-C:"):
+      break
+  process.send_signal(signal.SIGINT)
+  process.communicate(timeout=30)
+  assert process.returncode == -signal.SIGINT

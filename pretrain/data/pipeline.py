@@ -9,10 +9,8 @@ processes.
 Gin (see configs/data/*.gin):
   DataPipeline.task = @text_files_task()       # or any registered task/mixture name
   text_files_task.train_files = %TRAIN_FILES
-  DataPipeline.sequence_length = %SEQUENCE_LENGTH
-  DataPipeline.batch_size = %BATCH_SIZE
-  DataPipeline.seed = %SEED
-The trainer passes `process_index` and `process_count`.
+The trainer passes `sequence_length`, `batch_size` and `seed` (from its TrainConfig, so
+the data and the model never disagree), `process_index` and `process_count`.
 """
 from __future__ import annotations
 
@@ -124,10 +122,7 @@ class DataPipeline:
     are padding (all weights 0), so the weighted mean loss is over real tokens only.
     """
     store = self.validation_store
-    num_batches = -(-store.num_rows // self.batch_size)
-    if max_batches is not None:
-      num_batches = min(num_batches, max_batches)
-    for b in range(num_batches):
+    for b in range(self.validation_batch_count(max_batches)):
       start = b * self.batch_size + self.process_index * self.rows_per_process
       rows = np.arange(start, start + self.rows_per_process)
       real = rows[rows < store.num_rows]
@@ -137,6 +132,11 @@ class DataPipeline:
       for name, array in stored.items():
         padded[name][:len(real)] = array
       yield features_from_rows(**padded)
+
+  def validation_batch_count(self, max_batches: Optional[int] = None) -> int:
+    """How many batches `validation_batches(max_batches)` yields."""
+    count = -(-self.validation_store.num_rows // self.batch_size)
+    return count if max_batches is None else min(count, max_batches)
 
   @property
   def validation_store(self) -> token_store.TokenStore:

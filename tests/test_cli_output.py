@@ -1,0 +1,100 @@
+"""What a new user sees: no third-party noise before our first line, every error one
+line on stderr with exit code 2 for a command-line or config mistake, and `-h`/`--help`
+listing a command's own flags and the shared ones."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARED_FLAGS = ("--[no]traceback", "--[no]verbose")
+GIN_FLAGS = ("--gin_file", "--gin_param")
+
+
+def _run(*args, env_extra=None):
+  """A command as a user runs it: no test-only logging settings in the environment."""
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("TF_CPP_MIN_LOG_LEVEL", "JAX_PLATFORMS", "XLA_FLAGS")}
+  env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+  env.update(env_extra or {})
+  return subprocess.run([sys.executable, "-m", *args], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=240)
+
+
+def _one_line_error(result, code=2):
+  assert result.returncode == code, (result.returncode, result.stderr)
+  lines = result.stderr.splitlines()
+  assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+  return lines[0]
+
+
+def test_macro_typo_is_one_clean_line_before_any_work(tmp_path):
+  workdir = tmp_path / "run"
+  line = _one_line_error(_run("pretrain.train", "--gin_file=configs/quickstart.gin",
+                              "--gin_param=TRAIN_STEP=20", f"--workdir={workdir}"))
+  assert line == ("error: Gin macro TRAIN_STEP is set but nothing reads it; did you mean "
+                  "TRAIN_STEPS?")
+  assert not workdir.exists()
+
+
+@pytest.mark.slow
+def test_cluster_command_without_data_config_names_the_file_to_add(tmp_path):
+  line = _one_line_error(_run(
+      "pretrain.train", "--gin_file=configs/models/griffin_7b.gin",
+      "--gin_file=configs/mesh/fsdp_tensor4.gin", "--gin_file=configs/base/trainer.gin",
+      f"--workdir={tmp_path / 'run'}"))
+  assert "No data configuration: add one of configs/data/*.gin" in line
+
+
+@pytest.mark.slow
+def test_workdir_naming_a_file(tmp_path):
+  existing = tmp_path / "notes.txt"
+  existing.write_text("x")
+  line = _one_line_error(_run("pretrain.train", "--gin_file=configs/quickstart.gin",
+                              f"--workdir={existing}"))
+  assert line == (f"error: --workdir {existing} is a file, not a directory; choose a "
+                  "directory (it is created if missing)")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args,fragment", [
+    (("pretrain.sample", "--workdir=/nonexistent", "--prompt=a", "--max_new_tokens=-1"),
+     "--max_new_tokens=-1"),
+    (("pretrain.train", "--workdir=/tmp/x"), "--gin_file is required"),
+    (("pretrain.evaluate", "--workdir=/tmp/x", "--no_such_flag"), "no_such_flag"),
+])
+def test_bad_flags_are_one_line_and_exit_2_before_heavy_work(args, fragment):
+  assert fragment in _one_line_error(_run(*args))
+
+
+COMMANDS = {
+    "pretrain.train": GIN_FLAGS + ("--workdir",),
+    "pretrain.evaluate": ("--workdir", "--step", "--text_file", "--output"),
+    "pretrain.sample": ("--workdir", "--prompt", "--max_new_tokens", "--temperature"),
+    "pretrain.convert": ("--checkpoint", "--workdir", "--preset", "--vocab"),
+    "pretrain.tokenizer": ("--input_glob", "--vocab_size", "--output"),
+    "pretrain.extrapolation": ("--workdir",),
+    "model.summary": GIN_FLAGS + ("--mesh", "--batch", "--seq"),
+    "launch.local": ("--num_processes", "--devices_per_process"),
+    "launch.sweep": GIN_FLAGS + ("--families", "--sizes", "--workdir"),
+    "launch.tpu_vm": ("--tpu", "--zone", "--tpu_type", "--dry_run"),
+    "launch.gke": ("--name", "--image", "--tpu_type", "--num_slices", "--dry_run"),
+    "launch.slurm": ("--nodes", "--gpus_per_node", "--partition", "--dry_run"),
+}
+
+
+def test_help_lists_own_and_shared_flags_on_a_clean_stderr():
+  result = _run("launch.gke", "--help")
+  assert result.returncode == 0 and result.stderr == "", result.stderr
+  for flag in COMMANDS["launch.gke"] + SHARED_FLAGS:
+    assert flag in result.stdout, flag
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_dash_h_of_every_command(command):
+  result = _run(command, "-h")
+  assert result.returncode == 0 and result.stderr == "", result.stderr
+  for flag in COMMANDS[command] + SHARED_FLAGS:
+    assert flag in result.stdout, (command, flag)

@@ -1,0 +1,47 @@
+"""MetricsWriter: a resumed or rerun run never leaves two rows of one kind for a step."""
+import json
+
+from pretrain.metrics import MetricsWriter
+
+
+def _rows(path):
+  with open(path, encoding="utf-8") as f:
+    return [json.loads(line) for line in f]
+
+
+def _train_row(loss):
+  return dict(loss=loss, learning_rate=0.1, grad_norm=1.0, param_norm=1.0,
+              tokens_per_second=10.0, step_time_s=0.1, mfu=None)
+
+
+def test_rewind_drops_later_rows_and_a_torn_line(tmp_path):
+  writer = MetricsWriter(str(tmp_path), 10, tensorboard=False)
+  for step in range(1, 6):
+    writer.log_train(step, _train_row(float(step)))
+  writer.log_eval(2, 3.0, 100)
+  writer.log_eval(4, 2.0, 100)
+  writer.close()
+  with open(tmp_path / "metrics.jsonl", "a", encoding="utf-8") as f:
+    f.write('{"step": 6, "lo')   # killed mid-write
+
+  writer = MetricsWriter(str(tmp_path), 10, tensorboard=False)
+  writer.rewind(3)   # restored from the checkpoint of step 3
+  for step in range(4, 6):
+    writer.log_train(step, _train_row(step + 0.5))
+  writer.log_eval(2, 3.0, 100)   # already in the file: not appended again
+  writer.log_eval(4, 2.5, 100)
+  writer.close()
+  rows = _rows(tmp_path / "metrics.jsonl")
+  assert [(r["step"], r["loss"]) for r in rows if "loss" in r] == [
+      (1, 1.0), (2, 2.0), (3, 3.0), (4, 4.5), (5, 5.5)]
+  assert [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r] == [
+      (2, 3.0), (4, 2.5)]
+
+
+def test_rewind_to_zero_starts_the_file_again(tmp_path):
+  writer = MetricsWriter(str(tmp_path), 10, tensorboard=False)
+  writer.log_train(1, _train_row(1.0))
+  writer.rewind(0)
+  writer.log_train(1, _train_row(2.0))
+  writer.close()
+  assert [r["loss"] for r in _rows(tmp_path / "metrics.jsonl")] == [2.0]

@@ -1,0 +1,207 @@
+"""Every command README.md shows runs as written.
+
+Commands are read from the README itself (```bash blocks and 4-space indented blocks,
+backslash continuations joined; ```python blocks), so a documented command cannot rot:
+  - launcher commands run verbatim (they all carry `--dry_run`), and the training
+    command they wrap is checked without a cluster: its Gin configuration parses, has a
+    model, trainer and data config, every binding is read, every config builds, and its
+    mesh and batch divide the cluster's devices;
+  - `model.summary` runs verbatim and its memory plan must fit;
+  - local training runs for real, verbatim, shortened through the documented
+    `GRIFFIN_EXTRA_GIN_PARAMS` override (2 steps on a tiny corpus); the Python snippet
+    then runs against the workdir it wrote.
+A command of a kind not listed here fails the test, so a new README command needs a
+check before it can be documented.
+"""
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import gin
+import pytest
+
+from launch import common
+from model.config import ModelConfig
+from pretrain import gin_config
+from pretrain.checkpointing import CheckpointConfig
+from pretrain.optimizer import OptimizerConfig
+from pretrain.trainer import TrainConfig
+from sharding.mesh import MeshConfig
+from trainer_helpers import make_corpus
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Commands not run here, and why: installation, and the test suite itself.
+NOT_RUN = {
+    "python3 -m venv .venv": "creates the environment the tests run in",
+    ". .venv/bin/activate": "environment set-up",
+    "pip install": "installation (CI installs the same way)",
+    "python -m pytest": "the test suite itself",
+}
+# Devices each launcher command brings up: {flag pattern: devices}.
+TPU_CHIPS = {"v5p-128": 64}
+
+
+def _commands_and_snippets(text):
+  """(shell commands, python snippets) in order of appearance."""
+  commands, snippets = [], []
+  lines = text.splitlines()
+  i = 0
+  while i < len(lines):
+    fence = re.match(r"^```(\w*)", lines[i])
+    if fence:
+      body = []
+      i += 1
+      while not lines[i].startswith("```"):
+        body.append(lines[i])
+        i += 1
+      if fence.group(1) == "python":
+        snippets.append("\n".join(body))
+      elif fence.group(1) in ("bash", "sh"):
+        commands += _join(body)
+    elif lines[i].startswith("    ") and (i == 0 or not lines[i - 1].strip()):
+      body = []
+      while i < len(lines) and lines[i].startswith("    "):
+        body.append(lines[i][4:])
+        i += 1
+      commands += _join(body)
+      continue
+    i += 1
+  return commands, snippets
+
+
+def _join(lines):
+  """Logical commands of a block: continuations joined, comments and blanks dropped."""
+  commands, current = [], ""
+  for line in lines:
+    if not current and (not line.strip() or line.lstrip().startswith("#")):
+      continue
+    current += line.rstrip()
+    if current.endswith("\\"):
+      current = current[:-1].rstrip() + " "
+      continue
+    commands.append(" ".join(current.split()))
+    current = ""
+  return commands
+
+
+with open(os.path.join(REPO, "README.md"), encoding="utf-8") as _f:
+  README = _f.read()
+# The "## Commands" block is a synopsis with placeholders; --help of each command is
+# tested in test_cli_output.py.
+_SYNOPSIS = README.split("## Commands", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+COMMANDS, SNIPPETS = _commands_and_snippets(README.replace(_SYNOPSIS, "\n"))
+PIECES = [piece.strip() for command in COMMANDS for piece in command.split(" && ")]
+
+
+def _kind(piece):
+  if any(piece.startswith(prefix) for prefix in NOT_RUN):
+    return "not_run"
+  if piece.startswith("python -m launch."):
+    return "launcher"
+  if piece.startswith("python -m model.summary"):
+    return "summary"
+  if piece.startswith("python -m pretrain.train"):
+    return "train"
+  return "unknown"
+
+
+def test_every_readme_command_has_a_check():
+  assert PIECES, "no commands found in README.md"
+  unknown = [piece for piece in PIECES if _kind(piece) == "unknown"]
+  assert not unknown, f"README commands without a check in {__file__}: {unknown}"
+  kinds = {_kind(piece) for piece in PIECES}
+  assert {"launcher", "summary", "train"} <= kinds, kinds
+
+
+def _env():
+  env = dict(os.environ)
+  env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+  return env
+
+
+def _run(piece, cwd=REPO, env=None, timeout=600):
+  return subprocess.run(piece, shell=True, cwd=cwd, env=env or _env(), capture_output=True,
+                        text=True, timeout=timeout, executable="/bin/bash")
+
+
+def _cluster_devices(argv):
+  """Devices the launcher command brings up."""
+  options = dict(arg[2:].split("=", 1) for arg in argv if arg.startswith("--") and "=" in arg)
+  if "tpu_type" in options:
+    return TPU_CHIPS[options["tpu_type"]] * int(options.get("num_slices", 1))
+  return int(options["nodes"]) * int(options["gpus_per_node"])
+
+
+def check_cluster_training_config(command, devices):
+  """The wrapped training command's Gin config parses, is complete, binds nothing
+  unread, builds every config, and its mesh and batch divide `devices`."""
+  files, params = common.gin_arguments(command)
+  try:
+    gin_config.parse(files, params)
+    gin_config.check_training_config()
+    train = gin_config.build(TrainConfig)
+    gin_config.build_model_config()
+    gin_config.build(CheckpointConfig)
+    gin_config.build(OptimizerConfig)
+    shape = gin_config.build(MeshConfig).resolved_shape(devices)
+  finally:
+    gin.clear_config()
+  batch_shards = shape["replica"] * shape["data"] * shape["fsdp"]
+  assert train.batch_size % batch_shards == 0, (train.batch_size, shape)
+  return shape
+
+
+LAUNCHERS = [piece for piece in PIECES if _kind(piece) == "launcher"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("piece", LAUNCHERS, ids=[p.split()[2] for p in LAUNCHERS])
+def test_launcher_command_dry_runs_and_its_training_config_binds(piece):
+  argv = shlex.split(piece)
+  assert "--dry_run" in argv
+  result = _run(piece)
+  assert result.returncode == 0 and result.stderr == "", result.stderr
+  command = argv[argv.index("--") + 1:]
+  assert command[:3] == ["python", "-m", "pretrain.train"]
+  check_cluster_training_config(command, _cluster_devices(argv[:argv.index("--")]))
+
+
+def test_cluster_training_configs_bind_fully():
+  """The fast half of the launcher test: no subprocess, Gin only."""
+  for piece in LAUNCHERS:
+    argv = shlex.split(piece)
+    command = argv[argv.index("--") + 1:]
+    check_cluster_training_config(command, _cluster_devices(argv[:argv.index("--")]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("piece", [p for p in PIECES if _kind(p) == "summary"])
+def test_memory_planning_command_fits(piece):
+  result = _run(piece)
+  assert result.returncode == 0 and result.stderr == "", result.stderr
+  assert result.stdout.rstrip().endswith("; fits"), result.stdout
+
+
+@pytest.mark.slow
+def test_local_training_commands_and_python_snippet_run_verbatim(tmp_path):
+  corpus = make_corpus(str(tmp_path / "corpus"))
+  env = _env()
+  env.update(JAX_PLATFORMS="cpu", GRIFFIN_DATA_CACHE=str(tmp_path / "tokens"),
+             GRIFFIN_EXTRA_GIN_PARAMS="\n".join([
+                 "TRAIN_STEPS = 2", "CHECKPOINT_EVERY = 2", "EVAL_EVERY = 0",
+                 f"TRAIN_FILES = '{corpus}/*.txt'", "TrainConfig.eval_batches = 1",
+                 "TrainConfig.sample_tokens = 4"]))
+  trains = [piece for piece in PIECES if _kind(piece) == "train"]
+  assert trains
+  for piece in trains:
+    result = _run(piece, cwd=tmp_path, env=env)
+    assert result.returncode == 0, (piece, result.stdout[-2000:], result.stderr[-2000:])
+    assert result.stderr == "", result.stderr
+  for snippet in SNIPPETS:
+    result = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("def main("), result.stdout
