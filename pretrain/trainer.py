@@ -27,7 +27,7 @@ from pretrain.metadata import RunMetadata, vocabulary_spec
 from pretrain.metrics import MetricsWriter
 from pretrain.optimizer import OptimizerConfig, learning_rate_schedule, make_optimizer
 from pretrain.runtime import Runtime, host_scalar
-from pretrain.steps import TrainState, make_train_step
+from pretrain.steps import TrainState, jit_train_step
 from sharding import partition
 
 
@@ -137,18 +137,14 @@ class Trainer:
     self.checkpointer = checkpointer
     self.writer = writer
     self.optimizer = make_optimizer(optimizer_config, config.train_steps)
-    self.abstract_opt_state, opt_shardings = runtime.opt_state_layout(self.optimizer)
-    self.state_shardings = TrainState(runtime.replicated, runtime.param_shardings,
-                                      opt_shardings)
+    program = jit_train_step(runtime, self.optimizer,
+                             learning_rate_schedule(optimizer_config, config.train_steps),
+                             config.microbatches, config.z_loss_weight)
+    self.abstract_opt_state = program.abstract_state.opt_state
+    self.state_shardings = program.state_shardings
     self.flops_per_token = flops_lib.training_flops_per_token(runtime.config,
                                                               config.sequence_length)
-    self.train_step = jax.jit(
-        make_train_step(runtime.model, self.optimizer,
-                        learning_rate_schedule(optimizer_config, config.train_steps),
-                        config.microbatches, config.z_loss_weight),
-        in_shardings=(self.state_shardings, runtime.batch_shardings()),
-        out_shardings=(self.state_shardings, runtime.replicated),
-        donate_argnums=(0,))
+    self.train_step = program.step
     self._eval_step = evaluation.jit_eval_step(runtime)
 
   def initial_state(self) -> tuple[TrainState, jax.Array]:
