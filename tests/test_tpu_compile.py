@@ -10,6 +10,12 @@ every Pallas call in shard_map, Mosaic refused data and fsdp x tensor meshes:
 "Mosaic kernels cannot be automatically partitioned"). libtpu comes with the test
 extra (`pip install -e ".[test]"`); each compile takes 10-40 s on 2 cores.
 """
+import json
+import os
+import shlex
+import subprocess
+import sys
+
 import jax
 import pytest
 
@@ -21,6 +27,7 @@ from pretrain.errors import UserError
 pytestmark = pytest.mark.skipif(not tpu_target.libtpu_available(),
                                 reason='libtpu is not installed (pip install -e ".[tpu]")')
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET = "v5p-16"  # 8 chips, 2 hosts
 TINY = ["--gin_param=BATCH_SIZE=16", "--gin_param=SEQUENCE_LENGTH=64"]
 GRIFFIN = "configs/models/tiny_griffin.gin"
@@ -60,15 +67,27 @@ def test_train_step_compiles_for_tpu(model_file, bindings, mesh, pallas):
   assert 0.5 < report.compiled_flops * report.devices / report.model_flops < 2.0
 
 
+def _readme_command() -> str:
+  with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+    lines = [line.strip() for line in f if line.startswith("    python -m pretrain.compile")]
+  assert len(lines) == 1, lines
+  return lines[0]
+
+
 @pytest.mark.slow
-def test_preset_sized_step_compiles_and_reports(capsys):
-  args = ["--gin_param=BATCH_SIZE=16", "--gin_param=SEQUENCE_LENGTH=2048",
-          "--gin_param=ModelConfig.remat=\"full\""]
-  report, _ = _compile("configs/models/griffin_100m.gin", [], "fsdp:4,tensor:2",
-                       sizes=args)
-  assert report.mosaic_kernel and report.fits
-  text = compile_lib.format_report(report)
-  assert "fits" in text and "v5p-16" in text and "Mosaic kernel" in text
+def test_readme_command_compiles_a_preset(tmp_path):
+  """The README's command verbatim (griffin_1_3b, 2048 tokens), plus --json and --save."""
+  command = _readme_command() + f" --json --save={tmp_path / 'step.exe'}"
+  env = {**os.environ, "PYTHONPATH": REPO}
+  env.pop("JAX_PLATFORMS", None)  # the command itself keeps the host on CPU
+  done = subprocess.run(shlex.split(command.replace("python", sys.executable, 1)), cwd=REPO,
+                        env=env, capture_output=True, text=True, timeout=900)
+  assert done.returncode == 0, done.stderr[-3000:]
+  report = json.loads(done.stdout.strip().splitlines()[-1])
+  assert report["target"] == "v5p-16" and report["devices"] == 8
+  assert report["mosaic_kernel"] and report["fits"] and report["model"]["remat"] == "full"
+  assert 0 < report["peak_bytes"] < report["hbm_bytes"]
+  assert (tmp_path / "step.exe").stat().st_size > 0
 
 
 def test_without_libtpu_says_how_to_install(monkeypatch):
