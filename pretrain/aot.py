@@ -85,7 +85,8 @@ def compile_train_step(runtime: Runtime, train_config: TrainConfig,
   optimizer = make_optimizer(optimizer_config, train_config.train_steps)
   program = jit_train_step(runtime, optimizer,
                            learning_rate_schedule(optimizer_config, train_config.train_steps),
-                           train_config.microbatches, train_config.z_loss_weight)
+                           train_config.microbatches, train_config.z_loss_weight,
+                           train_config.loss_chunks)
   batch = abstract_batch(runtime, train_config.batch_size, train_config.sequence_length)
   start = time.perf_counter()
   with runtime.activation_context():

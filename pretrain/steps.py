@@ -41,10 +41,11 @@ def split_microbatches(batch: Mapping[str, jax.Array], count: int) -> dict[str, 
 
 
 def accumulate_gradients(model: LanguageModel, params: Any, batch: Mapping[str, jax.Array],
-                         microbatches: int = 1, z_loss_weight: float = 0.0
-                         ) -> tuple[Any, dict[str, jax.Array]]:
+                         microbatches: int = 1, z_loss_weight: float = 0.0,
+                         loss_chunks: int = 1) -> tuple[Any, dict[str, jax.Array]]:
   """Summed gradients and loss sums {nll_sum, z_sum, weight_sum} over the batch."""
-  grad_fn = jax.grad(lambda p, b: loss_sums(model, p, b, z_loss_weight), has_aux=True)
+  grad_fn = jax.grad(lambda p, b: loss_sums(model, p, b, z_loss_weight, loss_chunks),
+                     has_aux=True)
   if microbatches == 1:
     return grad_fn(params, batch)
 
@@ -82,11 +83,11 @@ def apply_gradients(state: TrainState, grad_sums: Any, sums: Mapping[str, jax.Ar
 
 def make_train_step(model: LanguageModel, optimizer: optax.GradientTransformation,
                     schedule: optax.Schedule, microbatches: int = 1,
-                    z_loss_weight: float = 0.0) -> Callable:
+                    z_loss_weight: float = 0.0, loss_chunks: int = 1) -> Callable:
   """The un-jitted step: (state, batch) -> (new state, metrics of this step)."""
   def step(state: TrainState, batch: Mapping[str, jax.Array]):
     grads, sums = accumulate_gradients(model, state.params, batch, microbatches,
-                                       z_loss_weight)
+                                       z_loss_weight, loss_chunks)
     return apply_gradients(state, grads, sums, optimizer, schedule)
   return step
 
@@ -107,12 +108,12 @@ class TrainStepProgram(NamedTuple):
 
 def jit_train_step(runtime: Runtime, optimizer: optax.GradientTransformation,
                    schedule: optax.Schedule, microbatches: int = 1,
-                   z_loss_weight: float = 0.0) -> TrainStepProgram:
+                   z_loss_weight: float = 0.0, loss_chunks: int = 1) -> TrainStepProgram:
   """The train step exactly as the trainer runs it (and `pretrain.compile` compiles it)."""
   abstract_opt_state, opt_shardings = runtime.opt_state_layout(optimizer)
   state_shardings = TrainState(runtime.replicated, runtime.param_shardings, opt_shardings)
   step = jax.jit(make_train_step(runtime.model, optimizer, schedule, microbatches,
-                                 z_loss_weight),
+                                 z_loss_weight, loss_chunks),
                  in_shardings=(state_shardings, runtime.batch_shardings()),
                  out_shardings=(state_shardings, runtime.replicated),
                  donate_argnums=(0,))

@@ -48,6 +48,9 @@ class TrainConfig:
       gradients (same result as the full batch, less activation memory).
     z_loss_weight: weight of the z-loss, mean(log Z ²), which keeps the softmax
       normaliser near 1; 0 disables.
+    loss_chunks: form the float32 logits in this many token chunks, forward and
+      backward, instead of all [B, T, V] at once (`pretrain.losses`; same loss). For
+      large vocabularies; must divide sequence_length.
     eval_batches: validation batches per evaluation (None: the whole split).
     final_eval: evaluate once more after the last step.
     sample_prompt: if set, print a sample continuing this prompt after training.
@@ -63,6 +66,7 @@ class TrainConfig:
   seed: int = 0
   microbatches: int = 1
   z_loss_weight: float = 0.0
+  loss_chunks: int = 1
   eval_batches: Optional[int] = 16
   final_eval: bool = True
   sample_prompt: Optional[str] = None
@@ -71,7 +75,7 @@ class TrainConfig:
 
   def __post_init__(self):
     for name in ("train_steps", "batch_size", "sequence_length", "checkpoint_every",
-                 "log_every", "microbatches", "sample_tokens"):
+                 "log_every", "microbatches", "sample_tokens", "loss_chunks"):
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"TrainConfig.{name} must be a positive integer, got {value!r}")
@@ -80,6 +84,9 @@ class TrainConfig:
     if self.batch_size % self.microbatches:
       raise ValueError(f"TrainConfig.batch_size={self.batch_size} must be divisible by "
                        f"microbatches={self.microbatches}")
+    if self.sequence_length % self.loss_chunks:
+      raise ValueError(f"TrainConfig.loss_chunks={self.loss_chunks} must divide "
+                       f"sequence_length={self.sequence_length}")
     if self.z_loss_weight < 0:
       raise ValueError(f"TrainConfig.z_loss_weight must be >= 0, got {self.z_loss_weight}")
 
@@ -139,7 +146,8 @@ class Trainer:
     self.optimizer = make_optimizer(optimizer_config, config.train_steps)
     program = jit_train_step(runtime, self.optimizer,
                              learning_rate_schedule(optimizer_config, config.train_steps),
-                             config.microbatches, config.z_loss_weight)
+                             config.microbatches, config.z_loss_weight,
+                             config.loss_chunks)
     self.abstract_opt_state = program.abstract_state.opt_state
     self.state_shardings = program.state_shardings
     self.flops_per_token = flops_lib.training_flops_per_token(runtime.config,
