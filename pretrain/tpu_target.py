@@ -25,8 +25,10 @@ GIB = 2 ** 30
 # HBM per chip (one JAX device: v4 and v5p chips are megacore, one device per chip).
 HBM_BYTES = {"v4": 32 * GIB, "v5p": 95 * GIB, "v5e": 16 * GIB, "v6e": 32 * GIB}
 _CHIP_CONFIG = {"v4": "megacore", "v5p": "megacore", "v5e": "default", "v6e": "default"}
-# libtpu otherwise queries the GCE metadata server for the host it runs on.
-_HOST_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost"}
+# libtpu otherwise queries the GCE metadata server for the host it runs on, and takes a
+# machine-wide lock meant for processes that drive TPU chips (compiling drives none).
+_HOST_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost",
+             "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,7 +27,7 @@ LOGICAL = {
     "embedder": {"embedding": P("vocab", "embed")},
     "blocks": {
         "mlp": {"up": P("layers", "embed", "mlp"), "down": P("layers", "mlp", "embed")},
-        "rnn": {"gate": P("layers", "rnn_heads", "rnn_head_dim", None),
+        "rnn": {"gate": P("layers", "rnn_heads", "rnn_head_dim", "rnn_head_dim"),
                 "a_param": P("layers", "rnn"), "conv": P("layers", "conv", "rnn")},
         "attn": {"q": P("layers", "embed", "q_heads"), "kv": P("layers", "embed", "kv"),
                  "norm": P("layers", "norm")},
@@ -37,7 +37,7 @@ EXPECTED = {
     "embedder": {"embedding": P("tensor", "fsdp")},
     "blocks": {
         "mlp": {"up": P(None, "fsdp", "tensor"), "down": P(None, "tensor", "fsdp")},
-        "rnn": {"gate": P(None, "tensor", "fsdp", None), "a_param": P(None, "tensor"),
+        "rnn": {"gate": P(None, "tensor", None, None), "a_param": P(None, "tensor"),
                 "conv": P(None, None, "tensor")},
         "attn": {"q": P(None, "fsdp", "tensor"), "kv": P(None, "fsdp", None),
                  "norm": P(None, None)},
@@ -66,8 +66,7 @@ def test_default_rules_match_design():
   for name in ("mlp", "rnn", "rnn_heads", "q_heads", "act_mlp", "act_rnn", "act_heads",
                "act_vocab"):
     assert table[name] == ("tensor",), name
-  assert table["rnn_head_dim"] == ("fsdp",)
-  for name in ("kv", "conv", "layers", "norm"):
+  for name in ("kv", "conv", "layers", "norm", "rnn_head_dim"):
     assert table[name] == (), name
   assert table["batch"] == ("replica", "data", "fsdp")
   assert table["length"] == ("sequence",)
@@ -178,13 +177,13 @@ def test_large_replicated_param_is_caught(mesh):
   assert partition.check_no_large_replicated(
       params, partition.param_shardings(data_only, logical, params), data_only,
       max_replicated_bytes=1024) == []
-  # On an fsdp-only mesh, tensor-only rules leave the conv whole on every device
-  # although its spec names an axis (the RG-LRU gates' block dimension is on fsdp).
+  # On an fsdp-only mesh, tensor-only rules leave the RG-LRU gates and conv whole on
+  # every device although their specs name an axis.
   fsdp_only = mesh_lib.create_mesh(mesh_lib.MeshConfig(data=1, fsdp=8))
   found = partition.check_no_large_replicated(
       params, partition.param_shardings(fsdp_only, LOGICAL, params), fsdp_only,
       max_replicated_bytes=1000, action="warn")
-  assert [f.split()[0] for f in found] == ["blocks/rnn/conv"]
+  assert [f.split()[0] for f in found] == ["blocks/rnn/conv", "blocks/rnn/gate"]
 
 
 def test_sharding_table_lists_every_param(mesh):
