@@ -64,8 +64,8 @@ def shard_local_linear_scan(a: jax.Array, x: jax.Array, h0: Optional[jax.Array],
   decay_so_far = jax.lax.cumprod(a.astype(acc), axis=1, reverse=reverse)
   shard_decay = decay_so_far[:, 0 if reverse else -1]
   # [shards, B, D] -> [B, shards, D]: one "time" step per shard.
-  decays = jnp.moveaxis(jax.lax.all_gather(shard_decay, axis_name), 0, 1)
-  finals = jnp.moveaxis(jax.lax.all_gather(local_last, axis_name), 0, 1)
+  decays = jnp.moveaxis(_all_gather(shard_decay, axis_name), 0, 1)
+  finals = jnp.moveaxis(_all_gather(local_last, axis_name), 0, 1)
   if h0 is None:
     h0 = jnp.zeros(local_last.shape, acc)
   ends, global_last = engine.associative_linear_scan(decays, finals, h0.astype(acc),
@@ -77,6 +77,16 @@ def shard_local_linear_scan(a: jax.Array, x: jax.Array, h0: Optional[jax.Array],
                                       keepdims=False)
   h = h_local.astype(acc) + decay_so_far * h_in[:, None]
   return h.astype(h_local.dtype), global_last
+
+
+def _all_gather(x: jax.Array, axis_name: str) -> jax.Array:
+  """`all_gather`, complex values as real and imaginary planes: its transpose is a
+  reduce-scatter, which XLA:TPU implements for real sums only (complex64 fails to
+  compile, tests/test_tpu_compile.py)."""
+  if not jnp.iscomplexobj(x):
+    return jax.lax.all_gather(x, axis_name)
+  return jax.lax.complex(jax.lax.all_gather(jnp.real(x), axis_name),
+                         jax.lax.all_gather(jnp.imag(x), axis_name))
 
 
 def _present(mesh: Mesh, wanted: AxisNames, defaults: tuple[str, ...]):
