@@ -93,7 +93,7 @@ def _axis_names(entry: Any) -> tuple[str, ...]:
 
 
 def with_fsdp_fallback(spec: PartitionSpec, logical: PartitionSpec, shape: Sequence[int],
-                       nbytes: int, mesh: jax.sharding.Mesh,
+                       nbytes: int, mesh_shape: Mapping[str, int],
                        min_bytes: int = FSDP_FALLBACK_BYTES) -> PartitionSpec:
   """`spec`, with `fsdp` added to one dimension if the array is large and fsdp splits none.
 
@@ -102,9 +102,9 @@ def with_fsdp_fallback(spec: PartitionSpec, logical: PartitionSpec, shape: Seque
   the RG-LRU's a_param [L, R]) names only tensor-parallel axes: at 14B such leaves are
   1-5 MiB each, whole on every fsdp shard. Here fsdp joins the dimension with the most
   elements per shard that it still divides, never the stacked `layers` axis (the depth
-  scan slices it every iteration).
+  scan slices it every iteration). `mesh_shape` maps mesh axis names to sizes.
   """
-  fsdp = mesh.shape.get("fsdp", 1)
+  fsdp = mesh_shape.get("fsdp", 1)
   if fsdp == 1 or nbytes <= min_bytes or any("fsdp" in _axis_names(e) for e in spec):
     return spec
   entries = list(spec) + [None] * (len(shape) - len(spec))
@@ -112,7 +112,7 @@ def with_fsdp_fallback(spec: PartitionSpec, logical: PartitionSpec, shape: Seque
   for dim, (size, entry) in enumerate(zip(shape, entries)):
     if dim < len(logical) and "layers" in _axis_names(logical[dim]):
       continue
-    shards = math.prod(mesh.shape[axis] for axis in _axis_names(entry))
+    shards = math.prod(mesh_shape[axis] for axis in _axis_names(entry))
     if size % (shards * fsdp) == 0 and size // shards > best_size:
       best, best_size = dim, size // shards
   if best is None:
@@ -137,7 +137,7 @@ def param_shardings(mesh: jax.sharding.Mesh, logical_specs: Any, param_shapes: A
   def fallback(sharding, logical, leaf):
     nbytes = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
     return NamedSharding(mesh, with_fsdp_fallback(sharding.spec, logical, leaf.shape,
-                                                  nbytes, mesh))
+                                                  nbytes, dict(mesh.shape)))
 
   return jax.tree_util.tree_map(fallback, shardings, logical_specs, param_shapes)
 

@@ -58,7 +58,7 @@ def test_no_large_parameter_is_replicated_over_fsdp():
 
 
 def test_fallback_adds_fsdp_only_where_it_divides():
-  mesh = _abstract_mesh({"fsdp": 4, "tensor": 2})
+  mesh = {"fsdp": 4, "tensor": 2}
   P = jax.sharding.PartitionSpec
   big = 2 ** 21
   # A stacked per-layer vector [L, M] on tensor: fsdp joins M, never the layers axis.
