@@ -44,5 +44,10 @@ class Embedder(nn.Module):
 
   def decode(self, x: jax.Array) -> jax.Array:
     """[B, T, D] -> float32 logits [B, T, V]."""
-    table = self.embedding.astype(x.dtype)
-    return jnp.einsum("btd,vd->btv", x, table, preferred_element_type=jnp.float32)
+    return tied_logits(x, self.embedding)
+
+
+def tied_logits(x: jax.Array, embedding: jax.Array) -> jax.Array:
+  """[B, T, D] states times the [V, D] table in x's dtype -> float32 logits [B, T, V]."""
+  return jnp.einsum("btd,vd->btv", x, embedding.astype(x.dtype),
+                    preferred_element_type=jnp.float32)

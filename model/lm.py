@@ -77,7 +77,7 @@ import jax.numpy as jnp
 
 from model import partitioning as P
 from model.config import ModelConfig
-from model.embedder import Embedder
+from model.embedder import Embedder, tied_logits
 from model.norms import RMSNorm
 from model.residual_block import ResidualBlock
 
@@ -129,7 +129,8 @@ class LanguageModel(nn.Module):
 
   @nn.compact
   def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Optional[dict] = None,
-               return_cache: bool = False) -> tuple[jax.Array, Optional[dict]]:
+               return_cache: bool = False, return_hidden: bool = False
+               ) -> tuple[jax.Array, Optional[dict]]:
     """tokens, positions int32 [B, T] -> (float32 logits [B, T, V], cache or None).
 
     Args:
@@ -138,6 +139,9 @@ class LanguageModel(nn.Module):
       cache: decoding cache from `model.decoding.init_cache` or a previous call; the
         tokens continue the sequence it holds.
       return_cache: also return the updated cache (prefill and decode steps).
+      return_hidden: return the final normalised states [B, T, D] (compute dtype) in
+        place of the logits, for a loss that forms the logits in chunks
+        (`output_logits`; `pretrain.losses`).
     """
     cfg = self.config
     embedder = Embedder(cfg, name="embedder")
@@ -154,12 +158,19 @@ class LanguageModel(nn.Module):
       tail_cache.append(block_cache)
     new_cache["remainder"] = tuple(tail_cache)
     x = RMSNorm(cfg.dtype, name="final_norm")(x)
-    logits = embedder.decode(x)
-    if cfg.logits_soft_cap is not None:
-      cap = cfg.logits_soft_cap
-      logits = jnp.tanh(logits / cap) * cap
-    logits = P.constrain(logits, (P.BATCH, P.LENGTH, P.ACT_VOCAB))
+    if return_hidden:
+      return x, (new_cache if return_cache else None)
+    logits = output_logits(cfg, embedder.embedding, x)
     return logits, (new_cache if return_cache else None)
+
+
+def output_logits(config: ModelConfig, embedding: jax.Array, x: jax.Array) -> jax.Array:
+  """Final normalised states [B, T, D] -> float32 logits [B, T, V] (tied, soft-capped)."""
+  logits = tied_logits(x, embedding)
+  if config.logits_soft_cap is not None:
+    cap = config.logits_soft_cap
+    logits = jnp.tanh(logits / cap) * cap
+  return P.constrain(logits, (P.BATCH, P.LENGTH, P.ACT_VOCAB))
 
 
 def _dummy_inputs() -> tuple[jax.Array, jax.Array]:

@@ -98,6 +98,8 @@ def param_bytes_per_device(config: ModelConfig, mesh: Mapping[str, int],
   for path, leaf in jax.tree_util.tree_leaves_with_path(shapes):
     where = partition.path_str(path)
     spec = rules_lib.logical_to_mesh_spec(flat_logical[path], rules, where=where)
+    spec = partition.with_fsdp_fallback(spec, flat_logical[path], leaf.shape,
+                                        math.prod(leaf.shape) * PARAM_BYTES, sizes)
     total += _shard_elements(leaf.shape, spec, sizes, where) * PARAM_BYTES
   return total
 

@@ -6,7 +6,9 @@ logical names, which is a no-op until a mesh and rules are in scope.
 
 `sequence_sharding` tells a temporal layer whether the mesh in scope splits time, so the
 layer can switch to a shard-local algorithm (the RG-LRU's scan over shards) instead of
-letting the partitioner gather the whole sequence.
+letting the partitioner gather the whole sequence. `shard_layout` gives an activation's
+layout as `shard_map` specs, for code the partitioner cannot split by itself (Pallas
+kernels carry no partitioning rule).
 """
 from __future__ import annotations
 
@@ -131,6 +133,45 @@ def sequence_sharding(length: int, axes: Axes) -> Optional[SequenceSharding]:
   if length % mesh.shape[split[0]]:
     return None
   return SequenceSharding(mesh, split[0], spec)
+
+
+class ShardLayout(NamedTuple):
+  """An activation's layout in the mesh in scope, as `shard_map` takes it.
+
+  Attributes:
+    mesh: the abstract mesh set by `jax.sharding.set_mesh`.
+    spec: per dimension, the mesh axes the rules map it to, less those whose shards
+      would not divide it (that dimension is then whole on every shard, e.g. the
+      batch of one in a decoding step). Axes of size 1 stay named: an axis missing
+      from a `shard_map` spec makes its transpose sum cotangents over that axis, which
+      XLA keeps as a (trivial) all-reduce of the whole block.
+  """
+  mesh: jax.sharding.AbstractMesh
+  spec: jax.sharding.PartitionSpec
+
+
+def shard_layout(shape: Sequence[int], axes: Axes) -> Optional[ShardLayout]:
+  """The layout of an activation of `shape` with logical `axes`; None off a mesh.
+
+  Read while tracing from the mesh and logical-axis rules in scope, like
+  `sequence_sharding`. None when there is no mesh or it has a single device: the
+  caller then needs no `shard_map`.
+  """
+  if len(axes) != len(shape):
+    raise ValueError(f"shard_layout: {len(axes)} axis names for shape {tuple(shape)}")
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return None
+  entries = []
+  for dim, entry in zip(shape, nn.logical_to_mesh_axes(tuple(axes))):
+    kept, shards = [], 1
+    for name in mesh_axis_names(entry):
+      if dim % (shards * mesh.shape[name]):
+        break
+      kept.append(name)
+      shards *= mesh.shape[name]
+    entries.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
+  return ShardLayout(mesh, jax.sharding.PartitionSpec(*entries))
 
 
 def mesh_axis_names(entry: MeshAxes) -> tuple[str, ...]:

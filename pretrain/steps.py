@@ -16,6 +16,7 @@ import optax
 
 from model.lm import LanguageModel
 from pretrain.losses import loss_sums
+from pretrain.runtime import BATCH_FEATURES, Runtime
 
 SUM_NAMES = ("nll_sum", "z_sum", "weight_sum")
 
@@ -40,10 +41,11 @@ def split_microbatches(batch: Mapping[str, jax.Array], count: int) -> dict[str, 
 
 
 def accumulate_gradients(model: LanguageModel, params: Any, batch: Mapping[str, jax.Array],
-                         microbatches: int = 1, z_loss_weight: float = 0.0
-                         ) -> tuple[Any, dict[str, jax.Array]]:
+                         microbatches: int = 1, z_loss_weight: float = 0.0,
+                         loss_chunks: int = 1) -> tuple[Any, dict[str, jax.Array]]:
   """Summed gradients and loss sums {nll_sum, z_sum, weight_sum} over the batch."""
-  grad_fn = jax.grad(lambda p, b: loss_sums(model, p, b, z_loss_weight), has_aux=True)
+  grad_fn = jax.grad(lambda p, b: loss_sums(model, p, b, z_loss_weight, loss_chunks),
+                     has_aux=True)
   if microbatches == 1:
     return grad_fn(params, batch)
 
@@ -81,13 +83,54 @@ def apply_gradients(state: TrainState, grad_sums: Any, sums: Mapping[str, jax.Ar
 
 def make_train_step(model: LanguageModel, optimizer: optax.GradientTransformation,
                     schedule: optax.Schedule, microbatches: int = 1,
-                    z_loss_weight: float = 0.0) -> Callable:
+                    z_loss_weight: float = 0.0, loss_chunks: int = 1) -> Callable:
   """The un-jitted step: (state, batch) -> (new state, metrics of this step)."""
   def step(state: TrainState, batch: Mapping[str, jax.Array]):
     grads, sums = accumulate_gradients(model, state.params, batch, microbatches,
-                                       z_loss_weight)
+                                       z_loss_weight, loss_chunks)
     return apply_gradients(state, grads, sums, optimizer, schedule)
   return step
+
+
+class TrainStepProgram(NamedTuple):
+  """The jitted train step over a runtime's mesh, and the layout of what it updates.
+
+  Attributes:
+    step: jit((state, batch) -> (new state, metrics)), state donated.
+    state_shardings: TrainState of shardings (step replicated, params and optimizer
+      state in the runtime's layout).
+    abstract_state: TrainState of ShapeDtypeStructs carrying those shardings.
+  """
+  step: Callable
+  state_shardings: TrainState
+  abstract_state: TrainState
+
+
+def jit_train_step(runtime: Runtime, optimizer: optax.GradientTransformation,
+                   schedule: optax.Schedule, microbatches: int = 1,
+                   z_loss_weight: float = 0.0, loss_chunks: int = 1) -> TrainStepProgram:
+  """The train step exactly as the trainer runs it (and `pretrain.compile` compiles it)."""
+  abstract_opt_state, opt_shardings = runtime.opt_state_layout(optimizer)
+  state_shardings = TrainState(runtime.replicated, runtime.param_shardings, opt_shardings)
+  step = jax.jit(make_train_step(runtime.model, optimizer, schedule, microbatches,
+                                 z_loss_weight, loss_chunks),
+                 in_shardings=(state_shardings, runtime.batch_shardings()),
+                 out_shardings=(state_shardings, runtime.replicated),
+                 donate_argnums=(0,))
+  abstract_state = TrainState(
+      jax.ShapeDtypeStruct((), jnp.int32, sharding=runtime.replicated),
+      runtime.abstract_params, abstract_opt_state)
+  return TrainStepProgram(step, state_shardings, abstract_state)
+
+
+def abstract_batch(runtime: Runtime, batch_size: int, sequence_length: int
+                   ) -> dict[str, jax.ShapeDtypeStruct]:
+  """The shapes, dtypes and shardings of a packed batch (`pretrain.data.packing`)."""
+  shardings = runtime.batch_shardings()
+  return {name: jax.ShapeDtypeStruct((batch_size, sequence_length),
+                                     jnp.float32 if name == "weights" else jnp.int32,
+                                     sharding=shardings[name])
+          for name in BATCH_FEATURES}
 
 
 def make_eval_step(model: LanguageModel) -> Callable:

@@ -29,7 +29,7 @@ from pretrain.metadata import RunMetadata, vocabulary_spec
 from pretrain.metrics import MetricsWriter, format_duration
 from pretrain.optimizer import OptimizerConfig, learning_rate_schedule, make_optimizer
 from pretrain.runtime import Runtime, host_scalar
-from pretrain.steps import TrainState, make_train_step
+from pretrain.steps import TrainState, jit_train_step
 from sharding import partition
 
 
@@ -50,6 +50,9 @@ class TrainConfig:
       gradients (same result as the full batch, less activation memory).
     z_loss_weight: weight of the z-loss, mean(log Z ²), which keeps the softmax
       normaliser near 1; 0 disables.
+    loss_chunks: form the float32 logits in this many token chunks, forward and
+      backward, instead of all [B, T, V] at once (`pretrain.losses`; same loss). For
+      large vocabularies; must divide sequence_length.
     eval_batches: validation batches per evaluation (None: the whole split).
     final_eval: evaluate once more after the last step.
     sample_prompt: if set, print a sample continuing this prompt after training.
@@ -68,6 +71,7 @@ class TrainConfig:
   seed: int = 0
   microbatches: int = 1
   z_loss_weight: float = 0.0
+  loss_chunks: int = 1
   eval_batches: Optional[int] = 16
   final_eval: bool = True
   sample_prompt: Optional[str] = None
@@ -78,7 +82,7 @@ class TrainConfig:
 
   def __post_init__(self):
     for name in ("train_steps", "batch_size", "sequence_length", "checkpoint_every",
-                 "log_every", "microbatches", "sample_tokens"):
+                 "log_every", "microbatches", "sample_tokens", "loss_chunks"):
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"TrainConfig.{name} must be a positive integer, got {value!r}")
@@ -87,6 +91,9 @@ class TrainConfig:
     if self.batch_size % self.microbatches:
       raise ValueError(f"TrainConfig.batch_size={self.batch_size} must be divisible by "
                        f"microbatches={self.microbatches}")
+    if self.sequence_length % self.loss_chunks:
+      raise ValueError(f"TrainConfig.loss_chunks={self.loss_chunks} must divide "
+                       f"sequence_length={self.sequence_length}")
     if self.z_loss_weight < 0:
       raise ValueError(f"TrainConfig.z_loss_weight must be >= 0, got {self.z_loss_weight}")
     if self.profile_steps is not None:
@@ -150,18 +157,15 @@ class Trainer:
     self.checkpointer = checkpointer
     self.writer = writer
     self.optimizer = make_optimizer(optimizer_config, config.train_steps)
-    self.abstract_opt_state, opt_shardings = runtime.opt_state_layout(self.optimizer)
-    self.state_shardings = TrainState(runtime.replicated, runtime.param_shardings,
-                                      opt_shardings)
+    program = jit_train_step(runtime, self.optimizer,
+                             learning_rate_schedule(optimizer_config, config.train_steps),
+                             config.microbatches, config.z_loss_weight,
+                             config.loss_chunks)
+    self.abstract_opt_state = program.abstract_state.opt_state
+    self.state_shardings = program.state_shardings
     self.flops_per_token = flops_lib.training_flops_per_token(runtime.config,
                                                               config.sequence_length)
-    self.train_step = jax.jit(
-        make_train_step(runtime.model, self.optimizer,
-                        learning_rate_schedule(optimizer_config, config.train_steps),
-                        config.microbatches, config.z_loss_weight),
-        in_shardings=(self.state_shardings, runtime.batch_shardings()),
-        out_shardings=(self.state_shardings, runtime.replicated),
-        donate_argnums=(0,))
+    self.train_step = program.step
     self._eval_step = evaluation.jit_eval_step(runtime)
 
   def initial_state(self) -> tuple[TrainState, jax.Array]:

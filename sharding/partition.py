@@ -83,10 +83,63 @@ def logical_to_shardings(mesh: jax.sharding.Mesh, logical_specs: Any,
   return shardings
 
 
+# Parameters larger than this that the rules leave whole over `fsdp` get it added
+# (`param_shardings`).
+FSDP_FALLBACK_BYTES = 2 ** 20
+
+
+def _axis_names(entry: Any) -> tuple[str, ...]:
+  return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+
+
+def with_fsdp_fallback(spec: PartitionSpec, logical: PartitionSpec, shape: Sequence[int],
+                       nbytes: int, mesh_shape: Mapping[str, int],
+                       min_bytes: int = FSDP_FALLBACK_BYTES) -> PartitionSpec:
+  """`spec`, with `fsdp` added to one dimension if the array is large and fsdp splits none.
+
+  The rules shard matrices over fsdp through `embed` or the RG-LRU's `rnn_head_dim`,
+  but a per-layer vector stacked over depth (MLP biases [L, M], Conv1D kernels [L, W, R],
+  the RG-LRU's a_param [L, R]) names only tensor-parallel axes: at 14B such leaves are
+  1-5 MiB each, whole on every fsdp shard. Here fsdp joins the dimension with the most
+  elements per shard that it still divides, never the stacked `layers` axis (the depth
+  scan slices it every iteration). `mesh_shape` maps mesh axis names to sizes.
+  """
+  fsdp = mesh_shape.get("fsdp", 1)
+  if fsdp == 1 or nbytes <= min_bytes or any("fsdp" in _axis_names(e) for e in spec):
+    return spec
+  entries = list(spec) + [None] * (len(shape) - len(spec))
+  best, best_size = None, 0
+  for dim, (size, entry) in enumerate(zip(shape, entries)):
+    if dim < len(logical) and "layers" in _axis_names(logical[dim]):
+      continue
+    shards = math.prod(mesh_shape[axis] for axis in _axis_names(entry))
+    if size % (shards * fsdp) == 0 and size // shards > best_size:
+      best, best_size = dim, size // shards
+  if best is None:
+    return spec
+  axes = _axis_names(entries[best]) + ("fsdp",)
+  entries[best] = axes[0] if len(axes) == 1 else axes
+  return PartitionSpec(*entries)
+
+
 def param_shardings(mesh: jax.sharding.Mesh, logical_specs: Any, param_shapes: Any = None,
                     rules: Optional[Sequence[tuple[str, rules_lib.MeshAxes]]] = None) -> Any:
-  """Shardings of the parameter pytree (see `logical_to_shardings`)."""
-  return logical_to_shardings(mesh, logical_specs, param_shapes, rules)
+  """Shardings of the parameter pytree (see `logical_to_shardings`).
+
+  With `param_shapes`, a parameter over FSDP_FALLBACK_BYTES that the rules leave whole
+  over `fsdp` is split over it too (`with_fsdp_fallback`), so FSDP shards everything
+  large, as its name promises.
+  """
+  shardings = logical_to_shardings(mesh, logical_specs, param_shapes, rules)
+  if param_shapes is None:
+    return shardings
+
+  def fallback(sharding, logical, leaf):
+    nbytes = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+    return NamedSharding(mesh, with_fsdp_fallback(sharding.spec, logical, leaf.shape,
+                                                  nbytes, dict(mesh.shape)))
+
+  return jax.tree_util.tree_map(fallback, shardings, logical_specs, param_shapes)
 
 
 def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:

@@ -33,7 +33,7 @@ DEFAULT_RULES: Rules = (
     ("mlp", "tensor"),
     ("rnn", "tensor"),
     ("rnn_heads", "tensor"),      # block-diagonal RG-LRU gates: whole blocks per shard
-    ("rnn_head_dim", None),
+    ("rnn_head_dim", None),       # FSDP added where it divides (partition.param_shardings)
     ("q_heads", "tensor"),
     ("kv", None),                 # the single MQA key/value head, replicated
     ("conv", None),

@@ -58,9 +58,9 @@ def test_14b_on_128_devices_plans_quickly_and_shards_state():
         f"{ {k: round(plan[k] / 2**30, 2) for k in memory._KEYS} } GiB")
   assert elapsed < 300 and plan["method"] == "analytic"
   total_params = counting.count_params(config).total
-  # Most of the model is split 128 ways. The block-diagonal RG-LRU gates are split only
-  # over tensor (rnn_head_dim is replicated by the default rules): 4 x 52 MiB per device.
-  assert total_params * 4 / 128 <= plan["params"] < 1.6 * total_params * 4 / 128
+  # The model is split 128 ways, the block-diagonal RG-LRU gates included (rnn_heads
+  # over tensor, rnn_head_dim over fsdp); only norms, biases and a few vectors are not.
+  assert total_params * 4 / 128 <= plan["params"] < 1.05 * total_params * 4 / 128
   assert plan["optimizer"] == 2 * plan["params"] and plan["gradients"] == plan["params"]
   assert plan["fits"] is False  # no remat at 8 sequences per device: far beyond 95 GB
   remat = memory.plan_memory(config.replace(remat="full"), mesh, 256, 2048,

@@ -11,13 +11,18 @@ kernel can be swapped without touching the layers:
   per-step latency of "lax" dominates and there is no kernel.
 - "pallas": the Pallas kernel of `model.scan.pallas_scan` (state kept on chip, custom
   VJP with a fused backward). On CPU it only runs in interpret mode (slow; for tests).
-- "auto": "pallas" on TPU and GPU (the target platform, `options.lowering_platform`,
-  which is the default backend unless set). On CPU, "lax" with the default unroll of 1: in
-  `benchmarks/scan.py --quick` on this project's 2-core CPU machine (B=8, D=1024,
-  float32; benchmarks/RESULTS.md, "## Scan") lax.scan at unroll 1 was the fastest
-  forward and forward+backward: 1.2-2.4x ahead of unroll 8, 1.4-2.2x ahead of the
-  associative scan, 7-18x ahead of unroll 128 (whose huge loop body also compiles
-  for one to two minutes). Pallas on CPU is interpret mode only.
+- "auto": "pallas" only where the kernel has been compiled by the device's own compiler
+  in this project's tests: TPU, whose Mosaic compiler builds the kernel inside the
+  whole train step for every mesh in tests/test_tpu_compile.py. Elsewhere "lax" with
+  the default unroll of 1, the fastest XLA path measured: in `benchmarks/scan.py
+  --quick` on this project's 2-core CPU machine (B=8, D=1024, float32;
+  benchmarks/RESULTS.md, "## Scan") lax.scan at unroll 1 was the fastest forward and
+  forward+backward: 1.2-2.4x ahead of unroll 8, 1.4-2.2x ahead of the associative
+  scan, 7-18x ahead of unroll 128 (whose huge loop body also compiles for one to two
+  minutes). That includes GPU: the GPU kernels lower (tests/test_scan_lowering.py)
+  but have not yet been compiled and run on a GPU, so a GPU user opts in with
+  `scan_impl="pallas"` (or "associative", often faster than a sequential scan on a
+  GPU) after measuring. Pallas on CPU is interpret mode only.
 
 Numerics: the state is accumulated in float32 (complex64 for complex inputs) whatever
 the input dtype; `h` comes back in x's dtype (complex64 when only `a` is complex) and
@@ -40,6 +45,9 @@ import jax.numpy as jnp
 IMPLS = ("auto", "lax", "associative", "pallas")
 # Platform names `ScanOptions.lowering_platform` accepts, and the kernel target of each.
 PLATFORMS = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "cpu": "cpu"}
+# Kernel targets where "auto" picks Pallas: those whose own compiler has built the
+# kernel in this project's tests (module docstring).
+VERIFIED_PALLAS_TARGETS = ("tpu",)
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -150,7 +158,7 @@ def resolve_impl(impl: str, options: ScanOptions) -> tuple[str, Optional[int]]:
   """Resolves "auto" for the target platform (see the module docstring for why)."""
   name, unroll = parse_impl(impl)
   if name == "auto":
-    name = "pallas" if _target(options) in ("tpu", "gpu") else "lax"
+    name = "pallas" if _target(options) in VERIFIED_PALLAS_TARGETS else "lax"
   return name, unroll
 
 

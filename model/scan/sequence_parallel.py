@@ -1,6 +1,12 @@
-"""The linear scan with the time axis split over a mesh axis ("sequence").
+"""The linear scan inside `shard_map`: time split over a mesh axis ("sequence"), or not.
 
-A recurrence over a split sequence needs, on each shard, the state entering the
+`shard_mapped_linear_scan` runs the scan on each device's own block of a [B, T, D]
+activation laid out over the mesh. Pallas kernels need it: the partitioner cannot split
+a Mosaic (TPU) or Triton (GPU) custom call, so under plain `jit` over several devices
+Mosaic refuses to compile and a GPU kernel would see every device's operands gathered.
+Batch and channels are independent, so their shards scan alone. Time is not:
+
+a recurrence over a split sequence needs, on each shard, the state entering the
 shard. Because the recurrence is linear, that state is affine in the previous
 shard's: a shard maps h_in to P * h_in + L, where P is the product of the shard's
 decays and L its final state from zero. So each shard
@@ -27,7 +33,6 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from model.scan import engine
-from jax.experimental.shard_map import shard_map
 
 AxisNames = Union[None, str, Sequence[str]]
 
@@ -59,8 +64,8 @@ def shard_local_linear_scan(a: jax.Array, x: jax.Array, h0: Optional[jax.Array],
   decay_so_far = jax.lax.cumprod(a.astype(acc), axis=1, reverse=reverse)
   shard_decay = decay_so_far[:, 0 if reverse else -1]
   # [shards, B, D] -> [B, shards, D]: one "time" step per shard.
-  decays = jnp.moveaxis(jax.lax.all_gather(shard_decay, axis_name), 0, 1)
-  finals = jnp.moveaxis(jax.lax.all_gather(local_last, axis_name), 0, 1)
+  decays = jnp.moveaxis(_all_gather(shard_decay, axis_name), 0, 1)
+  finals = jnp.moveaxis(_all_gather(local_last, axis_name), 0, 1)
   if h0 is None:
     h0 = jnp.zeros(local_last.shape, acc)
   ends, global_last = engine.associative_linear_scan(decays, finals, h0.astype(acc),
@@ -72,6 +77,16 @@ def shard_local_linear_scan(a: jax.Array, x: jax.Array, h0: Optional[jax.Array],
                                       keepdims=False)
   h = h_local.astype(acc) + decay_so_far * h_in[:, None]
   return h.astype(h_local.dtype), global_last
+
+
+def _all_gather(x: jax.Array, axis_name: str) -> jax.Array:
+  """`all_gather`, complex values as real and imaginary planes: its transpose is a
+  reduce-scatter, which XLA:TPU implements for real sums only (complex64 fails to
+  compile, tests/test_tpu_compile.py)."""
+  if not jnp.iscomplexobj(x):
+    return jax.lax.all_gather(x, axis_name)
+  return jax.lax.complex(jax.lax.all_gather(jnp.real(x), axis_name),
+                         jax.lax.all_gather(jnp.imag(x), axis_name))
 
 
 def _present(mesh: Mesh, wanted: AxisNames, defaults: tuple[str, ...]):
@@ -99,13 +114,55 @@ def _size(mesh: Mesh, axes) -> int:
   return size
 
 
-def _shard_map(fn, mesh, in_specs, out_specs):
-  """`shard_map` without replication checks (Pallas calls carry no replication rule)."""
-  if hasattr(jax, "shard_map"):
-    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                         check_vma=False)
-  return shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                   check_rep=False)
+def _single_axis(entry) -> Optional[str]:
+  names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+  if len(names) > 1:
+    raise ValueError(f"shard_mapped_linear_scan: time is split over mesh axes {names}; "
+                     "the scan over shards supports one mesh axis for time.")
+  return names[0] if names else None
+
+
+def shard_mapped_linear_scan(a: jax.Array, x: jax.Array, h0: Optional[jax.Array] = None,
+                             *, mesh: Union[Mesh, jax.sharding.AbstractMesh], spec: P,
+                             options: engine.ScanOptions, reverse: bool = False,
+                             impl: str = "auto") -> tuple[jax.Array, jax.Array]:
+  """`linear_scan` on global [B, T, D] arrays, each device scanning its own block.
+
+  Args:
+    a, x, h0, options, reverse, impl: as in `model.scan.linear_scan`.
+    mesh: the device mesh (concrete, or the abstract mesh in scope while tracing).
+    spec: the activation's layout P(batch axes, time axis, channel axes); each entry's
+      shards must divide its dimension. With a time axis the shards are chained by the
+      scan over shards (module docstring); without one each shard's scan is the plain
+      engine's. The state h0 / h_last is laid out P(batch axes, channel axes).
+
+  Returns:
+    (h [B, T, D], h_last [B, D]) exactly as `linear_scan` would give.
+  """
+  engine.validate(a, x, h0)
+  if len(spec) != 3:
+    raise ValueError(f"shard_mapped_linear_scan: spec {spec} must have 3 entries "
+                     "(batch, time, channels).")
+  for what, dim, axes in (("batch", x.shape[0], spec[0]), ("time", x.shape[1], spec[1]),
+                          ("channels", x.shape[2], spec[2])):
+    if dim % _size(mesh, axes):
+      raise ValueError(f"shard_mapped_linear_scan: {what} size {dim} is not divisible by "
+                       f"the {_size(mesh, axes)} shards of mesh axes {axes}; pad it or "
+                       "change the mesh.")
+  time_axis = _single_axis(spec[1])
+  if time_axis is None:
+    local = functools.partial(engine.linear_scan, options=options, reverse=reverse,
+                              impl=impl)
+  else:
+    local = functools.partial(shard_local_linear_scan, axis_name=time_axis,
+                              options=options, reverse=reverse, impl=impl)
+  state_spec = P(spec[0], spec[2])
+  # No replication check: Pallas calls carry no replication rule.
+  if h0 is None:
+    return jax.shard_map(lambda a, x: local(a, x, None), mesh=mesh, in_specs=(spec, spec),
+                         out_specs=(spec, state_spec), check_vma=False)(a, x)
+  return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, state_spec),
+                       out_specs=(spec, state_spec), check_vma=False)(a, x, h0)
 
 
 def sequence_sharded_linear_scan(a: jax.Array, x: jax.Array,
@@ -128,24 +185,10 @@ def sequence_sharded_linear_scan(a: jax.Array, x: jax.Array,
   Returns:
     (h [B, T, D], h_last [B, D]) exactly as `linear_scan` would give.
   """
-  engine.validate(a, x, h0)
   if axis_name not in mesh.shape:
     raise ValueError(f"sequence_sharded_linear_scan: mesh has no axis {axis_name!r} "
                      f"(axes: {tuple(mesh.shape)}); pass axis_name=.")
-  batch_axes = _present(mesh, batch_axes, _BATCH_AXES)
-  channel_axes = _present(mesh, channel_axes, _CHANNEL_AXES)
-  for what, dim, axes in (("time", x.shape[1], axis_name), ("batch", x.shape[0], batch_axes),
-                          ("channels", x.shape[2], channel_axes)):
-    if dim % _size(mesh, axes):
-      raise ValueError(f"sequence_sharded_linear_scan: {what} size {dim} is not divisible "
-                       f"by the {_size(mesh, axes)} shards of mesh axes {axes}; pad it or "
-                       "change the mesh.")
-  seq_spec = P(batch_axes, axis_name, channel_axes)
-  state_spec = P(batch_axes, channel_axes)
-  local = functools.partial(shard_local_linear_scan, axis_name=axis_name,
-                            options=options, reverse=reverse, impl=impl)
-  if h0 is None:
-    return _shard_map(lambda a, x: local(a, x, None), mesh, (seq_spec, seq_spec),
-                      (seq_spec, state_spec))(a, x)
-  return _shard_map(local, mesh, (seq_spec, seq_spec, state_spec),
-                    (seq_spec, state_spec))(a, x, h0)
+  spec = P(_present(mesh, batch_axes, _BATCH_AXES), axis_name,
+           _present(mesh, channel_axes, _CHANNEL_AXES))
+  return shard_mapped_linear_scan(a, x, h0, mesh=mesh, spec=spec, options=options,
+                                  reverse=reverse, impl=impl)

@@ -1,0 +1,119 @@
+"""Ahead-of-time compilation of the trainer's step for a TPU target, and what it costs.
+
+`compile_train_step` compiles `pretrain.steps.jit_train_step`, the very program the
+trainer runs (optimizer, microbatches, remat, dtypes, shardings), over a mesh of TPU
+device descriptions (`pretrain.tpu_target`), with the real XLA:TPU and Mosaic compilers
+and no TPU attached. The report holds XLA's own per-device memory and cost figures.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Optional
+
+from model.config import ModelConfig
+from pretrain import flops as flops_lib
+from pretrain.optimizer import OptimizerConfig, learning_rate_schedule, make_optimizer
+from pretrain.runtime import Runtime
+from pretrain.steps import abstract_batch, jit_train_step
+from pretrain.tpu_target import TpuTarget
+from pretrain.trainer import TrainConfig
+from sharding import partition
+from sharding import rules as rules_lib
+from sharding.mesh import MeshConfig, create_mesh
+
+# The custom call that carries a Mosaic (Pallas TPU) kernel in a compiled TPU program.
+MOSAIC_CALL = "tpu_custom_call"
+
+
+def for_target(config: ModelConfig) -> ModelConfig:
+  """`config` as the trainer resolves it on a TPU: the scan lowered for TPU (so "auto"
+  picks the Pallas kernel and no interpret mode), whatever this host's backend is."""
+  return config.replace(scan=dataclasses.replace(config.scan, lowering_platform="tpu"))
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileReport:
+  """What XLA says about one compiled train step, per device unless named otherwise.
+
+  Memory figures are XLA's buffer assignment (`memory_analysis`): arguments (state and
+  batch), outputs (aliasing the donated state), temporaries, and the peak of live
+  buffers. `compiled_flops` is XLA's `cost_analysis` of the partitioned per-device
+  program (a loop body counts once per trip XLA knows); `model_flops` is the step's
+  training FLOPs over all devices as the trainer's MFU counts them.
+  """
+  target: str
+  num_slices: int
+  devices: int
+  mesh: dict[str, int]
+  model: dict[str, Any]
+  batch_size: int
+  sequence_length: int
+  microbatches: int
+  argument_bytes: int
+  output_bytes: int
+  alias_bytes: int
+  temp_bytes: int
+  peak_bytes: int
+  hbm_bytes: int
+  compiled_flops: Optional[float]
+  model_flops: float
+  compile_seconds: float
+  mosaic_kernel: bool
+
+  @property
+  def fits(self) -> bool:
+    return self.peak_bytes <= self.hbm_bytes
+
+  def as_dict(self) -> dict[str, Any]:
+    return {**dataclasses.asdict(self), "fits": self.fits}
+
+
+def target_runtime(config: ModelConfig, mesh_config: MeshConfig, devices: list[Any],
+                   rules: rules_lib.Rules = rules_lib.DEFAULT_RULES,
+                   replication_check: partition.ReplicationCheck = partition.ReplicationCheck()
+                   ) -> Runtime:
+  """The trainer's Runtime over a mesh of the target's device descriptions."""
+  return Runtime(for_target(config), create_mesh(mesh_config, devices), rules,
+                 replication_check)
+
+
+def compile_train_step(runtime: Runtime, train_config: TrainConfig,
+                       optimizer_config: OptimizerConfig) -> tuple[Any, float]:
+  """(the compiled train step, compile seconds): the trainer's program, lowered on the
+  abstract state and batch and compiled for the runtime's devices."""
+  optimizer = make_optimizer(optimizer_config, train_config.train_steps)
+  program = jit_train_step(runtime, optimizer,
+                           learning_rate_schedule(optimizer_config, train_config.train_steps),
+                           train_config.microbatches, train_config.z_loss_weight,
+                           train_config.loss_chunks)
+  batch = abstract_batch(runtime, train_config.batch_size, train_config.sequence_length)
+  start = time.perf_counter()
+  with runtime.activation_context():
+    compiled = program.step.lower(program.abstract_state, batch).compile()
+  return compiled, time.perf_counter() - start
+
+
+def report(compiled: Any, seconds: float, runtime: Runtime, target: TpuTarget,
+           train_config: TrainConfig) -> CompileReport:
+  """The CompileReport of a train step compiled by `compile_train_step`."""
+  memory = compiled.memory_analysis()
+  costs = compiled.cost_analysis()
+  costs = costs[0] if isinstance(costs, (list, tuple)) else costs
+  tokens = train_config.batch_size * train_config.sequence_length
+  config = runtime.config
+  return CompileReport(
+      target=target.name, num_slices=target.num_slices, devices=runtime.mesh.size,
+      mesh=dict(runtime.mesh.shape),
+      model={"width": config.width, "depth": config.depth,
+             "block_pattern": list(config.block_pattern), "remat": config.remat,
+             "scan_impl": config.scan_impl, "dtype": config.dtype},
+      batch_size=train_config.batch_size, sequence_length=train_config.sequence_length,
+      microbatches=train_config.microbatches,
+      argument_bytes=memory.argument_size_in_bytes, output_bytes=memory.output_size_in_bytes,
+      alias_bytes=memory.alias_size_in_bytes, temp_bytes=memory.temp_size_in_bytes,
+      peak_bytes=memory.peak_memory_in_bytes, hbm_bytes=target.hbm_bytes,
+      compiled_flops=(costs or {}).get("flops"),
+      model_flops=tokens * flops_lib.training_flops_per_token(config,
+                                                               train_config.sequence_length),
+      compile_seconds=seconds, mosaic_kernel=MOSAIC_CALL in compiled.as_text())

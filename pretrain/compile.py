@@ -1,0 +1,130 @@
+r"""Compile the trainer's exact train step for a TPU slice from any host, and size it.
+
+  python -m pretrain.compile --topology=v5p-128 --gin_file=configs/models/griffin_14b.gin \
+      --gin_file=configs/mesh/fsdp_tensor4.gin --gin_param=BATCH_SIZE=256 [--num_slices=N] \
+      [--mesh=fsdp:32,tensor:2] [--json] [--save=PATH]
+
+Runs libtpu's XLA:TPU and Mosaic compilers on this machine (no TPU needed; `pip install
+-e ".[tpu]"` brings libtpu) over a mesh of the target's chips, on the program the
+trainer jits (`pretrain.steps.jit_train_step`: optimizer, microbatches, remat, dtypes,
+shardings; the scan as resolved on a TPU). Prints per-chip memory (arguments,
+temporaries, peak) against the chip's HBM with fits / does not fit, XLA's compiled FLOPs
+per chip, the model FLOPs the trainer's MFU counts, and the compile time. Gin is read as
+by `pretrain.train` (configs/base/trainer.gin and optimizer.gin first, then --gin_file in
+order). `--save` writes the serialized executable (`jax.experimental.serialize_executable`,
+pickled with its input/output trees). Exit status 1 when the step does not fit.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from typing import Sequence
+
+import jax
+from absl import flags
+from jax.experimental import serialize_executable
+
+from pretrain import aot
+from pretrain import cli
+from pretrain import gin_config
+from pretrain import tpu_target
+from pretrain.errors import EXIT_FAILED, UserError, usage_error
+from pretrain.optimizer import OptimizerConfig
+from pretrain.trainer import TrainConfig
+from sharding import partition
+from sharding import rules as rules_lib
+from sharding.mesh import MeshConfig, mesh_config_from_flag
+
+FLAGS = flags.FLAGS
+BASE_GIN = ("configs/base/trainer.gin", "configs/base/optimizer.gin")
+GIB = 2 ** 30
+
+
+def define_flags() -> None:
+  cli.define_gin_flags()
+  flags.DEFINE_string("topology", None, "TPU slice type: v5p-128, v4-32, v5e-16 (or "
+                      "v5litepod-16), v6e-64.")
+  flags.DEFINE_integer("num_slices", 1, "Slices joined over the data-centre network "
+                       "(use a mesh with replica = num_slices).", lower_bound=1)
+  flags.DEFINE_string("mesh", None, "Mesh over all chips, e.g. 'fsdp:32,tensor:2' "
+                      "(default: MeshConfig from Gin).")
+  flags.DEFINE_bool("json", False, "Print one JSON object.")
+  flags.DEFINE_string("save", None, "Write the serialized compiled executable here.")
+  flags.mark_flag_as_required("topology")
+
+
+def compile_from_gin(topology: str, num_slices: int, gin_files: Sequence[str],
+                     gin_params: Sequence[str], mesh: str | None = None
+                     ) -> tuple[aot.CompileReport, object]:
+  """(report, compiled step) of the run the Gin files describe, on the target slice."""
+  target = tpu_target.parse_target(topology, num_slices)
+  devices = tpu_target.target_devices(target)
+  gin_config.parse(list(BASE_GIN) + list(gin_files), gin_params)
+  train_config = gin_config.build(TrainConfig)
+  mesh_config = mesh_config_from_flag(mesh) if mesh else gin_config.build(MeshConfig)
+  try:
+    runtime = aot.target_runtime(gin_config.build_model_config(), mesh_config, devices,
+                                 gin_config.build(rules_lib.logical_axis_rules),
+                                 gin_config.build(partition.ReplicationCheck))
+  except ValueError as error:
+    raise usage_error(f"Bad sharding configuration for {target.devices} chips of "
+                      f"{topology}: {error}") from error
+  compiled, seconds = aot.compile_train_step(runtime, train_config,
+                                             gin_config.build(OptimizerConfig))
+  return aot.report(compiled, seconds, runtime, target, train_config), compiled
+
+
+def format_report(report: aot.CompileReport) -> str:
+  """The human-readable report."""
+  gib = lambda n: f"{n / GIB:8.2f} GiB"
+  mesh = ",".join(f"{name}:{size}" for name, size in report.mesh.items() if size > 1)
+  verdict = "fits" if report.fits else "DOES NOT FIT"
+  compiled_flops = ("n/a" if report.compiled_flops is None
+                    else f"{report.compiled_flops:.4g} per chip, "
+                    f"{report.compiled_flops * report.devices:.4g} in all")
+  return "\n".join([
+      f"target:            {report.target} x {report.num_slices} slice(s), "
+      f"{report.devices} chips, mesh {mesh or 'one device'}",
+      f"step:              batch {report.batch_size} x {report.sequence_length} tokens, "
+      f"{report.microbatches} microbatch(es), remat {report.model['remat']}, "
+      f"scan {report.model['scan_impl']}{' (Mosaic kernel)' if report.mosaic_kernel else ''}",
+      "memory per chip (XLA buffer assignment):",
+      f"  arguments        {gib(report.argument_bytes)}   (state and batch)",
+      f"  outputs          {gib(report.output_bytes)}   "
+      f"({gib(report.alias_bytes).strip()} aliased to donated arguments)",
+      f"  temporaries      {gib(report.temp_bytes)}",
+      f"  peak             {gib(report.peak_bytes)}   of {gib(report.hbm_bytes).strip()} "
+      f"HBM: {verdict}",
+      f"compiled FLOPs:    {compiled_flops} (XLA cost analysis)",
+      f"model FLOPs:       {report.model_flops:.4g} per step (as the trainer's MFU counts)",
+      f"compile time:      {report.compile_seconds:.1f} s",
+  ])
+
+
+def save_executable(compiled: object, path: str) -> None:
+  payload = serialize_executable.serialize(compiled)
+  try:
+    with open(path, "wb") as f:
+      pickle.dump(payload, f)
+  except OSError as error:
+    raise UserError(f"Cannot write --save {path}: {error.strerror or error}") from None
+
+
+def main(argv: Sequence[str]) -> int:
+  cli.reject_extra_arguments(argv)
+  if not os.environ.get("JAX_PLATFORMS"):
+    # Compiling needs only libtpu's chip descriptions; this host's own runtime stays CPU
+    # (on a machine with libtpu but no TPU, starting one would fail or wait).
+    jax.config.update("jax_platforms", "cpu")
+  report, compiled = compile_from_gin(FLAGS.topology, FLAGS.num_slices, FLAGS.gin_file,
+                                      FLAGS.gin_param, FLAGS.mesh)
+  if FLAGS.save:
+    save_executable(compiled, FLAGS.save)
+  print(json.dumps(report.as_dict()) if FLAGS.json else format_report(report))
+  return 0 if report.fits else EXIT_FAILED
+
+
+if __name__ == "__main__":
+  define_flags()
+  cli.run(main)

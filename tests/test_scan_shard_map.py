@@ -1,0 +1,67 @@
+"""The Pallas scan inside `shard_map` under a mesh (model.recurrence), on 8 CPU devices.
+
+A Pallas kernel carries no partitioning rule, so the recurrent layers run it in
+`shard_map` over the activation's layout whenever a mesh is in scope. Here the kernel
+runs in interpret mode under meshes that split batch, channels and time (and one whose
+shards do not divide the batch, which must fall back to whole rows per shard), and its
+outputs and gradients (through the shard_map transpose) must equal the single-device
+lax scan. tests/test_tpu_compile.py compiles the same path with the real TPU compiler.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model import recurrence
+from model.scan import linear_scan
+from model.scan import ScanOptions
+from sharding import mesh as mesh_lib
+from sharding import rules as rules_lib
+
+OPTIONS = ScanOptions(pallas_time_chunk=16)
+BATCH, LENGTH, CHANNELS = 4, 32, 8
+
+
+def _inputs(complex_):
+  rng = np.random.default_rng(0)
+  shape = (BATCH, LENGTH, CHANNELS)
+  a = rng.uniform(0.5, 1.0, shape) * (rng.uniform(size=(BATCH, LENGTH, 1)) > 0.1)
+  x, h0, w = rng.normal(size=shape), rng.normal(size=(BATCH, CHANNELS)), rng.normal(size=shape)
+  if complex_:
+    a = a * np.exp(1j * rng.uniform(-1, 1, shape))
+    x = x + 1j * rng.normal(size=shape)
+    h0 = h0 + 1j * rng.normal(size=h0.shape)
+    return a.astype(np.complex64), x.astype(np.complex64), h0.astype(np.complex64), w
+  return a.astype(np.float32), x.astype(np.float32), h0.astype(np.float32), w
+
+
+def _value_and_grads(scan, w):
+  def loss(a, x, h0):
+    h, last = scan(a, x, h0)
+    return jnp.sum(jnp.abs(h) ** 2 * w) + jnp.sum(jnp.abs(last) ** 2)
+  return jax.value_and_grad(loss, argnums=(0, 1, 2))
+
+
+@pytest.mark.parametrize("mesh_flag,complex_", [
+    ("data:2,tensor:4", False),     # batch and channels split
+    # 8 shards do not divide B = 4: whole rows per shard.
+    pytest.param("fsdp:8", False, marks=pytest.mark.slow),
+    # Time split too (the scan over shards), complex.
+    pytest.param("data:2,sequence:2,tensor:2", True, marks=pytest.mark.slow),
+])
+def test_pallas_scan_under_mesh_matches_single_device(mesh_flag, complex_):
+  a, x, h0, w = _inputs(complex_)
+  mesh = mesh_lib.create_mesh(mesh_lib.mesh_config_from_flag(mesh_flag))
+  sharded = lambda a, x, h0: recurrence.mesh_aware_linear_scan(
+      a, x, h0, impl="pallas", options=OPTIONS)
+  with rules_lib.activation_sharding(mesh):
+    program = jax.jit(_value_and_grads(sharded, w)).lower(a, x, h0)
+    assert "shard_map" in program.as_text() or "sdy.manual_computation" in program.as_text()
+    value, grads = program.compile()(a, x, h0)
+  single = lambda a, x, h0: linear_scan(a, x, h0, options=OPTIONS, impl="lax")
+  expected_value, expected_grads = jax.jit(_value_and_grads(single, w))(a, x, h0)
+  np.testing.assert_allclose(value, expected_value, rtol=2e-5)
+  for got, want, name in zip(grads, expected_grads, ("da", "dx", "dh0")):
+    scale = np.abs(np.asarray(want)).max()
+    err = np.abs(np.asarray(got) - np.asarray(want)).max() / scale
+    assert err < 2e-5, f"{name}: relative error {err:.3g}"
