@@ -29,7 +29,10 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOISE_PATTERNS = (
     r"^WARNING: All log messages before absl::InitializeLog\(\) is called",
     r"^WARNING: Logging before InitGoogle\(\) is written to STDERR",
-    r"^[IW]\d{4} \d\d:\d\d:",                      # absl/glog INFO and WARNING lines
+    r"^I\d{4} \d\d:\d\d:",                        # absl/glog INFO lines
+    # Native (C++) WARNING lines only: our own Python warnings (e.g. a preemption
+    # notice) have the same prefix but name a .py file, and must stay visible.
+    r"^W\d{4} [\d:.]+\s+\d+\s+\S+\.(cc|h|cpp|c):\d+\]",
     r"^E\d{4} \d\d:\d\d:.*(cuInit|cuda_|cudart|libtpu|TPU_)",  # no GPU/TPU here
     r"^To enable the following instructions: .* rebuild TensorFlow",
     r"(TPU_ACCELERATOR_TYPE|TPU_WORKER_HOSTNAMES)",

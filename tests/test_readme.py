@@ -101,6 +101,8 @@ def _kind(piece):
     return "not_run"
   if piece.startswith("python -m launch."):
     return "launcher"
+  if piece.startswith("python -m pretrain.compile"):
+    return "compile"  # run verbatim by tests/test_tpu_compile.py (needs libtpu)
   if piece.startswith("python -m model.summary"):
     return "summary"
   if piece.startswith("python -m pretrain.train"):

@@ -76,7 +76,7 @@ def _readme_command() -> str:
 
 @pytest.mark.slow
 def test_readme_command_compiles_a_preset(tmp_path):
-  """The README's command verbatim (griffin_1_3b, 2048 tokens), plus --json and --save."""
+  """The README's command verbatim (2048 tokens, remat full), plus --json and --save."""
   command = _readme_command() + f" --json --save={tmp_path / 'step.exe'}"
   env = {**os.environ, "PYTHONPATH": REPO}
   env.pop("JAX_PLATFORMS", None)  # the command itself keeps the host on CPU
