@@ -41,8 +41,10 @@ NOISE_PATTERNS = (
     r"Rank connected",
 )
 
-# Orbax logs at WARNING every time a command opens checkpoints to read them.
-LOG_NOISE = ("Given directory is read only",)
+# Orbax logs at WARNING every time a command opens checkpoints to read them,
+# and, when a save overlaps the next one, how long it waited (the trainer already reports
+# where its time goes).
+LOG_NOISE = ("Given directory is read only", "Waiting for previous save to complete took")
 
 _FILTER_PROGRAM = """
 import re, sys
