@@ -17,29 +17,10 @@ from model.scan import linear_scan
 from model.scan import ScanOptions
 from sharding import mesh as mesh_lib
 from sharding import rules as rules_lib
+from test_scan_sequence_sharded import _inputs, _loss
 
 OPTIONS = ScanOptions(pallas_time_chunk=16)
 BATCH, LENGTH, CHANNELS = 4, 32, 8
-
-
-def _inputs(complex_):
-  rng = np.random.default_rng(0)
-  shape = (BATCH, LENGTH, CHANNELS)
-  a = rng.uniform(0.5, 1.0, shape) * (rng.uniform(size=(BATCH, LENGTH, 1)) > 0.1)
-  x, h0, w = rng.normal(size=shape), rng.normal(size=(BATCH, CHANNELS)), rng.normal(size=shape)
-  if complex_:
-    a = a * np.exp(1j * rng.uniform(-1, 1, shape))
-    x = x + 1j * rng.normal(size=shape)
-    h0 = h0 + 1j * rng.normal(size=h0.shape)
-    return a.astype(np.complex64), x.astype(np.complex64), h0.astype(np.complex64), w
-  return a.astype(np.float32), x.astype(np.float32), h0.astype(np.float32), w
-
-
-def _value_and_grads(scan, w):
-  def loss(a, x, h0):
-    h, last = scan(a, x, h0)
-    return jnp.sum(jnp.abs(h) ** 2 * w) + jnp.sum(jnp.abs(last) ** 2)
-  return jax.value_and_grad(loss, argnums=(0, 1, 2))
 
 
 @pytest.mark.parametrize("mesh_flag,complex_", [
@@ -50,16 +31,16 @@ def _value_and_grads(scan, w):
     pytest.param("data:2,sequence:2,tensor:2", True, marks=pytest.mark.slow),
 ])
 def test_pallas_scan_under_mesh_matches_single_device(mesh_flag, complex_):
-  a, x, h0, w = _inputs(complex_)
+  a, x, h0, w = _inputs(0, BATCH, LENGTH, CHANNELS, complex_)
   mesh = mesh_lib.create_mesh(mesh_lib.mesh_config_from_flag(mesh_flag))
   sharded = lambda a, x, h0: recurrence.mesh_aware_linear_scan(
       a, x, h0, impl="pallas", options=OPTIONS)
   with rules_lib.activation_sharding(mesh):
-    program = jax.jit(_value_and_grads(sharded, w)).lower(a, x, h0)
+    program = _loss(sharded, w).lower(a, x, h0)
     assert "shard_map" in program.as_text() or "sdy.manual_computation" in program.as_text()
     value, grads = program.compile()(a, x, h0)
   single = lambda a, x, h0: linear_scan(a, x, h0, options=OPTIONS, impl="lax")
-  expected_value, expected_grads = jax.jit(_value_and_grads(single, w))(a, x, h0)
+  expected_value, expected_grads = _loss(single, w)(a, x, h0)
   np.testing.assert_allclose(value, expected_value, rtol=2e-5)
   for got, want, name in zip(grads, expected_grads, ("da", "dx", "dh0")):
     scale = np.abs(np.asarray(want)).max()
