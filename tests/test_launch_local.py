@@ -95,12 +95,20 @@ def test_failing_process_stops_the_rest_and_sets_exit_code():
   assert time.monotonic() - start < 30
 
 
-def test_max_restarts_starts_every_process_again_until_they_succeed():
-  # Process 1 fails in attempts 0 and 1; every process records each attempt it ran.
-  script = ("import os, sys\n"
+def test_max_restarts_starts_every_process_again_until_they_succeed(tmp_path):
+  # Process 1 fails in attempts 0 and 1, but only after process 0 has recorded that attempt
+  # (a marker file), so the launcher cannot stop process 0 before it prints.
+  script = ("import os, sys, time\n"
             "attempt = int(os.environ['GRIFFIN_RESTART_ATTEMPT'])\n"
-            "print('ATTEMPT', os.environ['JAX_PROCESS_ID'], attempt, flush=True)\n"
-            "sys.exit(4 if os.environ['JAX_PROCESS_ID'] == '1' and attempt < 2 else 0)\n")
+            "process = os.environ['JAX_PROCESS_ID']\n"
+            "print('ATTEMPT', process, attempt, flush=True)\n"
+            f"marker = os.path.join({str(tmp_path)!r}, f'p{{process}}_{{attempt}}')\n"
+            "open(marker, 'w').close()\n"
+            "if process == '1' and attempt < 2:\n"
+            "  deadline = time.monotonic() + 60\n"
+            "  while not os.path.exists(marker.replace('p1_', 'p0_')) and time.monotonic() < deadline:\n"
+            "    time.sleep(0.05)\n"
+            "  sys.exit(4)\n")
   launcher = _launch("--num_processes=2", "--max_restarts=3", "--", sys.executable, "-c",
                      script)
   out, err = launcher.communicate(timeout=120)
