@@ -140,6 +140,7 @@ def test_depth_scan_script_times_scanned_and_unrolled(tiny_gin):
     _assert_usage_error(_run_benchmark("depth_scan.py", bad), named)
 
 
+@pytest.mark.slow
 def test_scan_script_times_each_implementation():
   """benchmarks/scan.py on one tiny shape: XLA scans, a Pallas strategy (interpreted on
   CPU, so only with --include_interpret) and the copy floor, in both modes."""

@@ -85,6 +85,7 @@ def test_train_continues_from_converted_checkpoint(trainer_env, reference, tmp_p
   assert complete_steps(os.path.join(workdir, "checkpoints"))[-1] == 3
 
 
+@pytest.mark.slow
 def test_convert_needs_preset_or_all_flags(trainer_env, reference, tmp_path):
   _, _, path = reference
   result = trainer_env.run(trainer_env.command(

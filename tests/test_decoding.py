@@ -87,6 +87,7 @@ def test_step_by_step_decoding_equals_forward(name):
     assert got.shape == want.shape and got.dtype == want.dtype
 
 
+@pytest.mark.slow
 def test_multi_token_calls_with_a_cache_equal_forward():
   config, params, tokens, full = setup("griffin")
   decoded, _ = decode(config, params, tokens, [PROMPT, 3] + [1] * (LENGTH - PROMPT - 3))

@@ -118,6 +118,7 @@ def test_sample_command(trainer_env, trained_workdir):
   assert len(result.stdout.rstrip("\n")) > len("def ")
 
 
+@pytest.mark.slow
 def test_load_takes_a_workdir_relative_to_the_current_directory(trained_workdir, loaded,
                                                                monkeypatch):
   workdir = trained_workdir[0]
@@ -128,6 +129,7 @@ def test_load_takes_a_workdir_relative_to_the_current_directory(trained_workdir,
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
 def test_load_of_missing_step_is_a_clear_error(trained_workdir):
   with pytest.raises(UserError, match="No complete checkpoint of step 7"):
     pretrain.load(trained_workdir[0], step=7)

@@ -6,6 +6,8 @@ One tiny Griffin run of 16 steps (global batch 8, mesh data 2 x fsdp 2), trained
   B  by 1 process x 4 devices, uninterrupted: A's losses, step for step;
   C  by 2 processes x 2 devices, with SIGTERM sent to process 1 only: both processes
      agree on one step, save it together and exit 0;
+  C' by 2 processes x 2 devices, with Ctrl-C (SIGINT) sent to the launcher, which
+     forwards it to every process: the same agreed save and exit 0;
   D  resumed from C's checkpoint on 1 process x 4 devices, and on 1 process x 8
      devices (mesh data 2 x fsdp 4, so every sharded array is re-laid out): A's losses
      from the resumed step on.
@@ -62,9 +64,10 @@ def _child_pid(launcher_pid, process_id):
   raise AssertionError(f"no child of the launcher runs process {process_id}: {children}")
 
 
-def _run_and_signal(env, workdir, signum, after_steps):
-  """Starts a 2 x 2 launch, sends `signum` to process 1 once `after_steps` steps are
-  logged; returns (launcher exit code, its output, seconds from signal to exit)."""
+def _run_and_signal(env, workdir, signum, after_steps, to_launcher=False):
+  """Starts a 2 x 2 launch, sends `signum` to process 1 (or to the launcher itself, as a
+  terminal's Ctrl-C does) once `after_steps` steps are logged; returns (launcher exit
+  code, its output, seconds from signal to exit)."""
   launcher = subprocess.Popen(_launch_command(env, workdir, 2, 2, *MESH_2X2), env=env.env,
                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True)
@@ -74,7 +77,7 @@ def _run_and_signal(env, workdir, signum, after_steps):
       assert launcher.poll() is None and time.monotonic() < deadline, (
           launcher.communicate()[0][-3000:] if launcher.poll() is not None else "timeout")
       time.sleep(0.02)
-    os.kill(_child_pid(launcher.pid, 1), signum)
+    os.kill(launcher.pid if to_launcher else _child_pid(launcher.pid, 1), signum)
     start = time.monotonic()
     output, _ = launcher.communicate(timeout=180)
     return launcher.returncode, output, time.monotonic() - start
@@ -144,6 +147,22 @@ def test_sigterm_to_one_process_saves_one_step_on_all(preempted_run):
   assert 3 <= step < STEPS
   assert f"Preempted: saved step {step}" in output
   assert complete_steps(os.path.join(workdir, "checkpoints"))[-1] == step
+
+
+@pytest.mark.slow
+def test_ctrl_c_to_the_launcher_saves_one_step_on_all(trainer_env, tmp_path):
+  workdir = str(tmp_path / "interrupted")
+  code, output, seconds = _run_and_signal(trainer_env, workdir, signal.SIGINT, after_steps=3,
+                                          to_launcher=True)
+  assert code == 0, output[-3000:]
+  saved = set(re.findall(r"^\[(\d)\] .*all processes save step (\d+)", output, re.M))
+  assert {index for index, _ in saved} == {"0", "1"}, output[-3000:]
+  assert len({step for _, step in saved}) == 1, saved
+  step = int(saved.pop()[1])
+  assert 3 <= step < STEPS
+  assert complete_steps(os.path.join(workdir, "checkpoints"))[-1] == step
+  assert "launch.local: restart" not in output   # an interrupt is never restarted
+  assert seconds < 60
 
 
 @pytest.mark.slow

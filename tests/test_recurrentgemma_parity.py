@@ -112,6 +112,7 @@ def test_config_is_read_from_the_tree(case):
   assert config.logits_soft_cap == spec["soft_cap"]
 
 
+@pytest.mark.slow
 def test_mapped_tree_has_our_structure_and_shapes(case):
   ours = jax.eval_shape(lambda: lm.init_params(case.config, jax.random.PRNGKey(0)))
   assert jax.tree_util.tree_structure(ours) == jax.tree_util.tree_structure(case.params)
@@ -120,11 +121,13 @@ def test_mapped_tree_has_our_structure_and_shapes(case):
     assert expected.shape == actual.shape, jax.tree_util.keystr(path)
 
 
+@pytest.mark.slow
 def test_float32_logits_match_reference(case):
   assert np.all(np.isfinite(case.logits))
   assert _relative_error(case.logits, case.reference_logits) < 1e-5
 
 
+@pytest.mark.slow
 def test_gradients_match_reference(case):
   mapped_back = rg_params.ours_to_recurrentgemma(case.grads, case.config)
   reference = jax.tree_util.tree_flatten_with_path(case.reference_grads)[0]
@@ -136,6 +139,7 @@ def test_gradients_match_reference(case):
     assert error < 1e-4, f"{jax.tree_util.keystr(path)}: relative error {error:.2e}"
 
 
+@pytest.mark.slow
 def test_bfloat16_logits_match_reference(case):
   """A bf16 forward is within 1e-2 of the float32 reference (relative Frobenius norm).
 
@@ -151,6 +155,7 @@ def test_bfloat16_logits_match_reference(case):
   assert _relative_error(case.logits_bf16, case.reference_logits_bf16) < 2e-2
 
 
+@pytest.mark.slow
 def test_round_trips_are_the_identity(case):
   theirs = rg_params.ours_to_recurrentgemma(case.params, case.config)
   ours_again = rg_params.recurrentgemma_to_ours(theirs, case.config)
@@ -183,6 +188,7 @@ def test_config_of_released_shapes_equals_our_preset(preset, gin_file):
     gin.clear_config()
 
 
+@pytest.mark.slow
 def test_mismatched_config_is_rejected(case):
   shorter = case.config.replace(depth=case.config.depth - 1)
   with pytest.raises(ValueError, match="block_types"):

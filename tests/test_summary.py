@@ -9,6 +9,7 @@ import pytest
 
 from model import counting
 from model.config import ModelConfig
+from tiers import slow_after_first
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 
@@ -50,6 +51,7 @@ def test_text_output_and_bindings_and_seq():
   assert f"{counting.decode_state_bytes(config, 100):,} bytes" in result.stdout
 
 
+@pytest.mark.slow
 def test_training_configs_work_too():
   """A whole training config (trainer, data, optimizer and model bindings) is read by the
   trainer's Gin loader, so its model can be summarised as it is."""
@@ -76,7 +78,7 @@ def test_mesh_adds_per_device_memory():
   assert summary["memory_fits"] in (True, False)
 
 
-@pytest.mark.parametrize("args, message", [
+@pytest.mark.parametrize("args, message", slow_after_first([
     (["--gin_file=configs/models/no_such.gin"], "Gin file not found"),
     (["--gin_file=configs/models/tiny_hawk.gin", "--gin_param=ModelConfig.width = 63"],
      "divisible"),
@@ -91,7 +93,7 @@ def test_mesh_adds_per_device_memory():
     (["--gin_file=configs/models/tiny_hawk.gin", "--mesh=data:x", "--batch=2"], "integer"),
     (["--gin_file=configs/models/tiny_hawk.gin", "--batch=2"], "--mesh"),
     (["--gin_file=configs/models/tiny_hawk.gin", "extra"], "Unexpected arguments"),
-])
+]))
 def test_bad_input_gives_one_clear_line(args, message):
   result = run_summary(*args)
   assert result.returncode == 2, result.stderr

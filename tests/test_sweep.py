@@ -11,6 +11,7 @@ import pytest
 
 from launch import sweep
 from model import counting
+from tiers import slow_after_first
 from pretrain import gin_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -99,11 +100,11 @@ def test_dry_run_prints_commands_and_trains_nothing(tmp_path):
   assert not workdir.exists()
 
 
-@pytest.mark.parametrize("gin_files, vocab_size", [
+@pytest.mark.parametrize("gin_files, vocab_size", slow_after_first([
     ([], 259),  # the default, configs/quickstart.gin: ModelConfig.vocab_size = 259
     (["--gin_file=configs/base/trainer.gin",
       "--gin_file=configs/data/synthetic_induction_heads.gin"], 18),  # VOCAB_SIZE = 18
-])
+]))
 def test_dry_run_reads_the_vocabulary_from_gin(tmp_path, gin_files, vocab_size):
   """The README's sweep command, without --vocab_size: the size comes from the Gin files."""
   workdir = tmp_path / "sweep"
@@ -125,14 +126,14 @@ def test_dry_run_reads_the_vocabulary_from_gin(tmp_path, gin_files, vocab_size):
   assert not workdir.exists()
 
 
-@pytest.mark.parametrize("flags, fragment", [
+@pytest.mark.parametrize("flags, fragment", slow_after_first([
     (["--families=rwkv"], "unknown families ['rwkv']"),
     (["--sizes=1x"], "cannot read the size '1x'"),
     (["--batch_size=0"], "--batch_size"),
     (["--warmup_fraction=2"], "--warmup_fraction"),
     (["--gin_file=configs/no_such.gin"], "Gin file not found"),
     (["--workdir="], "--workdir"),
-])
+]))
 def test_bad_flag_value_is_one_line_and_exit_code_2(tmp_path, flags, fragment):
   args = ["--families=hawk", "--sizes=1m", f"--workdir={tmp_path}", "--dry_run"] + flags
   result = subprocess.run([sys.executable, "-m", "launch.sweep", *args], cwd=REPO,

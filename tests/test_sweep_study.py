@@ -19,6 +19,7 @@ from launch import sweep
 from launch import sweep_dispatch
 from launch import sweep_job
 from pretrain import flops as flops_lib
+from tiers import slow_after_first
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUDGETS = (1e15, 3e15, 1e16)
@@ -79,6 +80,7 @@ def test_readme_isoflop_study_local_dry_run(tmp_path):
     assert "--gin_param=TrainConfig.final_eval = True" in train
 
 
+@pytest.mark.slow
 def test_slurm_dry_run_is_one_job_array_of_every_run(tmp_path):
   out, count = _study(tmp_path, "--backend=slurm", "--partition=gpu", "--time=02:00:00",
                "--nodes=1", "--gpus_per_node=4", "--setup=source ~/venv/bin/activate")
@@ -102,6 +104,7 @@ def test_slurm_dry_run_is_one_job_array_of_every_run(tmp_path):
   assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
 
 
+@pytest.mark.slow
 def test_gke_dry_run_is_one_jobset_per_run(tmp_path):
   out, count = _study(tmp_path, "--backend=gke", "--image=img:1", "--tpu_type=v5p-8",
                "--env=WANDB_MODE=offline")
@@ -121,6 +124,7 @@ def test_gke_dry_run_is_one_jobset_per_run(tmp_path):
     assert container["env"] == [{"name": "WANDB_MODE", "value": "offline"}]
 
 
+@pytest.mark.slow
 def test_tpu_vm_dry_run_is_one_queued_resource_per_run(tmp_path):
   out, count = _study(tmp_path, "--backend=tpu_vm", "--tpu_type=v5p-8", "--zone=us-east5-a",
                "--project=proj", "--setup=source ~/venv/bin/activate")
@@ -138,11 +142,11 @@ def test_tpu_vm_dry_run_is_one_queued_resource_per_run(tmp_path):
     assert remote[:3] == ["python", "-m", "launch.sweep_job"]
 
 
-@pytest.mark.parametrize("flags, fragment", [
+@pytest.mark.parametrize("flags, fragment", slow_after_first([
     (["--backend=gke"], "--backend=gke needs --image and --tpu_type"),
     (["--backend=tpu_vm", "--tpu_type=v5p-8"], "needs --zone"),
     (["--flop_budgets=1e15,lots"], "--flop_budgets: 'lots'"),
-])
+]))
 def test_bad_study_flags_are_one_line_and_exit_code_2(tmp_path, flags, fragment):
   result = subprocess.run(
       [sys.executable, "-m", "launch.sweep", "--families=hawk", "--vocab_size=259",
