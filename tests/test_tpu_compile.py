@@ -10,6 +10,7 @@ every Pallas call in shard_map, Mosaic refused data and fsdp x tensor meshes:
 "Mosaic kernels cannot be automatically partitioned"). libtpu comes with the test
 extra (`pip install -e ".[test]"`); each compile takes 10-40 s on 2 cores.
 """
+import importlib.util
 import json
 import os
 import shlex
@@ -105,3 +106,20 @@ def test_targets_describe_their_chips(name, chips, topology, hosts_bound):
   assert tpu_target._host_bounds(target) == hosts_bound  # pylint: disable=protected-access
   devices = tpu_target.target_devices(target)
   assert len(devices) == 2 * chips and {d.slice_index for d in devices} == {0, 1}
+
+
+@pytest.mark.slow
+def test_planner_vs_compiler_script_reports_both():
+  """benchmarks/planner_vs_compiler.py in-process on the tiny Griffin: the compiled
+  peak and the analytic plan of one run, and ratios that are theirs."""
+  spec = importlib.util.spec_from_file_location(
+      "planner_vs_compiler", os.path.join(REPO, "benchmarks", "planner_vs_compiler.py"))
+  script = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(script)
+  params = [p.removeprefix("--gin_param=") for p in TINY]
+  row = script.compare(TARGET, [GRIFFIN], params, "fsdp:8")
+  assert row["compiled_peak_gib"] > row["compiled_activations_gib"] > 0
+  assert row["analytic_total_gib"] > row["analytic_activations_gib"] > 0
+  assert row["total_ratio"] == pytest.approx(row["analytic_total_gib"]
+                                             / row["compiled_peak_gib"])
+  assert row["compile_wall_s"] > 0 and row["compile_cpu_s"] > 0

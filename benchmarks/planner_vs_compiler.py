@@ -1,0 +1,72 @@
+"""The memory planner's analytic plan against the TPU compiler's peak, for one run.
+
+`model.summary --mesh` answers instantly from `model.memory`'s analytic model; this
+script compiles the trainer's own train step for a TPU slice (`pretrain.compile`,
+libtpu's XLA:TPU and Mosaic on this host, no TPU needed) and prints both per chip, with
+the ratio, so the analytic model can be held against the compiler (benchmarks/RESULTS.md,
+"Planner against the compiler"). "compiled activations" is the peak less the arguments
+(parameters, AdamW moments and the batch), the part the analytic activation model
+estimates; compile time is given as wall and CPU seconds (on a shared host the wall
+time mostly measures the other jobs).
+
+Example (run it under `nice -n 19` on a shared machine):
+  python benchmarks/planner_vs_compiler.py --topology=v5p-8 --mesh=fsdp:4 \
+      --gin_file=configs/models/griffin_1_3b.gin --gin_param=ModelConfig.depth=3 \
+      --gin_param='ModelConfig.remat="full"' --gin_param=BATCH_SIZE=16 \
+      --gin_param=SEQUENCE_LENGTH=2048
+"""
+from __future__ import annotations
+
+from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
+import json
+from typing import Any, Sequence
+
+from absl import flags
+import jax
+
+from model import memory
+from pretrain import cli
+from pretrain import compile as compile_lib
+from pretrain import gin_config
+from sharding.mesh import parse_mesh_flag
+
+FLAGS = flags.FLAGS
+GIB = 2 ** 30
+
+
+def compare(topology: str, gin_files: Sequence[str], gin_params: Sequence[str],
+            mesh: str) -> dict[str, Any]:
+  """Compiled and analytic per-chip memory (GiB) of the run the Gin files describe."""
+  report, _ = compile_lib.compile_from_gin(topology, 1, gin_files, gin_params, mesh)
+  config = gin_config.build_model_config()
+  plan = memory.plan_memory(config, parse_mesh_flag(mesh), report.batch_size,
+                            report.sequence_length, method="analytic")
+  compiled_activations = report.peak_bytes - report.argument_bytes
+  return {
+      "topology": topology, "mesh": mesh, "gin_files": list(gin_files),
+      "gin_params": list(gin_params), "remat": config.remat,
+      "compiled_peak_gib": report.peak_bytes / GIB,
+      "compiled_arguments_gib": report.argument_bytes / GIB,
+      "compiled_temporaries_gib": report.temp_bytes / GIB,
+      "compiled_activations_gib": compiled_activations / GIB,
+      "analytic_total_gib": plan["total"] / GIB,
+      "analytic_activations_gib": plan["activations"] / GIB,
+      "total_ratio": plan["total"] / report.peak_bytes,
+      "activation_ratio": plan["activations"] / max(compiled_activations, 1),
+      "compile_wall_s": report.compile_seconds,
+      "compile_cpu_s": report.compile_cpu_seconds,
+  }
+
+
+def main(argv: Sequence[str]) -> None:
+  cli.reject_extra_arguments(argv)
+  jax.config.update("jax_platforms", "cpu")  # compile only: no TPU runtime here
+  print(json.dumps(compare(FLAGS.topology, FLAGS.gin_file, FLAGS.gin_param, FLAGS.mesh)))
+
+
+if __name__ == "__main__":
+  cli.define_gin_flags()
+  flags.DEFINE_string("topology", None, "TPU slice type, e.g. v5p-128.")
+  flags.DEFINE_string("mesh", None, "Mesh over all chips, e.g. fsdp:16,tensor:4.")
+  flags.mark_flags_as_required(["topology", "mesh"])
+  cli.run(main)
