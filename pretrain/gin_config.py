@@ -332,6 +332,21 @@ def build_pipeline(train_config: TrainConfig, runtime: Runtime) -> Any:
                process_index=index, process_count=count)
 
 
+def data_bindings() -> dict[str, Any]:
+  """The bound `DataPipeline` arguments with references evaluated (so `@text_files_task()`
+  registers its SeqIO task and gives its name), for `pretrain.data.prepare`, which
+  prepares the stores a training config reads without building the pipeline."""
+  if not _bound("DataPipeline", "task"):
+    raise usage_error(_TRAINING_PARTS[2][2])
+  try:
+    return gin.get_bindings(pipeline_lib.DataPipeline)
+  except UserError:
+    raise
+  except (ValueError, TypeError, RuntimeError) as error:
+    raise usage_error(f"Bad data configuration: {_first_line(error)}"
+                      f"{_gin_context(error)}") from error
+
+
 def operative_config() -> str:
   """The bindings the run actually used, as written to `workdir/config.gin`."""
   return gin.operative_config_str()

@@ -24,7 +24,6 @@ import seqio
 from pretrain.data import indexing, materialize, token_store
 from pretrain.data.errors import DataError
 from pretrain.data.packing import features_from_rows
-from pretrain.data.vocabularies import vocabulary_fingerprint
 
 DEFAULT_CACHE_DIR = os.environ.get(
     "GRIFFIN_DATA_CACHE", os.path.join("~", ".cache", "griffin_pretrain", "tokens"))
@@ -158,15 +157,8 @@ class DataPipeline:
 
   def _store(self, split: str, max_documents: Optional[int]
              ) -> token_store.TokenStore:
-    key_parts = {
-        "provider": materialize.provider_fingerprint(self._provider),
-        "split": split,
-        "vocabulary": vocabulary_fingerprint(self.vocabulary),
-        "sequence_length": self.sequence_length,
-        "max_documents": max_documents,
-    }
-    name = token_store.store_name(f"{self.task_name}-{split}-T{self.sequence_length}",
-                                  key_parts)
+    name = materialize.store_name(self._provider, split, self.sequence_length,
+                                  max_documents)
     return token_store.open_or_build(
         self._cache_dir, name, self.sequence_length,
         materialize.has_loss_mask(self._provider),
