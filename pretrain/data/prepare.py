@@ -59,7 +59,7 @@ def register_task(gin_files: Sequence[str], gin_bindings: Sequence[str]) -> str:
   return gin_config.data_bindings()["task"]
 
 
-def _plans(output: str, gin_files: Sequence[str], gin_bindings: Sequence[str]
+def plans_of(output: str, gin_files: Sequence[str], gin_bindings: Sequence[str]
            ) -> List[beam_stores.StorePlan]:
   """The stores the config's data needs, from its Gin config."""
   gin_config.parse(gin_files, gin_bindings)
@@ -108,7 +108,7 @@ def _data_error_in(error: Exception) -> Optional[str]:
 def prepare(output: str, gin_files: Sequence[str], gin_bindings: Sequence[str],
             beam_args: Sequence[str] = ()) -> List[token_store.TokenStore]:
   """Prepares every split's store under `output`; returns them, committed."""
-  plans = _plans(output, gin_files, gin_bindings)
+  plans = plans_of(output, gin_files, gin_bindings)
   _check_writable(output)
   todo = [plan for plan in plans
           if kvstore.read_json(plan.path, token_store.METADATA) is None]
