@@ -13,6 +13,7 @@ backslash continuations joined; ```python blocks), so a documented command canno
 A command of a kind not listed here fails the test, so a new README command needs a
 check before it can be documented.
 """
+import json
 import os
 import re
 import shlex
@@ -107,6 +108,8 @@ def _kind(piece):
     return "summary"
   if piece.startswith("python -m pretrain.train"):
     return "train"
+  if piece.startswith("python -m pretrain.data.prepare"):
+    return "prepare"
   return "unknown"
 
 
@@ -115,7 +118,7 @@ def test_every_readme_command_has_a_check():
   unknown = [piece for piece in PIECES if _kind(piece) == "unknown"]
   assert not unknown, f"README commands without a check in {__file__}: {unknown}"
   kinds = {_kind(piece) for piece in PIECES}
-  assert {"launcher", "summary", "train"} <= kinds, kinds
+  assert {"launcher", "summary", "train", "prepare"} <= kinds, kinds
 
 
 def _env():
@@ -207,3 +210,21 @@ def test_local_training_commands_and_python_snippet_run_verbatim(tmp_path):
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith("def main("), result.stdout
+
+
+@pytest.mark.slow
+def test_prepare_command_runs_verbatim_and_the_trainer_reads_its_stores(tmp_path):
+  corpus = make_corpus(str(tmp_path / "corpus"))
+  env = _env()
+  env.update(JAX_PLATFORMS="cpu", GRIFFIN_EXTRA_GIN_PARAMS=f"TRAIN_FILES = '{corpus}/*.txt'")
+  prepares = [piece for piece in PIECES if _kind(piece) == "prepare"]
+  assert prepares
+  for piece in prepares:
+    result = _run(piece, cwd=tmp_path, env=env)
+    assert result.returncode == 0, (piece, result.stdout[-2000:], result.stderr[-2000:])
+    output = dict(arg.split("=", 1) for arg in shlex.split(piece) if "=" in arg)["--output"]
+    stores = [name for name in os.listdir(tmp_path / output) if not name.startswith(".")]
+    assert sorted(name.split("-")[1] for name in stores) == ["train", "validation"]
+    for name in stores:
+      metadata = json.loads((tmp_path / output / name / "metadata.json").read_text())
+      assert metadata["num_tokens"] > 0 and metadata["prepared_by"], metadata

@@ -132,6 +132,13 @@ def has_loss_mask(provider: seqio.DatasetProviderBase) -> bool:
   return bool({"inputs", "loss_mask"} & set(provider.output_features))
 
 
+def _tfds_error(task: seqio.Task, error: Exception) -> DataError:
+  return DataError(
+      f"could not load TFDS dataset '{task.source.tfds_dataset.name}' for task "
+      f"'{task.name}' ({type(error).__name__}: {str(error).splitlines()[0]}); prepare "
+      "it first (e.g. `tfds build`) or set the task's tfds_data_dir")
+
+
 def num_shards(provider: seqio.DatasetProviderBase, split: str) -> int:
   """How many input shards the split is packed in (see the module docstring)."""
   if isinstance(provider, seqio.Mixture):
@@ -141,10 +148,10 @@ def num_shards(provider: seqio.DatasetProviderBase, split: str) -> int:
   if isinstance(source, sources.TextFilesDataSource):
     return source.num_shards
   if isinstance(source, seqio.TfdsDataSource):
-    try:
+    try:  # the dataset's file list (metadata only; every host that trains needs it)
       return max(1, min(len(source.list_shards(split)), _MAX_SHARDS))
-    except Exception:  # pylint: disable=broad-except
-      return 1  # not downloaded: reading it fails later with a clear DataError
+    except Exception as e:  # pylint: disable=broad-except
+      raise _tfds_error(provider, e) from None
   return 1
 
 
@@ -173,11 +180,7 @@ def _documents(provider: seqio.DatasetProviderBase, split: str,
   except Exception as e:  # pylint: disable=broad-except
     if isinstance(provider, seqio.Task) and isinstance(
         provider.source, seqio.TfdsDataSource):
-      raise DataError(
-          f"could not load TFDS dataset '{provider.source.tfds_dataset.name}' for "
-          f"task '{provider.name}' ({type(e).__name__}: {str(e).splitlines()[0]}); "
-          "prepare it first (e.g. `tfds build`) or set the task's tfds_data_dir"
-      ) from None
+      raise _tfds_error(provider, e) from None
     raise
   features = provider.output_features
 
