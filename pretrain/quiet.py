@@ -39,6 +39,8 @@ NOISE_PATTERNS = (
     r"^=== Source Location Trace: ===$",
     r"^learning/.*\.cc:\d+$",
     r"Rank connected",
+    # Apache Beam (pretrain.data.prepare): optional Google Cloud clients it did not find.
+    r"^WARNING:root:apitools not found",
 )
 
 # Orbax logs at WARNING every time a command opens checkpoints to read them,

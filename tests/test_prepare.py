@@ -62,8 +62,10 @@ def config(tmp_path_factory):
 
 @pytest.mark.slow
 def test_two_beam_workers_write_the_trainers_own_stores(config, tmp_path):
+  # Two worker threads here (the README test runs worker processes): each packs and
+  # writes its own shards concurrently, as processes or machines would.
   prepared = prepare.prepare(str(tmp_path / "prepared"), [config], [],
-                             ("--direct_running_mode=multi_processing",
+                             ("--direct_running_mode=multi_threading",
                               "--direct_num_workers=2"))
   own = trainer_pipeline(config, str(tmp_path / "own"))
   assert own.train_store.metadata["num_shards"] > 2  # several shards, two workers
@@ -131,6 +133,7 @@ def test_bad_input_is_one_line(config, tmp_path):
   gin.clear_config()
 
 
+@pytest.mark.slow
 def test_empty_corpus_is_one_line(tmp_path):
   config = write_config(tmp_path, documents=3, empty=True)
   with pytest.raises(DataError, match="has no tokens") as raised:

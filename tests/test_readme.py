@@ -13,7 +13,6 @@ backslash continuations joined; ```python blocks), so a documented command canno
 A command of a kind not listed here fails the test, so a new README command needs a
 check before it can be documented.
 """
-import json
 import os
 import re
 import shlex
@@ -27,6 +26,7 @@ from launch import common
 from model.config import ModelConfig
 from pretrain import gin_config
 from pretrain.checkpointing import CheckpointConfig
+from pretrain.data import pipeline
 from pretrain.optimizer import OptimizerConfig
 from pretrain.trainer import TrainConfig
 from sharding.mesh import MeshConfig
@@ -225,6 +225,19 @@ def test_prepare_command_runs_verbatim_and_the_trainer_reads_its_stores(tmp_path
     output = dict(arg.split("=", 1) for arg in shlex.split(piece) if "=" in arg)["--output"]
     stores = [name for name in os.listdir(tmp_path / output) if not name.startswith(".")]
     assert sorted(name.split("-")[1] for name in stores) == ["train", "validation"]
-    for name in stores:
-      metadata = json.loads((tmp_path / output / name / "metadata.json").read_text())
-      assert metadata["num_tokens"] > 0 and metadata["prepared_by"], metadata
+    assert result.stderr == "", result.stderr
+    # The trainer, given the same config and the output as its cache, opens those stores
+    # (Beam wrote them: `prepared_by`) rather than building its own.
+    argv = shlex.split(piece)
+    files, params = common.gin_arguments(argv)
+    gin_config.parse(files, [*params, f"TRAIN_FILES = '{corpus}/*.txt'",
+                             f"DataPipeline.cache_dir = '{tmp_path / output}'"])
+    try:
+      train = gin_config.build(TrainConfig)
+      data = gin_config.build(pipeline.DataPipeline, sequence_length=train.sequence_length,
+                              batch_size=train.batch_size, seed=train.seed)
+      for store in (data.train_store, data.validation_store):
+        assert os.path.basename(store.path) in stores
+        assert store.metadata["prepared_by"]["runner"] == "apache_beam"
+    finally:
+      gin.clear_config()
