@@ -89,3 +89,13 @@ def initialize_from_environment(heartbeat_timeout_s: int = 15,
     jax.distributed.initialize(**timeouts)
     return jax.process_count() > 1
   return False
+
+
+def processes_on_one_machine() -> bool:
+  """Whether every process of this run is on this machine: one process, or a
+  coordinator on the loopback address (`launch.local`). Processes on one machine share
+  its disk, so one of them may build a cache the others read."""
+  if jax.process_count() == 1:
+    return True
+  host = os.environ.get(ENV_COORDINATOR, "").rsplit(":", 1)[0].strip("[]")
+  return host in ("localhost", "::1") or host.startswith("127.")

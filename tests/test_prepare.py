@@ -120,15 +120,16 @@ def test_store_without_manifest_is_never_opened(tmp_path):
 def test_bad_input_is_one_line(config, tmp_path):
   cases = [
       ([config], ["DataPipeline.task = 'no_such_task'"], str(tmp_path / "a"),
-       "no SeqIO task or mixture named 'no_such_task'"),
-      ([config], [], str(tmp_path / "file" / "below"), "is not writable"),
-      ([], [], str(tmp_path / "b"), "No data configuration"),
+       "no SeqIO task or mixture named 'no_such_task'", EXIT_USAGE),
+      ([config], [], str(tmp_path / "file" / "below"), "--output .* is not writable",
+       EXIT_FAILED),
+      ([], [], str(tmp_path / "b"), "No data configuration", EXIT_USAGE),
   ]
   (tmp_path / "file").write_text("a file, not a directory")
-  for files, bindings, output, message in cases:
+  for files, bindings, output, message, exit_code in cases:
     with pytest.raises(UserError, match=message) as raised:
       prepare.prepare(output, files, bindings, IN_PROCESS)
-    assert raised.value.exit_code == EXIT_USAGE
+    assert raised.value.exit_code == exit_code
     assert "\n" not in str(raised.value)
   gin.clear_config()
 

@@ -29,6 +29,7 @@ import apache_beam as beam
 import numpy as np
 import seqio
 
+from pretrain import storage
 from pretrain.data import kvstore, materialize, token_store
 
 STAGING = ".staging"
@@ -49,7 +50,7 @@ class StorePlan:
 
 
 def staging_path(plan: StorePlan, index: int) -> str:
-  return kvstore.join(plan.path, STAGING, f"shard-{index:05d}")
+  return storage.join(plan.path, STAGING, f"shard-{index:05d}")
 
 
 def shard_marker_name(index: int) -> str:

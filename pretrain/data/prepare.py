@@ -78,7 +78,7 @@ def plans_of(output: str, gin_files: Sequence[str], gin_bindings: Sequence[str]
       continue  # e.g. a text-files task with validation_fraction = 0
     name = materialize.store_name(provider, split, sequence_length, max_documents)
     plans.append(beam_stores.StorePlan(
-        name=name, path=kvstore.join(output, name), task=provider.name, split=split,
+        name=name, path=storage.join(output, name), task=provider.name, split=split,
         sequence_length=sequence_length, max_documents=max_documents,
         num_shards=materialize.num_shards(provider, split),
         with_loss_mask=materialize.has_loss_mask(provider)))
@@ -86,17 +86,6 @@ def plans_of(output: str, gin_files: Sequence[str], gin_bindings: Sequence[str]
     raise usage_error(f"SeqIO task '{provider.name}' has none of the splits "
                       f"{[split for split, _ in splits]}")
   return plans
-
-
-def _check_writable(output: str) -> None:
-  """Writes and deletes a probe object, so a bad output fails before any work."""
-  probe = ".prepare-write-test"
-  try:
-    kvstore.write_json(output, probe, {})
-    kvstore.delete_prefix(output, probe)
-  except ValueError as error:  # tensorstore reports I/O and permission errors so
-    raise usage_error(f"--output {output} is not writable ({str(error).splitlines()[0]});"
-                      " choose another --output or fix its permissions") from None
 
 
 def _data_error_in(error: Exception) -> Optional[str]:
@@ -109,7 +98,7 @@ def prepare(output: str, gin_files: Sequence[str], gin_bindings: Sequence[str],
             beam_args: Sequence[str] = ()) -> List[token_store.TokenStore]:
   """Prepares every split's store under `output`; returns them, committed."""
   plans = plans_of(output, gin_files, gin_bindings)
-  _check_writable(output)
+  storage.check_writable(output, "--output")
   todo = [plan for plan in plans
           if kvstore.read_json(plan.path, token_store.METADATA) is None]
   if todo:

@@ -29,6 +29,7 @@ from typing import Callable, Dict
 import numpy as np
 import tensorstore as ts
 
+from pretrain import storage
 from pretrain.data import kvstore
 from pretrain.data.errors import DataError
 from pretrain.data.packing import PackedRows
@@ -50,7 +51,7 @@ def store_name(label: str, key_parts: Dict) -> str:
 
 
 def _open_spec(path: str) -> Dict:
-  return {"driver": "zarr3", "kvstore": kvstore.spec(path), "open": True}
+  return {"driver": "zarr3", "kvstore": storage.kvstore_spec(path), "open": True}
 
 
 def rows_per_shard(sequence_length: int) -> int:
@@ -71,7 +72,7 @@ def _create_spec(path: str, dtype: str, sequence_length: int, num_rows: int = 0,
   """A new array `[num_rows, T]`; `replace` deletes an existing one, else an existing
   array with the same metadata is opened (a resumed writer)."""
   return {
-      "driver": "zarr3", "kvstore": kvstore.spec(path),
+      "driver": "zarr3", "kvstore": storage.kvstore_spec(path),
       "create": True, **({"delete_existing": True} if replace else {"open": True}),
       "metadata": {
         "shape": [num_rows, sequence_length],
@@ -161,13 +162,13 @@ class StoreWriter:
 def create_arrays(path: str, sequence_length: int, with_loss_mask: bool,
                   num_rows: int, replace: bool = False) -> Dict[str, ts.TensorStore]:
   """The store's arrays `[num_rows, T]` under `path` (opened if they already exist)."""
-  return {name: ts.open(_create_spec(kvstore.join(path, name), dtype, sequence_length,
+  return {name: ts.open(_create_spec(storage.join(path, name), dtype, sequence_length,
                                      num_rows, replace)).result()
           for name, dtype in array_dtypes(with_loss_mask).items()}
 
 
 def open_arrays(path: str, names) -> Dict[str, ts.TensorStore]:
-  return {name: ts.open(_open_spec(kvstore.join(path, name)), context=_CONTEXT).result()
+  return {name: ts.open(_open_spec(storage.join(path, name)), context=_CONTEXT).result()
           for name in names}
 
 
@@ -201,6 +202,8 @@ def open_or_build(cache_dir: str, name: str, sequence_length: int,
     build_fn: called only when building; appends the packed rows, in order, to the
       writer it is given and returns JSON-able facts to record in the metadata.
   """
+  if storage.is_url(cache_dir):  # object storage: only `prepare` writes stores there
+    return TokenStore(storage.join(cache_dir, name))
   cache_dir = os.path.expanduser(cache_dir)
   os.makedirs(cache_dir, exist_ok=True)
   final = os.path.join(cache_dir, name)
