@@ -30,14 +30,19 @@ def write_json(directory: str, name: str, value: Dict) -> None:
 
 
 def list_names(directory: str, prefix: str) -> List[str]:
-  """Keys under `directory` (recursively) that start with `prefix` (not empty)."""
+  """Keys under `directory` (recursively) that start with `prefix` (not empty). Filtered
+  here as well: some GCS emulators ignore the listing range."""
   keys = _open(directory).list(ts.KvStore.KeyRange(prefix, _after(prefix))).result()
-  return sorted(key.decode() for key in keys)
+  return sorted(k for k in (key.decode() for key in keys) if k.startswith(prefix))
 
 
 def delete_prefix(directory: str, prefix: str) -> None:
-  """Deletes every key under `directory` that starts with `prefix` (not empty)."""
-  _open(directory).delete_range(ts.KvStore.KeyRange(prefix, _after(prefix))).result()
+  """Deletes every key under `directory` that starts with `prefix` (not empty), one by
+  one: a ranged delete is not honoured by every GCS emulator."""
+  store = _open(directory)
+  for future in [store.delete_range(ts.KvStore.KeyRange(key, key + "\0"))
+                 for key in list_names(directory, prefix)]:
+    future.result()
 
 
 def _after(prefix: str) -> str:

@@ -31,7 +31,7 @@ import apache_beam as beam
 from absl import flags
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from pretrain import cli, gin_config
+from pretrain import cli, gin_config, storage
 from pretrain.data import beam_stores, kvstore, materialize, token_store
 from pretrain.data.errors import DataError
 from pretrain.errors import usage_error

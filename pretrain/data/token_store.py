@@ -67,13 +67,12 @@ def array_dtypes(with_loss_mask: bool) -> Dict[str, str]:
   return names
 
 
-def _create_spec(path: str, dtype: str, sequence_length: int, num_rows: int = 0,
-                 replace: bool = False) -> Dict:
-  """A new array `[num_rows, T]`; `replace` deletes an existing one, else an existing
-  array with the same metadata is opened (a resumed writer)."""
+def _create_spec(path: str, dtype: str, sequence_length: int, num_rows: int) -> Dict:
+  """A new array `[num_rows, T]`, or the existing one of the same metadata (a resumed
+  writer's)."""
   return {
       "driver": "zarr3", "kvstore": storage.kvstore_spec(path),
-      "create": True, **({"delete_existing": True} if replace else {"open": True}),
+      "create": True, "open": True,
       "metadata": {
         "shape": [num_rows, sequence_length],
         "data_type": dtype,
@@ -113,14 +112,19 @@ class TokenStore:
 
 
 class StoreWriter:
-  """Appends packed rows to new arrays (replacing any there), writing whole shards where
-  it can."""
+  """Appends packed rows to new arrays, writing whole shards where it can."""
 
   def __init__(self, path: str, sequence_length: int, with_loss_mask: bool):
     self._sequence_length = sequence_length
     self._rows_per_shard = rows_per_shard(sequence_length)
     names = array_dtypes(with_loss_mask)
-    self._arrays = create_arrays(path, sequence_length, with_loss_mask, 0, replace=True)
+    # An array left by a killed writer is opened and emptied (its stale chunks are
+    # outside the shape, and are overwritten as rows are appended again).
+    self._arrays = {
+        name: array.resize(exclusive_max=[0, sequence_length],
+                           resize_metadata_only=True).result()
+        for name, array in create_arrays(path, sequence_length, with_loss_mask,
+                                         0).items()}
     self._pending = {name: [] for name in names}
     self._pending_rows = 0
     self.num_rows = 0
@@ -160,10 +164,10 @@ class StoreWriter:
 
 
 def create_arrays(path: str, sequence_length: int, with_loss_mask: bool,
-                  num_rows: int, replace: bool = False) -> Dict[str, ts.TensorStore]:
+                  num_rows: int) -> Dict[str, ts.TensorStore]:
   """The store's arrays `[num_rows, T]` under `path` (opened if they already exist)."""
   return {name: ts.open(_create_spec(storage.join(path, name), dtype, sequence_length,
-                                     num_rows, replace)).result()
+                                     num_rows)).result()
           for name, dtype in array_dtypes(with_loss_mask).items()}
 
 
