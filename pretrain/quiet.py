@@ -39,8 +39,10 @@ NOISE_PATTERNS = (
     r"^=== Source Location Trace: ===$",
     r"^learning/.*\.cc:\d+$",
     r"Rank connected",
-    # Apache Beam (pretrain.data.prepare): optional Google Cloud clients it did not find.
+    # Apache Beam (pretrain.data.prepare): optional Google Cloud clients it did not find,
+    # and its worker processes' start-up and shut-down INFO lines.
     r"^WARNING:root:apitools not found",
+    r"^INFO:(__main__|root|apache_beam[\w.]*):",
 )
 
 # Orbax logs at WARNING every time a command opens checkpoints to read them,
