@@ -1,9 +1,10 @@
 """Throughput and worker memory of preparing token stores: Beam workers vs in-process.
 
 Prepares both splits of the quickstart's data config (the running Python's standard
-library, `{stdlib}/**/*.py`, SEQUENCE_LENGTH 256), or of a corpus `--copies` times
-larger made of that many copies of it (symlinks to the standard library, so each copy
-is separate documents at separate paths), into a fresh output directory, either
+library, `{stdlib}/**/*.py`, SEQUENCE_LENGTH 256; `--base` picks a part of it), or of a
+corpus `--copies` times larger made of that many copies of it (symlinks to the standard
+library, so each copy is separate documents at separate paths), into a fresh output
+directory, either
 
 - `--mode=inprocess`: the trainer's own single-process build (`DataPipeline` with that
   directory as its cache), or
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
 import json
+import re
 import os
 import resource
 import sysconfig
@@ -37,7 +39,9 @@ from pretrain.trainer import TrainConfig
 
 flags.DEFINE_enum("mode", "beam", ["beam", "inprocess"], "Who prepares the stores.")
 flags.DEFINE_integer("workers", 2, "Beam workers (--mode=beam).")
-flags.DEFINE_integer("copies", 1, "Copies of the standard library in the corpus.")
+flags.DEFINE_integer("copies", 1, "Copies of the base corpus in the corpus.")
+flags.DEFINE_string("base", "**/*.py", "The base corpus: this glob inside the standard "
+                    "library (default: all of its sources, the quickstart's corpus).")
 flags.DEFINE_string("workdir", None, "Where the corpus links and stores go (default: a "
                     "fresh temporary directory).")
 FLAGS = flags.FLAGS
@@ -45,17 +49,17 @@ FLAGS = flags.FLAGS
 CONFIG = "configs/quickstart.gin"
 
 
-def corpus_bindings(root: str, copies: int) -> List[str]:
-  """TRAIN_FILES over `copies` links to the standard library (1: the stdlib itself)."""
+def corpus_bindings(root: str, copies: int, base: str) -> List[str]:
+  """TRAIN_FILES over `copies` links to the standard library, `base` inside each."""
   if copies == 1:
-    return []
+    return [f"TRAIN_FILES = '{{stdlib}}/{base}'"]
   stdlib = sysconfig.get_paths()["stdlib"]
   for i in range(copies):
     link = os.path.join(root, "corpus", f"copy{i:02d}")
     os.makedirs(os.path.dirname(link), exist_ok=True)
     if not os.path.islink(link):
       os.symlink(stdlib, link)
-  return [f"TRAIN_FILES = '{root}/corpus/*/**/*.py'"]
+  return [f"TRAIN_FILES = '{root}/corpus/*/{base}'"]
 
 
 def inprocess(output: str, bindings: Sequence[str]) -> Dict:
@@ -80,8 +84,9 @@ def beam(output: str, bindings: Sequence[str], workers: int) -> Dict:
 def main(argv: Sequence[str]) -> None:
   cli.reject_extra_arguments(argv)
   root = FLAGS.workdir or tempfile.mkdtemp(prefix="prepare_benchmark_")
-  bindings = corpus_bindings(root, FLAGS.copies)
-  output = os.path.join(root, f"stores-{FLAGS.mode}-{FLAGS.workers}-{FLAGS.copies}")
+  bindings = corpus_bindings(root, FLAGS.copies, FLAGS.base)
+  base = re.sub(r"\W+", "_", FLAGS.base)
+  output = os.path.join(root, f"stores-{FLAGS.mode}-{FLAGS.workers}-{FLAGS.copies}-{base}")
   start = time.perf_counter()
   if FLAGS.mode == "inprocess":
     result = inprocess(output, bindings)
@@ -89,7 +94,8 @@ def main(argv: Sequence[str]) -> None:
     result = beam(output, bindings, FLAGS.workers)
   seconds = time.perf_counter() - start
   print(json.dumps({"mode": FLAGS.mode, "workers": FLAGS.workers if FLAGS.mode == "beam"
-                    else 1, "copies": FLAGS.copies, "seconds": round(seconds, 1),
+                    else 1, "base": FLAGS.base, "copies": FLAGS.copies,
+                    "seconds": round(seconds, 1),
                     "tokens_per_second": round(result["tokens"] / seconds),
                     **result}))
 
