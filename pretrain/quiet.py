@@ -43,6 +43,9 @@ NOISE_PATTERNS = (
     # and its worker processes' start-up and shut-down INFO lines.
     r"^WARNING:root:apitools not found",
     r"^INFO:(__main__|root|apache_beam[\w.]*):",
+    r"No semi_persistent_directory found",
+    r"Discarding unparseable args: \[\\?'--direct_runner_use_stacked_bundle\\?', "
+    r"\\?'--pipeline_type_check\\?'\]",
 )
 
 # Orbax logs at WARNING every time a command opens checkpoints to read them,
