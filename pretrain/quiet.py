@@ -42,10 +42,12 @@ NOISE_PATTERNS = (
     # Apache Beam (pretrain.data.prepare): optional Google Cloud clients it did not find,
     # and its worker processes' start-up and shut-down INFO lines.
     r"^WARNING:root:apitools not found",
-    r"^INFO:(__main__|root|apache_beam[\w.]*):",
+    r"^INFO:(__main__|root|absl|apache_beam[\w.]*):",
     r"No semi_persistent_directory found",
-    r"Discarding unparseable args: \[\\?'--direct_runner_use_stacked_bundle\\?', "
-    r"\\?'--pipeline_type_check\\?'\]",
+    # (options the DirectRunner hands its own workers)
+    r"Discarding unparseable args: \[\\?'--(direct_runner_use_stacked_bundle|"
+    r"pipeline_type_check)\\?', \\?'--(direct_runner_use_stacked_bundle|"
+    r"pipeline_type_check)\\?'\]",
 )
 
 # Orbax logs at WARNING every time a command opens checkpoints to read them,
