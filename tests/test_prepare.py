@@ -61,32 +61,6 @@ def config(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_two_beam_workers_write_the_trainers_own_stores(config, tmp_path):
-  # Two worker threads here (the README test runs worker processes): each packs and
-  # writes its own shards concurrently, as processes or machines would.
-  prepared = prepare.prepare(str(tmp_path / "prepared"), [config], [],
-                             ("--direct_running_mode=multi_threading",
-                              "--direct_num_workers=2"))
-  own = trainer_pipeline(config, str(tmp_path / "own"))
-  assert own.train_store.metadata["num_shards"] > 2  # several shards, two workers
-  built = {"train": own.train_store, "validation": own.validation_store}
-  for store in prepared:
-    reference = built[store.metadata["split"]]
-    assert os.path.basename(store.path) == os.path.basename(reference.path)
-    for key, value in reference.metadata.items():
-      assert store.metadata[key] == value, key
-    for name, rows in all_rows(reference).items():
-      np.testing.assert_array_equal(all_rows(store)[name], rows)
-  # Pointed at the prepared directory, the trainer opens those stores, builds nothing,
-  # and serves the same batch at every step.
-  from_prepared = trainer_pipeline(config, str(tmp_path / "prepared"))
-  assert from_prepared.train_store.path == prepared[0].path
-  for step in (0, 1, 7, 100):
-    for name, value in own.batch(step).items():
-      np.testing.assert_array_equal(from_prepared.batch(step)[name], value)
-
-
-@pytest.mark.slow
 def test_rerun_skips_finished_shards_and_commits_last(config, tmp_path):
   output = str(tmp_path / "out")
   train_plan = prepare.plans_of(output, [config], [])[0]
@@ -144,18 +118,29 @@ def test_empty_corpus_is_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_prepare_into_an_s3_bucket(config, s3_bucket, tmp_path):
-  """Two workers write the stores into a bucket (a local moto S3 server); the trainer
-  reads them from there, batch for batch as its own local build. (Not the GCS emulator:
-  it ignores the byte ranges that reading sharded zarr3 arrays needs.)"""
+def test_two_workers_write_the_trainers_own_stores_into_a_bucket(config, s3_bucket,
+                                                                   tmp_path):
+  """Two Beam workers (threads here; the README test runs worker processes) pack and
+  write their own shards concurrently into a bucket on a local moto S3 server. The
+  stores hold exactly the rows of the trainer's own local build, and the trainer reads
+  them from the bucket, batch for batch. (Not the GCS emulator: it ignores the byte
+  ranges that reading sharded zarr3 arrays needs.)"""
   output = f"{s3_bucket}/tokens-{tmp_path.name}"
-  stores = prepare.prepare(output, [config], [], ("--direct_running_mode=multi_threading",
-                                                  "--direct_num_workers=2"))
-  assert all(store.path.startswith(output) for store in stores)
-  assert kvstore.list_names(stores[0].path, beam_stores.STAGING) == []
+  prepared = prepare.prepare(output, [config], [], ("--direct_running_mode=multi_threading",
+                                                    "--direct_num_workers=2"))
+  assert kvstore.list_names(prepared[0].path, beam_stores.STAGING) == []
   own = trainer_pipeline(config, str(tmp_path / "own"))
+  assert own.train_store.metadata["num_shards"] > 2  # several shards for two workers
+  built = {"train": own.train_store, "validation": own.validation_store}
+  for store in prepared:
+    reference = built[store.metadata["split"]]
+    assert store.path == f"{output}/{os.path.basename(reference.path)}"
+    for key, value in reference.metadata.items():
+      assert store.metadata[key] == value, key
+    for name, rows in all_rows(reference).items():
+      np.testing.assert_array_equal(all_rows(store)[name], rows)
   from_bucket = trainer_pipeline(config, output)
-  assert from_bucket.train_store.path == stores[0].path
-  for step in (0, 5):
+  assert from_bucket.train_store.path == prepared[0].path
+  for step in (0, 1, 7, 100):
     for name, value in own.batch(step).items():
       np.testing.assert_array_equal(from_bucket.batch(step)[name], value)
