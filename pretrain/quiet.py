@@ -39,6 +39,8 @@ NOISE_PATTERNS = (
     r"^=== Source Location Trace: ===$",
     r"^learning/.*\.cc:\d+$",
     r"Rank connected",
+    # tensorstore's AWS SDK looks for ~/.aws files before the environment's credentials.
+    r"^E\d{4} [\d:.]+\s+\d+ (common-io|AuthCredentialsProvider):\d+\]",
 )
 
 # Orbax logs at WARNING every time a command opens checkpoints to read them,
