@@ -135,7 +135,13 @@ class Checkpointer:
         enable_async_checkpointing=config.async_save,
         create=not read_only,
         cleanup_tmp_directories=not read_only,
-        read_only=read_only)
+        read_only=read_only,
+        # Orbax commits a step by renaming its temporary directory, except on gs://,
+        # where it writes the step in place and commits it with the marker file. S3 has
+        # no rename either (a copy per object that can fail half-way): commit there by
+        # marker as well.
+        temporary_path_class=(ocp.path.atomicity.CommitFileTemporaryPath
+                              if str(self.directory).startswith("s3://") else None))
     if read_only and not self.directory.exists():
       raise UserError(f"No checkpoints in {self.directory}: train first (python -m "
                       "pretrain.train ... --workdir=...) or convert one (pretrain.convert)")

@@ -48,6 +48,8 @@ NOISE_PATTERNS = (
     r"Discarding unparseable args: \[\\?'--(direct_runner_use_stacked_bundle|"
     r"pipeline_type_check)\\?', \\?'--(direct_runner_use_stacked_bundle|"
     r"pipeline_type_check)\\?'\]",
+    # tensorstore's AWS SDK looks for ~/.aws files before the environment's credentials.
+    r"^E\d{4} [\d:.]+\s+\d+ (common-io|AuthCredentialsProvider):\d+\]",
 )
 
 # Orbax logs at WARNING every time a command opens checkpoints to read them,

@@ -28,6 +28,7 @@ os.environ.setdefault("EPATH_USE_TF", "false")  # before epath resolves a backen
 
 import functools
 import hashlib
+import logging
 import tempfile
 import uuid
 from typing import Any, Callable, TypeVar
@@ -38,6 +39,9 @@ from orbax.checkpoint._src.serialization import tensorstore_utils as _orbax_ts_u
 from pretrain.errors import UserError, usage_error
 
 SCHEMES = ("gs://", "s3://")
+# gcsfs logs each request that ran out of retries with a traceback; `guarded` reports the
+# failure itself, in one line.
+logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
 T = TypeVar("T")
 
 

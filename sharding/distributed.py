@@ -95,7 +95,10 @@ def processes_on_one_machine() -> bool:
   """Whether every process of this run is on this machine: one process, or a
   coordinator on the loopback address (`launch.local`). Processes on one machine share
   its disk, so one of them may build a cache the others read."""
-  if jax.process_count() == 1:
-    return True
-  host = os.environ.get(ENV_COORDINATOR, "").rsplit(":", 1)[0].strip("[]")
-  return host in ("localhost", "::1") or host.startswith("127.")
+  return jax.process_count() == 1 or is_loopback(os.environ.get(ENV_COORDINATOR, ""))
+
+
+def is_loopback(address: str) -> bool:
+  """Whether a `host:port` coordinator address names this machine's loopback."""
+  host = address.rsplit(":", 1)[0].strip("[]") if ":" in address else address
+  return host == "localhost" or host == "::1" or host.startswith("127.")

@@ -19,6 +19,7 @@ import urllib.request
 from typing import Iterator
 
 import boto3  # moto's own dependency: creates the S3 bucket
+import fsspec.config
 import pytest
 
 BUCKET = "bucket"
@@ -47,9 +48,11 @@ def _wait_until_serving(url: str, process: subprocess.Popen, timeout_s: float = 
 
 
 @contextlib.contextmanager
-def _server(command: list[str], url: str) -> Iterator[subprocess.Popen]:
+def server(command: list[str], url: str, env: dict | None = None
+           ) -> Iterator[subprocess.Popen]:
+  """Runs a server command until the block ends; waits until `url` answers first."""
   process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
+                             stderr=subprocess.DEVNULL, env=env)
   try:
     _wait_until_serving(url, process)
     yield process
@@ -83,7 +86,11 @@ def gcs_environment(endpoint: str) -> dict[str, str]:
       "STORAGE_EMULATOR_HOST": endpoint,       # gcsfs and google-cloud-storage
       "TENSORSTORE_GCS_HTTP_URL": endpoint,    # tensorstore's gcs kvstore
       "GOOGLE_AUTH_TOKEN_FOR_TESTING": "test",  # tensorstore: no credential lookup
-      "FSSPEC_GCS_TOKEN": "anon",              # gcsfs: no credential lookup
+      "FSSPEC_GCS_TOKEN": "anon",              # gcsfs (in subprocesses): no credential lookup
+      # google-auth never probes a metadata server off this machine.
+      "NO_GCE_CHECK": "True",
+      "GCE_METADATA_HOST": "127.0.0.1:9",
+      "GCE_METADATA_IP": "127.0.0.1:9",
       # gcsfs's zonal/HNS probe speaks gRPC to the real service; the emulator has none.
       "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
   }
@@ -98,7 +105,21 @@ def s3_environment(endpoint: str) -> dict[str, str]:
       "AWS_DEFAULT_REGION": "us-east-1",
       "AWS_REGION": "us-east-1",
       "AWS_EC2_METADATA_DISABLED": "true",
+      "AWS_MAX_ATTEMPTS": "2",  # a wrong endpoint fails in seconds, not after 5 tries
   }
+
+
+@contextlib.contextmanager
+def fsspec_options(protocols: tuple[str, ...], **options) -> Iterator[None]:
+  """fsspec reads its `FSSPEC_*` variables once, at import: set this process's copy."""
+  saved = {protocol: dict(fsspec.config.conf.get(protocol, {})) for protocol in protocols}
+  for protocol in protocols:
+    fsspec.config.conf.setdefault(protocol, {}).update(options)
+  try:
+    yield
+  finally:
+    for protocol, values in saved.items():
+      fsspec.config.conf[protocol] = values
 
 
 @pytest.fixture(scope="session")
@@ -106,9 +127,9 @@ def gcs_bucket() -> Iterator[str]:
   """`gs://bucket` on a local gcp-storage-emulator."""
   port = free_port()
   endpoint = f"http://127.0.0.1:{port}"
-  command = [sys.executable, "-m", "gcp_storage_emulator", "start", "--host=127.0.0.1",
-             f"--port={port}", "--in-memory", f"--default-bucket={BUCKET}"]
-  with _server(command, endpoint + "/storage/v1/b"), environment(**gcs_environment(endpoint)):
+  command = [sys.executable, os.path.abspath(__file__), "gcs", str(port)]
+  with (server(command, endpoint + "/storage/v1/b"), environment(**gcs_environment(endpoint)),
+        fsspec_options(("gs", "gcs"), token="anon")):
     yield f"gs://{BUCKET}"
 
 
@@ -118,6 +139,39 @@ def s3_bucket() -> Iterator[str]:
   port = free_port()
   endpoint = f"http://127.0.0.1:{port}"
   command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
-  with _server(command, endpoint), environment(**s3_environment(endpoint)):
+  with server(command, endpoint), environment(**s3_environment(endpoint)):
     boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=BUCKET)
     yield f"s3://{BUCKET}"
+
+
+def _serve_gcs_emulator(port: int) -> None:
+  """gcp-storage-emulator, in memory, with the generation headers of real GCS.
+
+  Its media downloads omit `x-goog-generation`, which GCS sends and tensorstore reads to
+  make conditional writes (Orbax's OCDBT manifests); without it every read looks like
+  generation 0 and the next conditional write fails as 'Malformed StorageGeneration'.
+  The wrapper adds the object's generation headers to each successful download.
+  """
+  from gcp_storage_emulator import server as emulator  # pylint: disable=import-outside-toplevel
+  from gcp_storage_emulator.handlers import objects  # pylint: disable=import-outside-toplevel
+  plain_download = objects.download
+
+  def download(request, response, store, *args, **kwargs):
+    plain_download(request, response, store, *args, **kwargs)
+    if response.status in (200, 206):
+      obj = store.get_file_obj(request.params["bucket_name"], request.params["object_id"])
+      response["x-goog-generation"] = str(obj["generation"])
+      response["x-goog-metageneration"] = str(obj.get("metageneration", "1"))
+
+  objects.download = download  # `objects.get` (?alt=media) calls it through the module
+  emulator.HANDLERS = tuple(
+      (pattern, {method: download if handler is plain_download else handler
+                 for method, handler in handlers.items()})
+      for pattern, handlers in emulator.HANDLERS)
+  server = emulator.create_server("127.0.0.1", port, in_memory=True, default_bucket=BUCKET)
+  server.run()
+
+
+if __name__ == "__main__":
+  if sys.argv[1:2] == ["gcs"]:
+    _serve_gcs_emulator(int(sys.argv[2]))

@@ -167,17 +167,18 @@ class DataPipeline:
     name = materialize.store_name(self._provider, split, self.sequence_length,
                                   max_documents)
     if not self._build_missing:
-      self._require_prepared(name)
+      return self._prepared(name)
     return token_store.open_or_build(
         self._cache_dir, name, self.sequence_length,
         materialize.has_loss_mask(self._provider),
         lambda writer: materialize.fill_store(
             writer, self._provider, split, self.sequence_length, max_documents))
 
-  def _require_prepared(self, name: str) -> None:
-    """Raises the one-line error naming `prepare` when store `name` is not complete."""
+  def _prepared(self, name: str) -> token_store.TokenStore:
+    """The complete store `name` (written by `prepare`), or the one-line error naming
+    that command."""
     if storage.exists(storage.join(self._cache_dir, name, "metadata.json")):
-      return
+      return token_store.TokenStore(storage.join(self._cache_dir, name))
     where = ("a multi-host run" if not storage.is_url(self._cache_dir)
              else "object storage")
     raise DataError(

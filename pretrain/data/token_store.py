@@ -206,8 +206,6 @@ def open_or_build(cache_dir: str, name: str, sequence_length: int,
     build_fn: called only when building; appends the packed rows, in order, to the
       writer it is given and returns JSON-able facts to record in the metadata.
   """
-  if storage.is_url(cache_dir):  # object storage: only `prepare` writes stores there
-    return TokenStore(storage.join(cache_dir, name))
   cache_dir = os.path.expanduser(cache_dir)
   os.makedirs(cache_dir, exist_ok=True)
   final = os.path.join(cache_dir, name)
