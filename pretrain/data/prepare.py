@@ -17,7 +17,8 @@ Beam's DirectRunner in multi-process mode, one worker per core
 (`--direct_num_workers=N` to choose). A store is committed by its manifest
 (`metadata.json`, written last); rerunning the command after a crash skips the finished
 shards, and rerunning it after success does nothing. Exit codes: 0 prepared, 1 the data
-is unusable (e.g. every document empty), 2 bad command line, config or output.
+is unusable (e.g. every document empty) or the output not writable, 2 bad command line
+or config (e.g. an unknown task).
 """
 from __future__ import annotations
 
