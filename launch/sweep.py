@@ -50,17 +50,18 @@ from __future__ import annotations
 from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
 import csv
 import dataclasses
+import io
 import json
 import math
 import os
 import re
 import shlex
 import sys
+import tempfile
 import time
 from typing import Dict, List, Optional, Sequence
 
 from absl import flags
-from etils import epath
 import gin
 
 from launch import common
@@ -71,6 +72,7 @@ from model.config import ModelConfig, model_config_to_dict
 from pretrain import cli
 from pretrain import flops as flops_lib
 from pretrain import gin_config
+from pretrain import storage
 from pretrain.errors import UserError, usage_error
 
 FAMILY_PATTERNS = {
@@ -325,21 +327,20 @@ def command(run: Run, gin_files: Sequence[str], gin_params: Sequence[str],
 
 def final_eval_loss(run: Run) -> Optional[float]:
   """The evaluation loss logged at the run's last step, or None if it is not finished."""
-  path = epath.Path(run.workdir) / "metrics.jsonl"
-  if not path.exists():
+  path = storage.join(run.workdir, "metrics.jsonl")
+  if not storage.exists(path):
     return None
   loss = None
-  with path.open("r") as f:
-    for line in f:
-      line = line.strip()
-      if not line:
-        continue
-      try:
-        row = json.loads(line)
-      except json.JSONDecodeError:
-        continue  # a line cut short by a kill
-      if row.get("step") == run.train_steps and row.get("eval_loss") is not None:
-        loss = float(row["eval_loss"])
+  for line in storage.read_text(path).splitlines():
+    line = line.strip()
+    if not line:
+      continue
+    try:
+      row = json.loads(line)
+    except json.JSONDecodeError:
+      continue  # a line cut short by a kill
+    if row.get("step") == run.train_steps and row.get("eval_loss") is not None:
+      loss = float(row["eval_loss"])
   return loss
 
 
@@ -394,12 +395,12 @@ def execute(runs: Sequence[Run], gin_files: Sequence[str], gin_params: Sequence[
 
 def write_results(runs: Sequence[Run], workdir: str, log=print) -> Dict[str, object]:
   """sweep.csv, fit.json, scaling.png and scaling.md from finished runs."""
-  os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, "sweep.csv"), "w", newline="", encoding="utf-8") as f:
-    writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-    writer.writeheader()
-    for run in runs:
-      writer.writerow(run.row())
+  table_csv = io.StringIO(newline="")
+  writer = csv.DictWriter(table_csv, fieldnames=CSV_FIELDS)
+  writer.writeheader()
+  for run in runs:
+    writer.writerow(run.row())
+  storage.write_text(storage.join(workdir, "sweep.csv"), table_csv.getvalue())
   if any(run.flop_budget is not None for run in runs):
     log("[sweep] isoFLOP design: fit the three approaches with "
         f"`python -m launch.scaling_fit --runs={workdir} --plots={workdir}/plots`")
@@ -412,12 +413,12 @@ def write_results(runs: Sequence[Run], workdir: str, log=print) -> Dict[str, obj
       fit_json[family] = fits[family].to_json()
     else:
       fit_json[family] = {"error": "fewer than 2 finished runs at distinct compute"}
-  with open(os.path.join(workdir, "fit.json"), "w", encoding="utf-8") as f:
-    json.dump(fit_json, f, indent=2)
-  scaling_fit.plot_scaling(points, fits, os.path.join(workdir, "scaling.png"))
+  storage.write_text(storage.join(workdir, "fit.json"), json.dumps(fit_json, indent=2))
+  with tempfile.TemporaryDirectory() as staging:  # matplotlib writes local files
+    scaling_fit.plot_scaling(points, fits, os.path.join(staging, "scaling.png"))
+    storage.copy(os.path.join(staging, "scaling.png"), storage.join(workdir, "scaling.png"))
   table = runs_table_markdown(runs) + "\n\n" + scaling_fit.fit_table_markdown(fits) + "\n"
-  with open(os.path.join(workdir, "scaling.md"), "w", encoding="utf-8") as f:
-    f.write(table)
+  storage.write_text(storage.join(workdir, "scaling.md"), table)
   log(table)
   return fit_json
 

@@ -3,7 +3,7 @@
   python -m launch.sweep_job --run_dir=DIR -- python -m pretrain.train ... --workdir=DIR
 
 Every backend of `launch.sweep` starts its runs through this wrapper, so a run's own
-directory (local or `gs://`, through `etils.epath`) says what became of it wherever it
+directory (local, `gs://` or `s3://`, through `pretrain.storage`) says what became of it wherever it
 ran: `sweep_status.json` holds `{"state": "running", "host", "pid", "failures"}` while
 the command runs and `{"state": "exited", "exit_code", "failures"}` after it, where
 `failures` counts the attempts that failed (exit code other than 0 and not a
@@ -23,10 +23,10 @@ import time
 from typing import Optional, Sequence
 
 from absl import flags
-from etils import epath
 
 from launch import common
 from pretrain import cli
+from pretrain import storage
 
 STATUS_FILE = "sweep_status.json"
 _PROCESS_INDEX_VARIABLES = ("SLURM_PROCID", "TPU_WORKER_ID", "JOB_COMPLETION_INDEX")
@@ -38,24 +38,18 @@ INTERRUPTED_CODES = frozenset({0, -signal.SIGTERM, -signal.SIGINT, -signal.SIGKI
 
 
 def read_status(run_dir: str) -> Optional[dict]:
-  path = epath.Path(run_dir) / STATUS_FILE
+  path = storage.join(run_dir, STATUS_FILE)
   try:
-    return json.loads(path.read_text())
+    return json.loads(storage.read_text(path)) if storage.exists(path) else None
   except (FileNotFoundError, json.JSONDecodeError):
     return None
 
 
 def write_status(run_dir: str, status: dict) -> None:
-  """Writes the status whole (a temporary file renamed over the old one, locally)."""
-  directory = epath.Path(run_dir)
-  directory.mkdir(parents=True, exist_ok=True)
-  text = json.dumps(dict(status, time=time.time()))
-  if str(directory).startswith("gs://"):
-    (directory / STATUS_FILE).write_text(text)
-    return
-  temporary = directory / (STATUS_FILE + ".tmp")
-  temporary.write_text(text)
-  os.replace(temporary, directory / STATUS_FILE)
+  """Writes the status whole (a temporary file renamed over the old one locally, one
+  upload on object storage)."""
+  storage.write_text(storage.join(run_dir, STATUS_FILE),
+                     json.dumps(dict(status, time=time.time())))
 
 
 def is_process_zero() -> bool:

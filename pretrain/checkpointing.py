@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import shutil
 from typing import Any, Mapping, Optional
 
 import jax
@@ -30,6 +28,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from pretrain import storage
 from pretrain.errors import CheckpointMismatchError, UserError
 from sharding.partition import path_str
 
@@ -60,10 +59,9 @@ class CheckpointConfig:
 
 def checkpoint_dir(workdir: str) -> epath.Path:
   """`workdir/checkpoints`, absolute: Orbax's tensorstore (OCDBT) layer rejects relative
-  paths, and every command takes `--workdir` relative to the current directory."""
-  if "://" not in workdir:  # leave gs:// and other remote URLs alone
-    workdir = os.path.abspath(os.path.expanduser(workdir))
-  return epath.Path(workdir) / "checkpoints"
+  paths, and every command takes `--workdir` relative to the current directory (a
+  `gs://` or `s3://` workdir is used as it is)."""
+  return storage.as_path(storage.join(storage.resolve(workdir), "checkpoints"))
 
 
 def _step_of(path: epath.Path) -> Optional[int]:
@@ -127,7 +125,7 @@ class Checkpointer:
       # without it (non-atomic storage) would count as complete, so drop it here.
       for leftover in unmarked_step_dirs(self.directory):
         logging.warning("Removing incomplete checkpoint %s (interrupted save)", leftover)
-        shutil.rmtree(leftover, ignore_errors=True)
+        storage.rmtree(str(leftover))
     policies = [ocp.checkpoint_managers.LatestN(n=config.keep_last)]
     if config.keep_every:
       policies.append(ocp.checkpoint_managers.EveryNSteps(interval_steps=config.keep_every))
@@ -137,7 +135,13 @@ class Checkpointer:
         enable_async_checkpointing=config.async_save,
         create=not read_only,
         cleanup_tmp_directories=not read_only,
-        read_only=read_only)
+        read_only=read_only,
+        # Orbax commits a step by renaming its temporary directory, except on gs://,
+        # where it writes the step in place and commits it with the marker file. S3 has
+        # no rename either (a copy per object that can fail half-way): commit there by
+        # marker as well.
+        temporary_path_class=(ocp.path.atomicity.CommitFileTemporaryPath
+                              if str(self.directory).startswith("s3://") else None))
     if read_only and not self.directory.exists():
       raise UserError(f"No checkpoints in {self.directory}: train first (python -m "
                       "pretrain.train ... --workdir=...) or convert one (pretrain.convert)")

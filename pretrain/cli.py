@@ -9,9 +9,7 @@ that `pretrain.quiet` hides.
 """
 from __future__ import annotations
 
-import os
 import sys
-import tempfile
 from typing import Callable, Optional, Sequence
 
 from absl import app
@@ -19,6 +17,7 @@ from absl import flags
 from absl import logging
 
 from pretrain import quiet
+from pretrain import storage
 from pretrain.errors import EXIT_USAGE, UserError, usage_error
 
 flags.DEFINE_bool("traceback", False, "Show the full Python traceback of a failure.")
@@ -59,17 +58,9 @@ def _list_shared_flags_in_help() -> None:
 
 
 def prepare_workdir(workdir: str) -> None:
-  """Creates `workdir` and proves it writable, before any compute starts."""
-  if os.path.exists(workdir) and not os.path.isdir(workdir):
-    raise usage_error(f"--workdir {workdir} is a file, not a directory; choose a "
-                      "directory (it is created if missing)")
-  try:
-    os.makedirs(workdir, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=workdir, prefix=".write_test"):
-      pass
-  except OSError as error:
-    raise UserError(f"Workdir {workdir} is not writable: {error.strerror or error}. "
-                    "Choose another --workdir or fix its permissions.") from None
+  """Creates `workdir` (a path or a gs:// / s3:// URL) and proves it writable, before any
+  compute starts."""
+  storage.check_writable(workdir)
 
 
 def reject_extra_arguments(argv: Sequence[str]) -> None:

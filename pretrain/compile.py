@@ -26,6 +26,7 @@ from absl import flags
 from jax.experimental import serialize_executable
 
 from pretrain import aot
+from pretrain import storage
 from pretrain import cli
 from pretrain import gin_config
 from pretrain import tpu_target
@@ -106,8 +107,7 @@ def format_report(report: aot.CompileReport) -> str:
 def save_executable(compiled: object, path: str) -> None:
   payload = serialize_executable.serialize(compiled)
   try:
-    with open(path, "wb") as f:
-      pickle.dump(payload, f)
+    storage.write_bytes(path, pickle.dumps(payload))
   except OSError as error:
     raise UserError(f"Cannot write --save {path}: {error.strerror or error}") from None
 

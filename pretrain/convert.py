@@ -28,7 +28,9 @@ from model import recurrentgemma_params as rg
 from model.config import ModelConfig, model_config_to_dict
 from pretrain import cli
 from pretrain import gin_config
-from pretrain.checkpointing import Checkpointer, complete_steps, describe_mismatch, shapes_by_path
+from pretrain import storage
+from pretrain.checkpointing import (Checkpointer, checkpoint_dir, complete_steps,
+                                   describe_mismatch, shapes_by_path)
 from pretrain.errors import UserError, usage_error
 from pretrain.metadata import RunMetadata, make_vocabulary, vocabulary_spec
 from pretrain.runtime import Runtime
@@ -131,8 +133,9 @@ def convert_recurrentgemma(checkpoint: str, workdir: str, settings: dict[str, An
     raise UserError(f"--vocab has {vocabulary.vocab_size} ids but the checkpoint's "
                         f"embedding only {config.vocab_size} rows; pass the vocabulary "
                         "the model was trained with")
+  workdir = storage.resolve(workdir)
   cli.prepare_workdir(workdir)
-  if complete_steps(os.path.join(workdir, "checkpoints")):
+  if complete_steps(checkpoint_dir(workdir)):
     raise UserError(f"{workdir} already holds checkpoints; convert into a new --workdir")
   runtime = Runtime.create(config, MeshConfig())
   problem = describe_mismatch(shapes_by_path(params), shapes_by_path(runtime.abstract_params))
@@ -142,13 +145,12 @@ def convert_recurrentgemma(checkpoint: str, workdir: str, settings: dict[str, An
   checkpointer = Checkpointer(workdir)
   try:
     checkpointer.save(0, params=sharded, opt_state=None, rng=jax.random.key(0),
-                      metadata=RunMetadata(config, vocabulary_spec(vocabulary),
+                      metadata=RunMetadata(config, vocabulary_spec(vocabulary, workdir),
                                            sequence_length).to_json())
   finally:
     checkpointer.close()
   if jax.process_index() == 0:
-    with open(os.path.join(workdir, "model.gin"), "w", encoding="utf-8") as f:
-      f.write(model_gin(config))
+    storage.write_text(storage.join(workdir, "model.gin"), model_gin(config))
   return config
 
 

@@ -13,15 +13,16 @@ from __future__ import annotations
 
 from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
 import json
-import os
 from typing import Sequence
 
+import seqio
 from absl import flags
 
 from pretrain import cli
 from pretrain import evaluation
 from pretrain import gin_config
 from pretrain import metrics as metrics_lib
+from pretrain import storage
 from pretrain.data import synthetic
 from pretrain.errors import UserError
 from pretrain.load import LoadedModel, load
@@ -42,8 +43,7 @@ def define_flags() -> None:
 def text_file_metrics(model: LoadedModel, path: str) -> dict[str, float]:
   """{"loss", "tokens"} of the file at `path`, scored as one document."""
   try:
-    with open(path, encoding="utf-8") as f:
-      text = f.read()
+    text = storage.read_text(path)
   except OSError as error:
     raise UserError(f"Cannot read --text_file {path}: {error.strerror or error}") from None
   loss, tokens = evaluation.text_loss(model.config, model.params, model.vocabulary, text,
@@ -57,11 +57,16 @@ def validation_metrics(model: LoadedModel, workdir: str) -> dict[str, float]:
   When the run trained on a synthetic task (`pretrain.data.synthetic`), also the
   "accuracy" at the task's answer positions, which is what those tasks are about.
   """
-  config_path = os.path.join(workdir, "config.gin")
-  if not os.path.exists(config_path):
+  config_path = storage.join(workdir, "config.gin")
+  if not storage.exists(config_path):
     raise UserError(f"{config_path} does not exist, so the run's validation data is "
                     "unknown (a converted checkpoint has none); pass --text_file=PATH")
-  gin_config.parse([config_path], [])
+  bindings = []
+  if isinstance(model.vocabulary, seqio.SentencePieceVocabulary):
+    # The run's config names the model file it trained with, which may be gone or on
+    # another machine; the checkpoint's own copy has the same content.
+    bindings.append(f"get_vocabulary.spm_path = '{model.vocabulary.sentencepiece_model_file}'")
+  gin_config.parse([storage.local_copy(config_path)], bindings)
   pipeline = gin_config.build_pipeline(gin_config.build(TrainConfig), model.runtime)
   batches = metrics_lib.with_progress(pipeline.validation_batches(None),
                                      pipeline.validation_batch_count(None),
@@ -82,9 +87,7 @@ def main(argv: Sequence[str]) -> None:
   result = {"step": model.step, **metrics}
   print(json.dumps(result))
   if FLAGS.output:
-    with open(FLAGS.output, "w", encoding="utf-8") as f:
-      json.dump(result, f)
-      f.write("\n")
+    storage.write_text(FLAGS.output, json.dumps(result) + "\n")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
 import json
-import os
 from typing import Callable, Dict, List, Optional, Sequence
 
 from absl import flags
@@ -31,6 +30,7 @@ import numpy as np
 
 from pretrain import cli
 from pretrain import gin_config
+from pretrain import storage
 from pretrain.data import synthetic
 from pretrain.errors import usage_error
 from pretrain.load import load
@@ -98,10 +98,10 @@ def format_table(results: Sequence[Dict[str, float]], title: str = "") -> str:
 
 def training_task(workdir: str) -> Optional[str]:
   """Registers and names the synthetic task DIR/config.gin trained on (None if none)."""
-  path = os.path.join(workdir, "config.gin")
-  if not os.path.exists(path):
+  path = storage.join(workdir, "config.gin")
+  if not storage.exists(path):
     return None
-  gin_config.parse([path], [], skip_unknown=True)
+  gin_config.parse([storage.local_copy(path)], [], skip_unknown=True)
   try:
     try:
       reference = gin.query_parameter("DataPipeline.task")
@@ -157,8 +157,8 @@ def main(argv: Sequence[str]) -> None:
     raise usage_error(f"--multiples must be integers, got {FLAGS.multiples}") from None
   if any(m < 1 for m in multiples):
     raise usage_error(f"--multiples must be >= 1, got {multiples}")
-  workdir = os.path.abspath(os.path.expanduser(FLAGS.workdir))
-  if not os.path.isdir(workdir):
+  workdir = storage.resolve(FLAGS.workdir)
+  if not storage.isdir(workdir):
     raise usage_error(f"--workdir {workdir} does not exist; point it at a trained run")
   task = resolve_task(workdir, FLAGS.task)
   spec = synthetic.spec_of(task)
@@ -171,9 +171,9 @@ def main(argv: Sequence[str]) -> None:
   print(format_table(results, f"{task} (trained at length {spec.document_length}), "
                               f"{workdir} step {model.step}"))
   if FLAGS.output:
-    with open(FLAGS.output, "w", encoding="utf-8") as f:
-      json.dump({"task": task, "workdir": workdir, "step": model.step,
-                 "results": results}, f, indent=2)
+    storage.write_text(FLAGS.output, json.dumps(
+        {"task": task, "workdir": workdir, "step": model.step, "results": results},
+        indent=2))
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from pretrain.errors import UserError, usage_error
 from pretrain.optimizer import OptimizerConfig
 from pretrain.runtime import Runtime
 from pretrain.trainer import TrainConfig
+from sharding import distributed
 from sharding.distributed import initialize_from_environment
 from sharding.mesh import MeshConfig
 from sharding.partition import ReplicationCheck
@@ -329,7 +330,23 @@ def build_pipeline(train_config: TrainConfig, runtime: Runtime) -> Any:
         "order the mesh so the batch axes split processes evenly")
   return build(pipeline_lib.DataPipeline, sequence_length=train_config.sequence_length,
                batch_size=train_config.batch_size, seed=train_config.seed,
-               process_index=index, process_count=count)
+               process_index=index, process_count=count,
+               build_missing=distributed.processes_on_one_machine())
+
+
+def data_bindings() -> dict[str, Any]:
+  """The bound `DataPipeline` arguments with references evaluated (so `@text_files_task()`
+  registers its SeqIO task and gives its name), for `pretrain.data.prepare`, which
+  prepares the stores a training config reads without building the pipeline."""
+  if not _bound("DataPipeline", "task"):
+    raise usage_error(_TRAINING_PARTS[2][2])
+  try:
+    return gin.get_bindings(pipeline_lib.DataPipeline)
+  except UserError:
+    raise
+  except (ValueError, TypeError, RuntimeError) as error:
+    raise usage_error(f"Bad data configuration: {_first_line(error)}"
+                      f"{_gin_context(error)}") from error
 
 
 def operative_config() -> str:

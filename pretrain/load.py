@@ -34,10 +34,14 @@ class LoadedModel:
     metadata: the checkpoint's RunMetadata.
     sequence_length: the training sequence length.
     runtime: the Runtime (mesh, shardings) for code that needs it.
+    workdir: the run directory it came from (its `vocabulary/` holds a SentencePiece
+      model).
   """
 
-  def __init__(self, runtime: Runtime, params: Any, step: int, metadata: RunMetadata):
+  def __init__(self, runtime: Runtime, params: Any, step: int, metadata: RunMetadata,
+               workdir: Optional[str] = None):
     self.runtime = runtime
+    self.workdir = workdir
     self.config: ModelConfig = runtime.config
     self.params = params
     self.step = step
@@ -49,7 +53,7 @@ class LoadedModel:
   @property
   def vocabulary(self) -> seqio.Vocabulary:
     if self._vocabulary is None:
-      self._vocabulary = make_vocabulary(self.metadata.vocabulary)
+      self._vocabulary = make_vocabulary(self.metadata.vocabulary, self.workdir)
     return self._vocabulary
 
   @property
@@ -88,7 +92,8 @@ def load(workdir: str, step: Optional[int] = None,
     restored = checkpointer.restore(step, abstract_params=runtime.abstract_params)
   finally:
     checkpointer.close()
-  return LoadedModel(runtime, restored["params"], step, metadata)
+  return LoadedModel(runtime, restored["params"], step, metadata,
+                     str(checkpointer.directory.parent))
 
 
 class _CallableModule(types.ModuleType):

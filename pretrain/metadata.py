@@ -3,33 +3,51 @@
 `RunMetadata` is stored as the JSON item `metadata` of every checkpoint step (see
 docs/INTERNALS.md, "Checkpoint layout"): the model's configuration, the vocabulary and
 the training sequence length. `pretrain.load`, `evaluate`, `sample` and `convert` need
-nothing else.
+nothing else: a SentencePiece model is copied into the workdir
+(`vocabulary/<sha256>.model`, content-addressed) and the metadata names it by hash, so
+a workdir copied elsewhere or read from a bucket still has its vocabulary.
 """
 from __future__ import annotations
 
 import dataclasses
-import os
-from typing import Any, Mapping
+import hashlib
+from typing import Any, Mapping, Optional
 
+import jax
 import seqio
 
 from model.config import ModelConfig, model_config_from_dict, model_config_to_dict
+from pretrain import storage
 from pretrain.data.vocabularies import get_vocabulary
 from pretrain.errors import UserError
 
 _PASSTHROUGH_PREFIX = "passthrough:"
+_SENTENCEPIECE_PREFIX = "sentencepiece:"
+VOCABULARY_DIR = "vocabulary"
 DEFAULT_SEQUENCE_LENGTH = 512
 
 
-def vocabulary_spec(vocabulary: seqio.Vocabulary) -> str:
+def _sentencepiece_file(workdir: str, digest: str) -> str:
+  return storage.join(workdir, VOCABULARY_DIR, f"{digest}.model")
+
+
+def vocabulary_spec(vocabulary: seqio.Vocabulary, workdir: Optional[str] = None) -> str:
   """How the metadata records a vocabulary, for `make_vocabulary`.
 
   'byte'; 'passthrough:<size>' for the identity vocabulary of synthetic tasks (their
-  token ids are the model's ids, so the size is all there is to it); otherwise the
-  absolute path of a SentencePiece model.
+  token ids are the model's ids, so the size is all there is to it); for a SentencePiece
+  model 'sentencepiece:<sha256 of the model>', after copying the model into
+  `workdir/vocabulary/` (process 0; skipped when that file already exists).
   """
   if isinstance(vocabulary, seqio.SentencePieceVocabulary):
-    return os.path.abspath(vocabulary.sentencepiece_model_file)
+    if workdir is None:
+      raise ValueError("a SentencePiece vocabulary is stored in the workdir: pass workdir")
+    model = vocabulary.sp_model
+    digest = hashlib.sha256(model).hexdigest()
+    path = _sentencepiece_file(workdir, digest)
+    if jax.process_index() == 0 and not storage.exists(path):
+      storage.write_bytes(path, model)
+    return _SENTENCEPIECE_PREFIX + digest
   if isinstance(vocabulary, seqio.ByteVocabulary):
     return "byte"
   if isinstance(vocabulary, seqio.PassThroughVocabulary):
@@ -38,8 +56,21 @@ def vocabulary_spec(vocabulary: seqio.Vocabulary) -> str:
                   "pass-through and SentencePiece vocabularies are supported")
 
 
-def make_vocabulary(spec: str) -> seqio.Vocabulary:
-  """The vocabulary a `vocabulary_spec` string describes."""
+def make_vocabulary(spec: str, workdir: Optional[str] = None) -> seqio.Vocabulary:
+  """The vocabulary a `vocabulary_spec` string describes (a SentencePiece model is read
+  from `workdir/vocabulary/`; an old checkpoint's absolute model path is read as is)."""
+  if spec.startswith(_SENTENCEPIECE_PREFIX):
+    digest = spec[len(_SENTENCEPIECE_PREFIX):]
+    path = _sentencepiece_file(workdir or ".", digest)
+    if workdir is None or not storage.exists(path):
+      raise UserError(f"The checkpoint's SentencePiece model {path} is missing: copy the "
+                      f"whole workdir, including its {VOCABULARY_DIR}/ folder")
+    local = storage.local_copy(path)
+    with open(local, "rb") as f:
+      if hashlib.sha256(f.read()).hexdigest() != digest:
+        raise UserError(f"{path} does not match the checkpoint's vocabulary hash {digest}: "
+                        "the file was changed; restore it from the original workdir")
+    return seqio.SentencePieceVocabulary(local)
   if spec.startswith(_PASSTHROUGH_PREFIX):
     size = spec[len(_PASSTHROUGH_PREFIX):]
     if not size.isdigit() or int(size) < 1:

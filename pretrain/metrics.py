@@ -12,7 +12,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import sys
+import tempfile
 import time
 from typing import Iterable, Iterator, Mapping, Optional, TextIO, TypeVar
 
@@ -20,6 +22,8 @@ T = TypeVar("T")
 
 import jax
 from clu import metric_writers
+
+from pretrain import storage
 
 
 def format_duration(seconds: float) -> str:
@@ -63,14 +67,97 @@ def with_progress(items: Iterable[T], total: int, label: str, *, every_s: float 
         file=stream, flush=True)
 
 
-class MetricsWriter:
-  """Appends metric rows to `workdir/metrics.jsonl` and TensorBoard; prints progress.
+class _LocalJsonl:
+  """metrics.jsonl on a local disk: appended line by line, flushed after each."""
 
-  Rows are appended, so a resumed run continues the same file; a row's `step` says
-  which step it belongs to. `rewind(step)` first drops the rows of steps after the
-  restored checkpoint (they are about to be trained again), and an evaluation of a step
-  already in the file is printed but not appended again, so the file never holds two
-  rows of the same kind for one step, however often a run is stopped and rerun.
+  def __init__(self, path: str):
+    self._path = path
+    self._file = open(path, "a", encoding="utf-8")
+
+  def append(self, line: str) -> None:
+    self._file.write(line)
+    self._file.flush()
+
+  def lines(self) -> list[str]:
+    with open(self._path, encoding="utf-8") as f:
+      return list(f)
+
+  def replace(self, lines: list[str]) -> None:
+    self._file.close()
+    storage.write_text(self._path, "".join(lines))  # atomic: temporary file renamed
+    self._file = open(self._path, "a", encoding="utf-8")
+
+  def close(self) -> None:
+    self._file.close()
+
+
+class _ObjectJsonl:
+  """metrics.jsonl on object storage, which cannot append: the rows are kept in memory
+  and every change uploads the whole object, an atomic put, so a reader (or a resumed
+  run) sees every row written so far or the previous version, never a torn line. A log
+  row costs one upload of the file (tens of bytes per row)."""
+
+  def __init__(self, path: str):
+    self._path = path
+    self._lines = storage.read_text(path).splitlines(True) if storage.exists(path) else []
+
+  def append(self, line: str) -> None:
+    self._lines.append(line)
+    storage.write_text(self._path, "".join(self._lines))
+
+  def lines(self) -> list[str]:
+    return list(self._lines)
+
+  def replace(self, lines: list[str]) -> None:
+    self._lines = list(lines)
+    storage.write_text(self._path, "".join(self._lines))
+
+  def close(self) -> None:
+    pass
+
+
+class _UploadedTensorBoard:
+  """TensorBoard events for an object-storage workdir: TensorFlow's event writer cannot
+  reach every store (no s3://, no emulator endpoints), so events go to a local staging
+  directory and are copied to `workdir/tensorboard` at most every `every_s` seconds and
+  on close (each upload replaces the previous copy of a file whole)."""
+
+  def __init__(self, destination: str, every_s: float = 60.0):
+    self._destination = destination
+    self._staging = tempfile.mkdtemp(prefix="griffin_tensorboard_")
+    self._writer = metric_writers.SummaryWriter(self._staging)
+    self._every_s = every_s
+    self._uploaded_at = time.monotonic()
+
+  def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
+    self._writer.write_scalars(step, scalars)
+    if time.monotonic() - self._uploaded_at >= self._every_s:
+      self._upload()
+
+  def _upload(self) -> None:
+    self._writer.flush()
+    for name in sorted(os.listdir(self._staging)):
+      storage.copy(os.path.join(self._staging, name), storage.join(self._destination, name))
+    self._uploaded_at = time.monotonic()
+
+  def flush(self) -> None:
+    self._upload()
+
+  def close(self) -> None:
+    self._upload()
+    self._writer.close()
+    shutil.rmtree(self._staging, ignore_errors=True)
+
+
+class MetricsWriter:
+  """Writes metric rows to `workdir/metrics.jsonl` and TensorBoard; prints progress.
+
+  A resumed run continues the same file; a row's `step` says which step it belongs to.
+  `rewind(step)` first drops the rows of steps after the restored checkpoint (they are
+  about to be trained again), and an evaluation of a step already in the file is printed
+  but not written again, so the file never holds two rows of the same kind for one step,
+  however often a run is stopped and rerun. On a local disk rows are appended; in a
+  `gs://` / `s3://` workdir the file is rewritten whole (`_ObjectJsonl`).
   """
 
   def __init__(self, workdir: str, total_steps: int, *, tensorboard: bool = True,
@@ -80,19 +167,20 @@ class MetricsWriter:
     self._stream = stream
     self._jsonl = None
     self._summary = None
-    self._path = os.path.join(workdir, "metrics.jsonl")
     self._eval_steps: set[int] = set()
     if not self._enabled:
       return
-    self._jsonl = open(self._path, "a", encoding="utf-8")
+    path = storage.join(workdir, "metrics.jsonl")
+    self._jsonl = _ObjectJsonl(path) if storage.is_url(workdir) else _LocalJsonl(path)
     if tensorboard:
-      self._summary = metric_writers.SummaryWriter(os.path.join(workdir, "tensorboard"))
+      events = storage.join(workdir, "tensorboard")
+      self._summary = (_UploadedTensorBoard(events) if storage.is_url(workdir)
+                       else metric_writers.SummaryWriter(events))
 
   def _write(self, step: int, row: Mapping[str, Optional[float]]) -> None:
     record = {"step": int(step)}
     record.update({k: (None if v is None else float(v)) for k, v in row.items()})
-    self._jsonl.write(json.dumps(record) + "\n")
-    self._jsonl.flush()
+    self._jsonl.append(json.dumps(record) + "\n")
     if self._summary is not None:
       self._summary.write_scalars(int(step), {
           name: value for name, value in record.items()
@@ -103,15 +191,10 @@ class MetricsWriter:
     continues from the checkpoint of `step`, so those steps are logged again."""
     if not self._enabled:
       return
-    self._jsonl.close()
-    with open(self._path, encoding="utf-8") as f:
-      rows = [line for line in f if line.endswith("\n")]
+    rows = [line for line in self._jsonl.lines() if line.endswith("\n")]
     kept = [line for line in rows if json.loads(line)["step"] <= step]
-    with open(self._path + ".tmp", "w", encoding="utf-8") as f:  # replaced atomically
-      f.writelines(kept)
-    os.replace(self._path + ".tmp", self._path)
+    self._jsonl.replace(kept)
     self._eval_steps = {row["step"] for row in map(json.loads, kept) if "eval_loss" in row}
-    self._jsonl = open(self._path, "a", encoding="utf-8")
 
   def log_train(self, step: int, row: Mapping[str, Optional[float]]) -> None:
     """A training row: loss, learning_rate, tokens_per_second, step_time_s, mfu, ..."""

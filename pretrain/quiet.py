@@ -39,6 +39,17 @@ NOISE_PATTERNS = (
     r"^=== Source Location Trace: ===$",
     r"^learning/.*\.cc:\d+$",
     r"Rank connected",
+    # Apache Beam (pretrain.data.prepare): optional Google Cloud clients it did not find,
+    # and its worker processes' start-up and shut-down INFO lines.
+    r"^WARNING:root:apitools not found",
+    r"^INFO:(__main__|root|absl|apache_beam[\w.]*):",
+    r"No semi_persistent_directory found",
+    # (options the DirectRunner hands its own workers)
+    r"Discarding unparseable args: \[\\?'--(direct_runner_use_stacked_bundle|"
+    r"pipeline_type_check)\\?', \\?'--(direct_runner_use_stacked_bundle|"
+    r"pipeline_type_check)\\?'\]",
+    # tensorstore's AWS SDK looks for ~/.aws files before the environment's credentials.
+    r"^E\d{4} [\d:.]+\s+\d+ (common-io|AuthCredentialsProvider):\d+\]",
 )
 
 # Orbax logs at WARNING every time a command opens checkpoints to read them,

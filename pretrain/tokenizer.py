@@ -22,6 +22,7 @@ from absl import flags
 import sentencepiece as spm
 
 from pretrain import cli
+from pretrain import storage
 from pretrain.data import corpus_files
 from pretrain.data.errors import DataError
 
@@ -72,7 +73,7 @@ def train_sentencepiece(input_glob: str, vocab_size: int, output: str,
   if len(lines) > max_lines:  # an even sample keeps every part of the corpus
     lines = lines[::-(-len(lines) // max_lines)]
   output = output if output.endswith(".model") else output + ".model"
-  os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+  output = storage.resolve(output)  # a path, or a gs:// / s3:// URL
   model = io.BytesIO()
   try:
     spm.SentencePieceTrainer.train(
@@ -86,14 +87,11 @@ def train_sentencepiece(input_glob: str, vocab_size: int, output: str,
         num_threads=os.cpu_count() or 1, minloglevel=2)
   except RuntimeError as e:
     raise DataError(f"SentencePiece training failed: {e}") from None
-  temporary = f"{output}.tmp-{os.getpid()}"
-  with open(temporary, "wb") as f:
-    f.write(model.getvalue())
-  os.replace(temporary, output)  # never leave a half-written model at `output`
+  storage.write_bytes(output, model.getvalue())  # whole: never a half-written model
   processor = spm.SentencePieceProcessor(model_proto=model.getvalue())
-  with open(output[:-len(".model")] + ".vocab", "w", encoding="utf-8") as f:
-    for i in range(processor.get_piece_size()):
-      f.write(f"{processor.id_to_piece(i)}\t{processor.get_score(i)}\n")
+  storage.write_text(output[:-len(".model")] + ".vocab", "".join(
+      f"{processor.id_to_piece(i)}\t{processor.get_score(i)}\n"
+      for i in range(processor.get_piece_size())))
   return output
 
 

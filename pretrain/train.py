@@ -20,6 +20,7 @@ from absl import flags
 
 from pretrain import cli
 from pretrain import gin_config
+from pretrain import storage
 from pretrain import trainer
 from pretrain.checkpointing import CheckpointConfig, Checkpointer
 from pretrain.optimizer import OptimizerConfig
@@ -34,7 +35,8 @@ EXTRA_BINDINGS_ENV = "GRIFFIN_EXTRA_GIN_PARAMS"
 
 def define_flags() -> None:
   cli.define_gin_flags()
-  flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics, config.gin.")
+  flags.DEFINE_string("workdir", None, "Run directory (a path, gs:// or s3:// URL): "
+                      "checkpoints, metrics, config.gin.")
   flags.mark_flag_as_required("workdir")
   cli.require_gin_files()
 
@@ -44,8 +46,7 @@ def write_config(workdir: str) -> None:
   process 0)."""
   gin_config.check_bindings_used()
   if jax.process_index() == 0:
-    with open(os.path.join(workdir, "config.gin"), "w", encoding="utf-8") as f:
-      f.write(gin_config.operative_config())
+    storage.write_text(storage.join(workdir, "config.gin"), gin_config.operative_config())
 
 
 def train_from_gin(workdir: str, gin_files: Sequence[str],
@@ -66,7 +67,7 @@ def train_from_gin(workdir: str, gin_files: Sequence[str],
 def main(argv: Sequence[str]) -> None:
   cli.reject_extra_arguments(argv)
   extra = os.environ.get(EXTRA_BINDINGS_ENV, "").splitlines()
-  train_from_gin(os.path.abspath(os.path.expanduser(FLAGS.workdir)), FLAGS.gin_file,
+  train_from_gin(storage.resolve(FLAGS.workdir), FLAGS.gin_file,
                  FLAGS.gin_param + [binding for binding in extra if binding.strip()])
 
 

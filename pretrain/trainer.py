@@ -193,7 +193,9 @@ class Trainer:
   def default_hooks(self, start_step: int, rng: jax.Array) -> list[hooks_lib.Hook]:
     """Divergence check, logging, preemption, checkpoints, evaluation and sampling."""
     cfg = self.config
-    metadata = RunMetadata(self.runtime.config, vocabulary_spec(self.pipeline.vocabulary),
+    workdir = str(self.checkpointer.directory.parent)
+    metadata = RunMetadata(self.runtime.config,
+                           vocabulary_spec(self.pipeline.vocabulary, workdir),
                            cfg.sequence_length)
     hooks = [
         hooks_lib.DivergenceCheck(self.checkpointer),

@@ -89,3 +89,16 @@ def initialize_from_environment(heartbeat_timeout_s: int = 15,
     jax.distributed.initialize(**timeouts)
     return jax.process_count() > 1
   return False
+
+
+def processes_on_one_machine() -> bool:
+  """Whether every process of this run is on this machine: one process, or a
+  coordinator on the loopback address (`launch.local`). Processes on one machine share
+  its disk, so one of them may build a cache the others read."""
+  return jax.process_count() == 1 or is_loopback(os.environ.get(ENV_COORDINATOR, ""))
+
+
+def is_loopback(address: str) -> bool:
+  """Whether a `host:port` coordinator address names this machine's loopback."""
+  host = address.rsplit(":", 1)[0].strip("[]") if ":" in address else address
+  return host == "localhost" or host == "::1" or host.startswith("127.")

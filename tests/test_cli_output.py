@@ -74,6 +74,7 @@ COMMANDS = {
     "pretrain.sample": ("--workdir", "--prompt", "--max_new_tokens", "--temperature"),
     "pretrain.convert": ("--checkpoint", "--workdir", "--preset", "--vocab"),
     "pretrain.tokenizer": ("--input_glob", "--vocab_size", "--output"),
+    "pretrain.data.prepare": GIN_FLAGS + ("--output",),
     "pretrain.extrapolation": ("--workdir",),
     "model.summary": GIN_FLAGS + ("--mesh", "--batch", "--seq"),
     "launch.local": ("--num_processes", "--devices_per_process"),

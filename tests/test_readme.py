@@ -26,6 +26,7 @@ from launch import common
 from model.config import ModelConfig
 from pretrain import gin_config
 from pretrain.checkpointing import CheckpointConfig
+from pretrain.data import pipeline
 from pretrain.optimizer import OptimizerConfig
 from pretrain.trainer import TrainConfig
 from sharding.mesh import MeshConfig
@@ -107,6 +108,8 @@ def _kind(piece):
     return "summary"
   if piece.startswith("python -m pretrain.train"):
     return "train"
+  if piece.startswith("python -m pretrain.data.prepare"):
+    return "prepare"
   return "unknown"
 
 
@@ -115,7 +118,7 @@ def test_every_readme_command_has_a_check():
   unknown = [piece for piece in PIECES if _kind(piece) == "unknown"]
   assert not unknown, f"README commands without a check in {__file__}: {unknown}"
   kinds = {_kind(piece) for piece in PIECES}
-  assert {"launcher", "summary", "train"} <= kinds, kinds
+  assert {"launcher", "summary", "train", "prepare"} <= kinds, kinds
 
 
 def _env():
@@ -207,3 +210,34 @@ def test_local_training_commands_and_python_snippet_run_verbatim(tmp_path):
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith("def main("), result.stdout
+
+
+@pytest.mark.slow
+def test_prepare_command_runs_verbatim_and_the_trainer_reads_its_stores(tmp_path):
+  corpus = make_corpus(str(tmp_path / "corpus"))
+  env = _env()
+  env.update(JAX_PLATFORMS="cpu", GRIFFIN_EXTRA_GIN_PARAMS=f"TRAIN_FILES = '{corpus}/*.txt'")
+  prepares = [piece for piece in PIECES if _kind(piece) == "prepare"]
+  assert prepares
+  for piece in prepares:
+    result = _run(piece, cwd=tmp_path, env=env)
+    assert result.returncode == 0, (piece, result.stdout[-2000:], result.stderr[-2000:])
+    output = dict(arg.split("=", 1) for arg in shlex.split(piece) if "=" in arg)["--output"]
+    stores = [name for name in os.listdir(tmp_path / output) if not name.startswith(".")]
+    assert sorted(name.split("-")[1] for name in stores) == ["train", "validation"]
+    assert result.stderr == "", result.stderr
+    # The trainer, given the same config and the output as its cache, opens those stores
+    # (Beam wrote them: `prepared_by`) rather than building its own.
+    argv = shlex.split(piece)
+    files, params = common.gin_arguments(argv)
+    gin_config.parse(files, [*params, f"TRAIN_FILES = '{corpus}/*.txt'",
+                             f"DataPipeline.cache_dir = '{tmp_path / output}'"])
+    try:
+      train = gin_config.build(TrainConfig)
+      data = gin_config.build(pipeline.DataPipeline, sequence_length=train.sequence_length,
+                              batch_size=train.batch_size, seed=train.seed)
+      for store in (data.train_store, data.validation_store):
+        assert os.path.basename(store.path) in stores
+        assert store.metadata["prepared_by"]["runner"] == "apache_beam"
+    finally:
+      gin.clear_config()

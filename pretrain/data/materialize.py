@@ -10,6 +10,14 @@ document is `inputs ++ targets` and only the `targets` part carries loss weight.
 task may also give a 0/1 `loss_mask` feature aligned with `targets` (e.g. synthetic
 probes that score only some positions); tokens where it is 0 carry no loss weight.
 
+Input shards: a split is read as `num_shards` SeqIO shards (`seqio.ShardInfo`: by
+source file where the source has enough files, else every n-th example), each packed on
+its own and padded at its end, and the store holds shard 0's rows, then shard 1's, ...
+The shard count is a function of the task alone (about 4 MiB of text per shard for
+text files, `text_files_task.shard_bytes`; one shard per file for TFDS), never of how
+many workers run, so the in-process build here and `python -m pretrain.data.prepare` (one Beam worker per shard)
+write identical stores. A document cap `max_documents` is split evenly over the shards.
+
 A mixture samples its tasks at their rates (seed 0). Without a document cap it runs
 one pass, which SeqIO ends when the first task runs out; with `max_documents` its
 tasks repeat, so small tasks mixed at high rates are revisited as SeqIO intends.
@@ -25,12 +33,13 @@ import numpy as np
 import seqio
 import tensorflow as tf
 
-from pretrain.data import packing, sources
+from pretrain.data import packing, sources, token_store
 from pretrain.data.errors import DataError
 from pretrain.data.vocabularies import vocabulary_fingerprint
 
 _GROUP_TOKENS = 1 << 22   # tokens packed together (one padded row at most per group)
 _BATCH_DOCUMENTS = 256    # documents per ragged batch out of tf.data
+_MAX_SHARDS = 4096
 
 
 def get_provider(name: str) -> seqio.DatasetProviderBase:
@@ -103,31 +112,75 @@ def provider_fingerprint(provider: seqio.DatasetProviderBase) -> Any:
   }
 
 
+def store_name(provider: seqio.DatasetProviderBase, split: str, sequence_length: int,
+               max_documents: Optional[int]) -> str:
+  """The name of the split's token store: the trainer's cache and `prepare` agree on it,
+  so a prepared directory serves as the trainer's cache directory."""
+  key_parts = {
+      "provider": provider_fingerprint(provider),
+      "split": split,
+      "vocabulary": vocabulary_fingerprint(provider.output_features["targets"].vocabulary),
+      "sequence_length": sequence_length,
+      "max_documents": max_documents,
+      "num_shards": num_shards(provider, split),
+  }
+  return token_store.store_name(f"{provider.name}-{split}-T{sequence_length}", key_parts)
+
+
 def has_loss_mask(provider: seqio.DatasetProviderBase) -> bool:
   """Whether some of the task's tokens carry no loss weight (stored as `loss_mask`)."""
   return bool({"inputs", "loss_mask"} & set(provider.output_features))
 
 
+def _tfds_error(task: seqio.Task, error: Exception) -> DataError:
+  return DataError(
+      f"could not load TFDS dataset '{task.source.tfds_dataset.name}' for task "
+      f"'{task.name}' ({type(error).__name__}: {str(error).splitlines()[0]}); prepare "
+      "it first (e.g. `tfds build`) or set the task's tfds_data_dir")
+
+
+def num_shards(provider: seqio.DatasetProviderBase, split: str) -> int:
+  """How many input shards the split is packed in (see the module docstring)."""
+  if isinstance(provider, seqio.Mixture):
+    return min(num_shards(task, split) for task in provider.tasks
+               if has_split(task, split))
+  source = provider.source
+  if isinstance(source, sources.TextFilesDataSource):
+    return source.num_shards
+  if isinstance(source, seqio.TfdsDataSource):
+    try:  # the dataset's file list (metadata only; every host that trains needs it)
+      return max(1, min(len(source.list_shards(split)), _MAX_SHARDS))
+    except Exception as e:  # pylint: disable=broad-except
+      raise _tfds_error(provider, e) from None
+  return 1
+
+
+def shard_quota(max_documents: Optional[int], shard: seqio.ShardInfo
+                ) -> Optional[int]:
+  """Shard `shard.index`'s part of a document cap split evenly over the shards."""
+  if max_documents is None:
+    return None
+  share, extra = divmod(max_documents, shard.num_shards)
+  return share + (shard.index < extra)
+
+
 def _documents(provider: seqio.DatasetProviderBase, split: str,
-               sequence_length: int, max_documents: Optional[int]
-               ) -> tf.data.Dataset:
-  """The split as `{"tokens": int32[n]}`, plus `loss_mask` if `has_loss_mask`."""
+               sequence_length: int, max_documents: Optional[int],
+               shard: seqio.ShardInfo) -> tf.data.Dataset:
+  """The shard as `{"tokens": int32[n]}`, plus `loss_mask` if `has_loss_mask`."""
   lengths = {k: sequence_length for k in provider.output_features}
   repeat = isinstance(provider, seqio.Mixture) and max_documents is not None
   try:
     ds = provider.get_dataset(sequence_length=lengths, split=split, shuffle=False,
                               seed=0, num_epochs=None if repeat else 1,
-                              trim_output_features=False)
+                              trim_output_features=False,
+                              shard_info=shard if shard.num_shards > 1 else None)
   except DataError:
     raise
   except Exception as e:  # pylint: disable=broad-except
     if isinstance(provider, seqio.Task) and isinstance(
         provider.source, seqio.TfdsDataSource):
-      raise DataError(
-          f"could not load TFDS dataset '{provider.source.tfds_dataset.name}' for "
-          f"task '{provider.name}' ({type(e).__name__}: {str(e).splitlines()[0]}); "
-          "prepare it first (e.g. `tfds build`) or set the task's tfds_data_dir"
-      ) from None
+      raise _tfds_error(provider, e) from None
     raise
   features = provider.output_features
 
@@ -155,12 +208,15 @@ def _as_ragged(values: tf.Tensor) -> tf.RaggedTensor:
 
 
 def packed_groups(provider: seqio.DatasetProviderBase, split: str,
-                  sequence_length: int, max_documents: Optional[int] = None
+                  sequence_length: int, max_documents: Optional[int] = None,
+                  shard: seqio.ShardInfo = seqio.ShardInfo(0, 1)
                   ) -> Iterator[Tuple[packing.PackedRows, int]]:
-  """Packed rows of a split, in order, with the number of documents in each group."""
-  ds = _documents(provider, split, sequence_length, max_documents)
-  if max_documents is not None:
-    ds = ds.take(max_documents)
+  """Packed rows of one input shard of a split, in order, with the number of documents
+  in each group. Memory stays bounded: documents stream through in groups."""
+  quota = shard_quota(max_documents, shard)
+  ds = _documents(provider, split, sequence_length, quota, shard)
+  if quota is not None:
+    ds = ds.take(quota)
   ds = ds.ragged_batch(_BATCH_DOCUMENTS).prefetch(2)
   pending = []
 
@@ -190,14 +246,22 @@ def packed_groups(provider: seqio.DatasetProviderBase, split: str,
 
 def fill_store(writer, provider: seqio.DatasetProviderBase, split: str,
                sequence_length: int, max_documents: Optional[int]) -> Dict:
-  """Appends a split's packed rows to `writer`; returns facts for the metadata."""
+  """Appends a split's packed rows to `writer`, shard by shard; returns facts for the
+  metadata."""
   documents = 0
-  for packed, count in packed_groups(provider, split, sequence_length,
-                                     max_documents):
-    writer.append(packed)
-    documents += count
+  shards = num_shards(provider, split)
+  for index in range(shards):
+    for packed, count in packed_groups(provider, split, sequence_length,
+                                       max_documents, seqio.ShardInfo(index, shards)):
+      writer.append(packed)
+      documents += count
   if documents == 0:
-    raise DataError(
-        f"the '{split}' split of SeqIO task '{provider.name}' has no tokens (every "
-        "document is empty); check that TRAIN_FILES matches files with text")
-  return {"task": provider.name, "split": split, "num_documents": documents}
+    raise empty_split_error(provider, split)
+  return {"task": provider.name, "split": split, "num_documents": documents,
+          "num_shards": shards}
+
+
+def empty_split_error(provider: seqio.DatasetProviderBase, split: str) -> DataError:
+  return DataError(
+      f"the '{split}' split of SeqIO task '{provider.name}' has no tokens (every "
+      "document is empty); check that TRAIN_FILES matches files with text")

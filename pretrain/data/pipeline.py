@@ -21,10 +21,10 @@ import gin
 import numpy as np
 import seqio
 
+from pretrain import storage
 from pretrain.data import indexing, materialize, token_store
 from pretrain.data.errors import DataError
 from pretrain.data.packing import features_from_rows
-from pretrain.data.vocabularies import vocabulary_fingerprint
 
 DEFAULT_CACHE_DIR = os.environ.get(
     "GRIFFIN_DATA_CACHE", os.path.join("~", ".cache", "griffin_pretrain", "tokens"))
@@ -53,7 +53,8 @@ class DataPipeline:
                train_split: str = "train",
                validation_split: str = "validation",
                max_train_documents: Optional[int] = None,
-               max_validation_documents: Optional[int] = None):
+               max_validation_documents: Optional[int] = None,
+               build_missing: bool = True):
     """Builds (or reuses) the train token store.
 
     Args:
@@ -70,6 +71,10 @@ class DataPipeline:
       max_train_documents: use only the first N documents of the train split
         (for huge corpora such as C4); None = all.
       max_validation_documents: likewise for the validation split.
+      build_missing: build a missing store here (one machine, local cache); the
+        trainer passes False when its processes span machines, where every host would
+        otherwise tokenise the whole corpus itself. A `gs://` / `s3://` cache_dir is
+        never built into: `python -m pretrain.data.prepare` writes it.
     """
     if sequence_length < 1:
       raise DataError(f"SEQUENCE_LENGTH={sequence_length} must be >= 1")
@@ -84,6 +89,7 @@ class DataPipeline:
     self.process_index = process_index
     self.process_count = process_count
     self._cache_dir = cache_dir
+    self._build_missing = build_missing and not storage.is_url(cache_dir)
     self._validation_split = validation_split
     self._max_validation_documents = max_validation_documents
     self._provider = materialize.get_provider(task)
@@ -158,20 +164,27 @@ class DataPipeline:
 
   def _store(self, split: str, max_documents: Optional[int]
              ) -> token_store.TokenStore:
-    key_parts = {
-        "provider": materialize.provider_fingerprint(self._provider),
-        "split": split,
-        "vocabulary": vocabulary_fingerprint(self.vocabulary),
-        "sequence_length": self.sequence_length,
-        "max_documents": max_documents,
-    }
-    name = token_store.store_name(f"{self.task_name}-{split}-T{self.sequence_length}",
-                                  key_parts)
+    name = materialize.store_name(self._provider, split, self.sequence_length,
+                                  max_documents)
+    if not self._build_missing:
+      return self._prepared(name)
     return token_store.open_or_build(
         self._cache_dir, name, self.sequence_length,
         materialize.has_loss_mask(self._provider),
         lambda writer: materialize.fill_store(
             writer, self._provider, split, self.sequence_length, max_documents))
+
+  def _prepared(self, name: str) -> token_store.TokenStore:
+    """The complete store `name` (written by `prepare`), or the one-line error naming
+    that command."""
+    if storage.exists(storage.join(self._cache_dir, name, "metadata.json")):
+      return token_store.TokenStore(storage.join(self._cache_dir, name))
+    where = ("a multi-host run" if not storage.is_url(self._cache_dir)
+             else "object storage")
+    raise DataError(
+        f"token store {storage.join(self._cache_dir, name)} is missing and {where} does "
+        "not build one: prepare it first with `python -m pretrain.data.prepare "
+        f"--gin_file=<this run's gin files> --output={self._cache_dir}`")
 
   def describe(self) -> str:
     """One line for the training log."""

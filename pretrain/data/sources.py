@@ -21,6 +21,8 @@ from pretrain.data.corpus_files import (DEFAULT_EXCLUDE, assign_validation,
                                         read_jsonl_texts)
 from pretrain.data.errors import DataError
 
+# Text per input shard: shards are packed (and prepared by Beam workers) separately.
+DEFAULT_SHARD_BYTES = 4 << 20
 TRAIN = "train"
 VALIDATION = "validation"
 
@@ -42,10 +44,14 @@ class TextFilesDataSource(seqio.DataSource):
   """
 
   def __init__(self, pattern: str, validation_fraction: float = 0.02,
-               exclude: Sequence[str] = DEFAULT_EXCLUDE):
+               exclude: Sequence[str] = DEFAULT_EXCLUDE,
+               shard_bytes: int = DEFAULT_SHARD_BYTES):
+    if shard_bytes < 1:
+      raise DataError(f"shard_bytes={shard_bytes} must be >= 1, e.g. {DEFAULT_SHARD_BYTES}")
     self._pattern = pattern
     self._fraction = float(validation_fraction)
     self._exclude = tuple(exclude)
+    self._shard_bytes = int(shard_bytes)
     files = match_files(pattern, self._exclude)
     root = glob_root(expand_pattern(pattern))
     self._files = tuple(
@@ -61,10 +67,16 @@ class TextFilesDataSource(seqio.DataSource):
     return tuple(f.path for f in self._files)
 
   @property
+  def num_shards(self) -> int:
+    """Input shards of about `shard_bytes` of text each, at most one per file."""
+    total = sum(f.size for f in self._files)
+    return max(1, min(-(-total // self._shard_bytes), len(self._files)))
+
+  @property
   def fingerprint(self) -> str:
     """Changes when the file list, a file's size or mtime, or the split changes."""
     h = hashlib.sha256()
-    h.update(json.dumps([self._fraction, self._exclude]).encode())
+    h.update(json.dumps([self._fraction, self._exclude, self._shard_bytes]).encode())
     for f in self._files:
       h.update(f"{f.key}\0{f.size}\0{f.mtime_ns}\n".encode())
     return h.hexdigest()

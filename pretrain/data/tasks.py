@@ -67,7 +67,8 @@ def text_files_task(train_files: str = gin.REQUIRED,
                     validation_fraction: float = 0.02,
                     exclude: Sequence[str] = corpus_files.DEFAULT_EXCLUDE,
                     vocabulary: Optional[seqio.Vocabulary] = None,
-                    name: Optional[str] = None) -> str:
+                    name: Optional[str] = None,
+                    shard_bytes: int = sources.DEFAULT_SHARD_BYTES) -> str:
   """Registers a task over the files matching a glob; returns its name.
 
   Args:
@@ -78,14 +79,17 @@ def text_files_task(train_files: str = gin.REQUIRED,
     exclude: globs of paths to skip (by default installed packages and caches).
     vocabulary: defaults to bytes.
     name: task name; by default derived from the other arguments.
+    shard_bytes: text per input shard; shards are packed separately (each padded at
+      its end) and are the unit of work of `python -m pretrain.data.prepare`.
   """
   vocabulary = vocabulary or seqio.ByteVocabulary()
   if name is None:
     key = json.dumps([train_files, validation_fraction, list(exclude),
-                      vocabulary_fingerprint(vocabulary)])
+                      vocabulary_fingerprint(vocabulary), shard_bytes])
     name = (f"text_files_{short_vocabulary_name(vocabulary)}_"
             f"{hashlib.sha256(key.encode()).hexdigest()[:10]}")
-  source = sources.TextFilesDataSource(train_files, validation_fraction, exclude)
+  source = sources.TextFilesDataSource(train_files, validation_fraction, exclude,
+                                       shard_bytes)
   return _register(seqio.Task(
       name, source=source,
       preprocessors=language_modeling_preprocessors(),

@@ -13,6 +13,7 @@ from typing import Optional
 import gin
 import seqio
 
+from pretrain import storage
 from pretrain.data.errors import DataError
 
 
@@ -23,11 +24,13 @@ def get_vocabulary(spm_path: Optional[str] = None) -> seqio.Vocabulary:
   Byte ids are 3 + byte value; 0 is padding, 1 is EOS, 2 is UNK (259 ids in all).
 
   Args:
-    spm_path: a SentencePiece `.model` file (e.g. written by `python -m
-      pretrain.tokenizer`); None selects the byte vocabulary.
+    spm_path: a SentencePiece `.model` file, a path or gs:// / s3:// URL (e.g. written by
+      `python -m pretrain.tokenizer`); None selects the byte vocabulary.
   """
   if spm_path is None or spm_path in ("", "byte", "bytes"):
     return seqio.ByteVocabulary()
+  if storage.is_url(spm_path) and storage.exists(spm_path):
+    spm_path = storage.local_copy(spm_path)  # SentencePiece reads local files only
   path = os.path.expanduser(spm_path)
   if not os.path.isfile(path):
     raise DataError(

@@ -1,0 +1,262 @@
+"""One path layer: local paths, `gs://` and `s3://` URLs for every file the project touches.
+
+Workdirs (config.gin, metrics.jsonl, TensorBoard, checkpoints), tokenizer models, token
+stores and convert output all go through this module, so a run on a TPU pod, whose hosts
+share a bucket and no disk, writes where a run on one machine does.
+
+Backends, no hand-written cloud client:
+  * files and directories: `etils.epath` on its fsspec backend (gcsfs, s3fs). epath would
+    otherwise pick TensorFlow's gfile when TensorFlow is installed (it is, for SeqIO), and
+    gfile has no `s3://` and ignores emulator endpoints; `EPATH_USE_TF=false` is set here,
+    before any epath call, so one backend serves both schemes (Orbax uses epath too).
+  * arrays: tensorstore kvstores (`kvstore_spec`), with the endpoint of an S3-compatible
+    server taken from `AWS_ENDPOINT_URL_S3` / `AWS_ENDPOINT_URL` as boto does.
+  * Orbax checkpoints: Orbax 0.12 builds tensorstore specs for local and `gs://` paths
+    only; `_teach_orbax_s3` lets it write `s3://` through the same `kvstore_spec`.
+
+Credentials and endpoints come from each client's usual environment (see the README,
+"Object storage").
+
+Object stores have no append and no rename: a whole-object write is atomic, so files
+that change (metrics.jsonl) are rewritten whole (`write_text`), never appended to.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("EPATH_USE_TF", "false")  # before epath resolves a backend
+
+import functools
+import hashlib
+import logging
+import tempfile
+import uuid
+from typing import Any, Callable, TypeVar
+
+from etils import epath
+from orbax.checkpoint._src.serialization import tensorstore_utils as _orbax_ts_utils
+
+from pretrain.errors import UserError, usage_error
+
+SCHEMES = ("gs://", "s3://")
+# gcsfs logs each request that ran out of retries with a traceback; `guarded` reports the
+# failure itself, in one line.
+logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
+T = TypeVar("T")
+
+
+def is_url(path: str) -> bool:
+  """Whether `path` names object storage (`gs://`, `s3://`) rather than a local file."""
+  return str(path).startswith(SCHEMES)
+
+
+def resolve(path: str) -> str:
+  """A URL unchanged (without a trailing slash); a local path made absolute ('~' too)."""
+  path = os.fspath(path)
+  if is_url(path):
+    return path.rstrip("/")
+  return os.path.abspath(os.path.expanduser(path))
+
+
+def join(base: str, *names: str) -> str:
+  """`base/name/...` for local paths and URLs alike."""
+  if is_url(base):
+    return "/".join([base.rstrip("/"), *names])
+  return os.path.join(base, *names)
+
+
+def as_path(path: str) -> epath.Path:
+  return epath.Path(resolve(path))
+
+
+def exists(path: str) -> bool:
+  return guarded(path, lambda: as_path(path).exists())
+
+
+def isdir(path: str) -> bool:
+  return guarded(path, lambda: as_path(path).is_dir())
+
+
+def makedirs(path: str) -> None:
+  """Creates a directory and its parents (on object storage: nothing to create)."""
+  guarded(path, lambda: as_path(path).mkdir(parents=True, exist_ok=True))
+
+
+def read_bytes(path: str) -> bytes:
+  return guarded(path, lambda: as_path(path).read_bytes())
+
+
+def read_text(path: str) -> str:
+  return read_bytes(path).decode("utf-8")
+
+
+def write_bytes(path: str, data: bytes) -> None:
+  """Writes the whole file at once: readers see the old or the new content, never a
+  mix (local: a temporary file renamed over it; object storage: one upload)."""
+  def write():
+    if is_url(path):
+      as_path(path).write_bytes(data)
+      return
+    target = resolve(path)
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    temporary = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
+    with open(temporary, "wb") as f:
+      f.write(data)
+    os.replace(temporary, target)
+  guarded(path, write)
+
+
+def write_text(path: str, text: str) -> None:
+  write_bytes(path, text.encode("utf-8"))
+
+
+def remove(path: str) -> None:
+  guarded(path, lambda: as_path(path).unlink(missing_ok=True))
+
+
+def rmtree(path: str) -> None:
+  """Deletes a directory tree (or the objects under a prefix); absent is fine."""
+  def delete():
+    target = as_path(path)
+    if target.exists():
+      target.rmtree()
+  guarded(path, delete)
+
+
+def listdir(path: str) -> list[str]:
+  """Names directly under `path`, sorted; [] when it does not exist."""
+  def names():
+    target = as_path(path)
+    return sorted(p.name for p in target.iterdir()) if target.exists() else []
+  return guarded(path, names)
+
+
+def copy(source: str, destination: str) -> None:
+  write_bytes(destination, read_bytes(source))
+
+
+def local_copy(path: str) -> str:
+  """A local file with the content of `path`: the path itself when local; for a URL a
+  download into a content-addressed cache (`$GRIFFIN_DOWNLOAD_CACHE`, default
+  ~/.cache/griffin_pretrain/downloads), for readers that need a real file (SentencePiece,
+  Gin)."""
+  if not is_url(path):
+    return resolve(path)
+  data = read_bytes(path)
+  cache = os.path.expanduser(os.environ.get(
+      "GRIFFIN_DOWNLOAD_CACHE", os.path.join("~", ".cache", "griffin_pretrain", "downloads")))
+  target = os.path.join(cache, f"{hashlib.sha256(data).hexdigest()[:32]}-{os.path.basename(path)}")
+  if not os.path.exists(target):
+    write_bytes(target, data)
+  return target
+
+
+def check_writable(directory: str, flag: str = "--workdir") -> None:
+  """Creates `directory` and proves it writable (a probe file written and removed), so
+  a wrong bucket, endpoint or permission fails in one line before any compute."""
+  if not is_url(directory) and os.path.exists(directory) and not os.path.isdir(directory):
+    raise usage_error(f"{flag} {directory} is a file, not a directory; choose a "
+                      "directory (it is created if missing)")
+  try:
+    makedirs(directory)
+    if is_url(directory):
+      probe = join(directory, f".write_test-{uuid.uuid4().hex[:8]}")
+      write_bytes(probe, b"")
+      remove(probe)
+    else:
+      with tempfile.NamedTemporaryFile(dir=directory, prefix=".write_test"):
+        pass
+  except UserError as error:
+    raise UserError(f"{flag} {directory} is not writable: {error}") from None
+  except OSError as error:
+    raise UserError(f"{flag} {directory} is not writable: {error.strerror or error}. "
+                    f"Choose another {flag} or fix its permissions.") from None
+
+
+def describe_error(path: str, error: BaseException) -> str:
+  """One line naming what went wrong with `path` on object storage and what to check."""
+  text = " ".join(str(error).split()) or type(error).__name__
+  if len(text) > 200:
+    text = text[:200] + "..."
+  scheme = "gs" if str(path).startswith("gs://") else "s3"
+  endpoint_vars = ("STORAGE_EMULATOR_HOST" if scheme == "gs"
+                   else "AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_S3")
+  bucket = str(path).split("/")[2] if "//" in str(path) else path
+  if isinstance(error, PermissionError) or "403" in text or "AccessDenied" in text:
+    return (f"permission denied on {path}: the credentials in use may not write bucket "
+            f"'{bucket}' ({text})")
+  if isinstance(error, FileNotFoundError) or "NoSuchBucket" in text or "404" in text:
+    return f"{path}: not found; does bucket '{bucket}' exist? ({text})"
+  return (f"cannot reach the storage of {path} ({type(error).__name__}: {text}); check "
+          f"the network, the credentials and {endpoint_vars}")
+
+
+def guarded(path: str, action: Callable[[], T]) -> T:
+  """Runs `action`; on object storage a client error becomes a one-line UserError
+  (local paths keep their OSError, which callers already report)."""
+  if not is_url(path):
+    return action()
+  try:
+    return action()
+  except UserError:
+    raise
+  except Exception as error:  # pylint: disable=broad-except  # clients raise many kinds
+    raise UserError(describe_error(path, error)) from None
+
+
+def kvstore_spec(location: str) -> dict[str, Any]:
+  """The tensorstore kvstore of a directory: `file`, `gcs` or `s3` (with the endpoint and
+  region of `AWS_ENDPOINT_URL_S3` / `AWS_ENDPOINT_URL` and `AWS_REGION`, when set)."""
+  location = resolve(location)
+  if not is_url(location):
+    return {"driver": "file", "path": location + "/"}
+  scheme, rest = location.split("://", 1)
+  bucket, _, prefix = rest.partition("/")
+  spec: dict[str, Any] = {"driver": "gcs" if scheme == "gs" else "s3", "bucket": bucket,
+                          "path": prefix + "/" if prefix else ""}
+  if scheme == "s3":
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint:
+      spec["endpoint"] = endpoint
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if region:
+      spec["aws_region"] = region
+  return spec
+
+
+def _replace_gcs_with_s3(node: Any, bucket: str) -> Any:
+  """`node` (a tensorstore spec built for gs://bucket/...) with its gcs kvstores made s3."""
+  if isinstance(node, dict):
+    if node.get("driver") == "gcs" and node.get("bucket") == bucket:
+      spec = kvstore_spec(f"s3://{bucket}/{node.get('path', '')}")
+      spec["path"] = node.get("path", "")  # keep Orbax's own trailing-slash choice
+      return spec
+    return {key: _replace_gcs_with_s3(value, bucket) for key, value in node.items()}
+  if isinstance(node, list):
+    return [_replace_gcs_with_s3(value, bucket) for value in node]
+  return node
+
+
+def _teach_orbax_s3() -> None:
+  """Orbax 0.12 writes arrays through tensorstore specs it builds for local and gs://
+  paths only (an s3:// path fails as 'not absolute'). Build the gs:// spec of the same
+  bucket and path, then swap its gcs kvstores for `kvstore_spec`'s s3 ones."""
+  original = _orbax_ts_utils.build_kvstore_tspec
+  if getattr(original, "handles_s3", False):
+    return
+
+  @functools.wraps(original)
+  def build_kvstore_tspec(directory, *args, **kwargs):
+    directory = os.fspath(directory)
+    if not directory.startswith("s3://"):
+      return original(directory, *args, **kwargs)
+    bucket = directory[len("s3://"):].split("/", 1)[0]
+    spec = original("gs://" + directory[len("s3://"):], *args, **kwargs)
+    return _replace_gcs_with_s3(spec, bucket)
+
+  build_kvstore_tspec.handles_s3 = True
+  _orbax_ts_utils.build_kvstore_tspec = build_kvstore_tspec
+
+
+_teach_orbax_s3()
+
