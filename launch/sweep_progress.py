@@ -8,9 +8,10 @@ at most every `interval_s` seconds (the ETA moves as running runs age).
 
 The ETA comes from the runs finished during this sweep. A run's duration is modelled as
 a fixed cost plus a cost per unit of work (its training FLOPs: `launch.sweep` passes
-them): seconds = a + b·work, fitted by least squares once two finished runs differ in
-work and both coefficients come out non-negative, else seconds = b·work with b the
-finished runs' total seconds over their total work. The fixed part matters on small
+them): seconds = a + b·work, fitted by least squares once the finished runs' work
+spans a factor `AFFINE_SPAN` (runs of one isoFLOP budget have nearly equal work, which
+says nothing about the slope) and both coefficients come out non-negative, else
+seconds = b·work with b the finished runs' total seconds over their total work. The fixed part matters on small
 studies, where start-up and compilation (tens of seconds) rival the training itself. A
 pending run is predicted whole, a running one less the time it has already run (at
 least zero); the ETA is the larger of their sum divided by `parallel` and the longest
@@ -24,6 +25,8 @@ from typing import Callable, Dict, List, Optional, Sequence, TextIO, Tuple
 
 from pretrain.metrics import format_duration
 
+AFFINE_SPAN = 1.5
+
 
 def duration_model(finished: Sequence[Tuple[float, float]]) -> Optional[Tuple[float, float]]:
   """(a, b) of seconds = a + b·work from (work, seconds) pairs; None when empty."""
@@ -31,7 +34,7 @@ def duration_model(finished: Sequence[Tuple[float, float]]) -> Optional[Tuple[fl
     return None
   works = [w for w, _ in finished]
   seconds = [s for _, s in finished]
-  if len(set(works)) >= 2:
+  if min(works) > 0 and max(works) >= AFFINE_SPAN * min(works):
     n = len(works)
     mean_w, mean_s = sum(works) / n, sum(seconds) / n
     var_w = sum((w - mean_w) ** 2 for w in works)

@@ -36,6 +36,9 @@ def test_duration_model_falls_back_to_seconds_per_work():
   # One finished run, or runs of equal work: proportional to work.
   assert sweep_progress.duration_model([(2.0, 10.0)]) == (0.0, 5.0)
   assert sweep_progress.duration_model([(2.0, 10.0), (2.0, 14.0)]) == (0.0, 6.0)
+  # Works within a factor 1.5 (one isoFLOP budget) say nothing about the fixed cost.
+  assert sweep_progress.duration_model([(2.0, 10.0), (2.1, 30.0)]) == (
+      0.0, pytest.approx(40.0 / 4.1))
   # A negative fixed cost (bigger runs relatively faster) is not extrapolated.
   a, b = sweep_progress.duration_model([(1.0, 1.0), (3.0, 9.0)])
   assert (a, b) == (0.0, pytest.approx(10.0 / 4.0))
