@@ -20,9 +20,9 @@ then the user's bindings.
 one SLURM job array, a GKE JobSet per run, a TPU queued resource per run); `--dry_run`
 prints the plan and every job spec; locally, a progress line with an ETA goes to
 stderr as runs start and end (`launch.sweep_progress`). What a run needs is read from
-its directory (finished, running, interrupted, failed, pending), so running the same command again
-resumes a study, retries failed runs up to `--max_retries`, and never redoes finished
-work. Once every run is finished the sweep writes `sweep.csv` (what
+its directory (finished, running, interrupted, failed, pending), so running the same
+command again resumes a study, retries failed runs up to `--max_retries`, and never
+redoes finished work. Once every run is finished the sweep writes `sweep.csv` (what
 `launch.scaling_fit` reads: `params`, `tokens`, `flops`, `flop_budget`, `loss`, ...),
 `fit.json`, `scaling.png` and `scaling.md` (L(C) = E + A·C^(-α) per family) in DIR; the
 three Chinchilla approaches are `python -m launch.scaling_fit --runs=DIR`
