@@ -102,6 +102,8 @@ class Progress:
 
   def eta_s(self) -> Optional[float]:
     """Seconds until every started or pending run is done; None before any finished."""
+    if not self._pending and not self._started_at:
+      return 0.0
     model = duration_model(self._done)
     if model is None:
       return None
@@ -110,8 +112,6 @@ class Progress:
     left = [a + b * self._work[name] for name in self._pending]
     left += [max(0.0, a + b * self._work[name] - (now - began))
              for name, began in self._started_at.items()]
-    if not left:
-      return 0.0
     return max(sum(left) / self._parallel, max(left))
 
   def line(self) -> str:

@@ -79,6 +79,13 @@ def test_line_counts_runs_from_before_and_failures():
                              "2 failed; elapsed 1m35s; ETA 20s")
 
 
+def test_nothing_left_to_run_is_eta_zero():
+  progress, _, stream = _progress({}, finished=11)
+  progress.tick()
+  assert stream.getvalue() == ("[sweep] progress: 11/11 finished, 0 running, 0 pending, "
+                               "0 failed; elapsed 0s; ETA 0s\n")
+
+
 def test_tick_writes_on_every_change_and_at_most_every_interval():
   progress, clock, stream = _progress({"a": 1.0, "b": 1.0})
   assert progress.tick()                               # the first line
