@@ -34,6 +34,7 @@ from absl import flags
 import matplotlib
 matplotlib.use("Agg")
 from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+from matplotlib import ticker  # pylint: disable=g-import-not-at-top
 import numpy as np
 
 from launch import scaling_fit
@@ -122,7 +123,7 @@ def plot(fit_runs: scaling_laws.Runs, fit3: scaling_laws.ParametricFit,
   fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
   budgets = list(np.unique(fit_runs.budget)) + [HELD_OUT_BUDGET]
   colours = plt.cm.viridis(np.linspace(0.05, 0.85, len(budgets)))
-  n_grid = np.geomspace(fit_runs.params.min() / 1.5, fit_runs.params.max() * 2.5, 80)
+  n_grid = np.geomspace(fit_runs.params.min() / 1.5, fit_runs.params.max() * 1.5, 80)
   for colour, budget in zip(colours, budgets):
     value, low, high = _profile(fit3, budget, n_grid)
     held_out = budget == HELD_OUT_BUDGET
@@ -140,7 +141,9 @@ def plot(fit_runs: scaling_laws.Runs, fit3: scaling_laws.ParametricFit,
                 label="forecast (95% interval)")
     ax.plot([x], [held["measured_loss"]], "*", color="crimson", ms=13,
             markeredgecolor="black", zorder=5, label="held-out run, measured")
+  left.set_ylim(min(pred["low"], held["measured_loss"]) - 0.1, fit_runs.loss.max() + 0.15)
   left.set_xscale("log")
+  left.set_xticks([3e4, 1e5, 3e5], ["30k", "100k", "300k"])
   left.set_xlabel("non-embedding parameters N")
   left.set_ylabel("final evaluation loss (nats/byte)")
   left.set_title("isoFLOP profiles and approach 3's law L(N, D)")
@@ -154,11 +157,14 @@ def plot(fit_runs: scaling_laws.Runs, fit3: scaling_laws.ParametricFit,
                      color="black", alpha=0.1)
   right.axvline(max(FIT_BUDGETS), color="grey", ls=":", lw=1)
   right.set_xscale("log")
+  budgets_shown = list(FIT_BUDGETS) + [HELD_OUT_BUDGET]
+  right.set_xticks(budgets_shown, [f"{b:.2g}" for b in budgets_shown])
   right.set_xlabel("training FLOPs C")
   right.set_ylabel("final evaluation loss (nats/byte)")
   right.set_title(f"held-out run at {HELD_OUT_BUDGET:.2g} FLOPs: error "
                   f"{100 * held['relative_error']:+.1f}%")
   for ax in (left, right):
+    ax.xaxis.set_minor_formatter(ticker.NullFormatter())
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
   fig.tight_layout()
