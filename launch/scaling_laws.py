@@ -437,11 +437,27 @@ class ParametricFit:
   flops_per_param_token: float
   huber_delta: float
   objective: float
+  # The bootstrap refits' (log E, log A, log B, α, β), one row each: what `loss_at`'s
+  # interval is taken over.
+  replicate_thetas: np.ndarray = dataclasses.field(
+      default_factory=lambda: np.zeros((0, 5)), compare=False, repr=False)
+  confidence: float = DEFAULT_CONFIDENCE
 
   def predict(self, n, d) -> np.ndarray:
     p = {k: v.value for k, v in self.params.items()}
     return (p["E"] + p["A"] / np.power(np.asarray(n, np.float64), p["alpha"])
             + p["B"] / np.power(np.asarray(d, np.float64), p["beta"]))
+
+  def loss_at(self, n: float, d: float) -> Estimate:
+    """The fitted loss of a model of N parameters trained on D tokens, with the
+    percentile interval of the bootstrap refits' losses there (the uncertainty of the
+    fit; a single run's own seed-to-seed spread comes on top)."""
+    e, log_a, log_b, alpha, beta = self.replicate_thetas.T
+    with np.errstate(all="ignore"):
+      losses = np.exp(e) + np.exp(log_a - alpha * math.log(n)) + np.exp(
+          log_b - beta * math.log(d))
+    point = float(self.predict(n, d))
+    return _interval(losses, point, self.confidence)
 
   def to_json(self) -> Dict[str, object]:
     out = {"approach": "3: parametric L(N, D)", "law": "E + A/N^alpha + B/D^beta"}
@@ -511,7 +527,7 @@ def fit_parametric(runs: Runs, target_flops: float, *, replicates: int = 100,
                          target_flops, est(n_opt), est(d_opt), int(ok.sum()),
                          int((~ok).sum()))
   return ParametricFit({name: est(natural[name]) for name in PARAMETRIC_NAMES}, frontier,
-                       est(loss), k, delta, objective)
+                       est(loss), k, delta, objective, thetas[1:][ok], confidence)
 
 
 def compute_optimal_loss(fit: ParametricFit, flops: Sequence[float]) -> np.ndarray:

@@ -18,10 +18,11 @@ then the user's bindings.
 
 `--backend` picks where the runs execute (`launch.sweep_dispatch`: N at a time here,
 one SLURM job array, a GKE JobSet per run, a TPU queued resource per run); `--dry_run`
-prints the plan and every job spec. What a run needs is read from its directory
-(finished, running, interrupted, failed, pending), so running the same command again
-resumes a study, retries failed runs up to `--max_retries`, and never redoes finished
-work. Once every run is finished the sweep writes `sweep.csv` (what
+prints the plan and every job spec; locally, a progress line with an ETA goes to
+stderr as runs start and end (`launch.sweep_progress`). What a run needs is read from
+its directory (finished, running, interrupted, failed, pending), so running the same
+command again resumes a study, retries failed runs up to `--max_retries`, and never
+redoes finished work. Once every run is finished the sweep writes `sweep.csv` (what
 `launch.scaling_fit` reads: `params`, `tokens`, `flops`, `flop_budget`, `loss`, ...),
 `fit.json`, `scaling.png` and `scaling.md` (L(C) = E + A·C^(-α) per family) in DIR; the
 three Chinchilla approaches are `python -m launch.scaling_fit --runs=DIR`
@@ -67,6 +68,7 @@ import gin
 from launch import common
 from launch import scaling_fit
 from launch import sweep_dispatch
+from launch import sweep_progress
 from model import counting
 from model.config import ModelConfig, model_config_to_dict
 from pretrain import cli
@@ -350,7 +352,7 @@ def execute(runs: Sequence[Run], gin_files: Sequence[str], gin_params: Sequence[
             dry_run: bool = False, log=print) -> Dict[str, str]:
   """Starts every run that is not finished or running (sweep_dispatch); fills in
   `eval_loss` of the finished ones. Returns each run's state."""
-  todo, states = [], {}
+  todo, states, given_up_before = [], {}, 0
   for run in runs:
     run.eval_loss = final_eval_loss(run)
     state, failures = sweep_dispatch.run_state(run.workdir, run.eval_loss is not None)
@@ -358,6 +360,7 @@ def execute(runs: Sequence[Run], gin_files: Sequence[str], gin_params: Sequence[
     if state == sweep_dispatch.FAILED and failures > max_retries:
       log(f"[sweep] {run.name}: failed {failures} times (more than --max_retries="
           f"{max_retries}); not retried; see {run.workdir}")
+      given_up_before += 1
       continue
     if state in (sweep_dispatch.FINISHED, sweep_dispatch.RUNNING):
       detail = (f"eval loss {run.eval_loss:.4f}" if run.eval_loss is not None
@@ -369,16 +372,21 @@ def execute(runs: Sequence[Run], gin_files: Sequence[str], gin_params: Sequence[
     # Locally, this interpreter; on a cluster, the nodes' `python` (after --setup).
     python = sys.executable if backend == "local" else "python"
     todo.append(sweep_dispatch.Job(run.name, run.workdir,
-                                   command(run, gin_files, gin_params, python)))
+                                   command(run, gin_files, gin_params, python), run.flops))
   if backend == "local":
     if dry_run:
       for job in todo:
         print(shlex.join(job.wrapped(sys.executable)))
       return states
     by_name = {run.name: run for run in runs}
+    progress = sweep_progress.Progress(
+        {job.name: job.work for job in todo}, parallel,
+        finished=sum(s == sweep_dispatch.FINISHED for s in states.values()),
+        running=sum(s == sweep_dispatch.RUNNING for s in states.values()),
+        failed=given_up_before)
     given_up = sweep_dispatch.run_local(
         todo, parallel, max_retries, lambda job: final_eval_loss(by_name[job.name]) is not None,
-        log)
+        log, progress)
     for run in runs:
       run.eval_loss = final_eval_loss(run)
       states[run.name] = sweep_dispatch.run_state(run.workdir, run.eval_loss is not None)[0]

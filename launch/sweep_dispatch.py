@@ -29,6 +29,7 @@ from launch import common
 from launch import gke
 from launch import slurm
 from launch import sweep_job
+from launch import sweep_progress
 from launch import tpu_vm
 
 FINISHED, RUNNING, INTERRUPTED, FAILED, PENDING = (
@@ -39,10 +40,12 @@ _POLL_S = 0.2
 
 @dataclasses.dataclass(frozen=True)
 class Job:
-  """One run to start: its name, directory and training command."""
+  """One run to start: its name, directory and training command; `work` (its training
+  FLOPs) weighs it in the local backend's ETA (launch.sweep_progress)."""
   name: str
   run_dir: str
   command: List[str]
+  work: float = 1.0
 
   def wrapped(self, python: str = "python") -> List[str]:
     """The command inside launch.sweep_job, which records how it ends."""
@@ -94,13 +97,17 @@ def default_parallel() -> int:
 
 
 def run_local(jobs: Sequence[Job], parallel: int, max_retries: int,
-              is_finished: Callable[[Job], bool], log=print) -> List[str]:
+              is_finished: Callable[[Job], bool], log=print,
+              progress: Optional[sweep_progress.Progress] = None) -> List[str]:
   """Runs `jobs` on this machine, at most `parallel` at once, retrying failures.
 
   Each job's output goes to `sweep_train.log` in its directory. SIGINT/SIGTERM are passed
-  on to the running trainings (which checkpoint) before the sweep exits. Returns the
-  names of the jobs that failed more than `max_retries` times.
+  on to the running trainings (which checkpoint) before the sweep exits. `progress`
+  (created here if None) writes the counts and ETA to stderr as runs start and end.
+  Returns the names of the jobs that failed more than `max_retries` times.
   """
+  if progress is None:
+    progress = sweep_progress.Progress({job.name: job.work for job in jobs}, parallel)
   queue, running, given_up = list(jobs), {}, []
   unfinished_exits: Dict[str, int] = {}
 
@@ -122,6 +129,8 @@ def run_local(jobs: Sequence[Job], parallel: int, max_retries: int,
                   encoding="utf-8") as out:
           running[job.name] = job, subprocess.Popen(job.wrapped(sys.executable), stdout=out,
                                           stderr=subprocess.STDOUT, start_new_session=True)
+        progress.started(job.name)
+      progress.tick()
       time.sleep(_POLL_S)
       for name, (job, process) in list(running.items()):
         if process.poll() is None:
@@ -130,22 +139,27 @@ def run_local(jobs: Sequence[Job], parallel: int, max_retries: int,
         state, failures = run_state(job.run_dir, is_finished(job))
         if state == FINISHED:
           log(f"[sweep] {job.name}: finished")
+          progress.ended(job.name, "finished")
         elif state == FAILED and failures > max_retries:
           log(f"[sweep] {job.name}: failed {failures} times, giving up; see "
               f"{os.path.join(job.run_dir, 'sweep_train.log')}")
           given_up.append(job.name)
+          progress.ended(job.name, "failed")
         elif state == INTERRUPTED and unfinished_exits.get(job.name, 0) >= max_retries:
           # Nobody stopped it, yet it ended without its final evaluation.
           log(f"[sweep] {job.name}: exited {process.returncode} without the final evaluation "
               "at its last step; does the data config have a validation split? See "
               f"{os.path.join(job.run_dir, 'sweep_train.log')}")
           given_up.append(job.name)
+          progress.ended(job.name, "failed")
         else:
           if state == INTERRUPTED:
             unfinished_exits[job.name] = unfinished_exits.get(job.name, 0) + 1
           log(f"[sweep] {job.name}: {state} (exit code {process.returncode}, "
               f"{failures} failures), starting again")
           queue.append(job)
+          progress.ended(job.name, "retry")
+    progress.tick()
   finally:
     for s, handler in previous.items():
       signal.signal(s, handler)

@@ -76,3 +76,25 @@ def test_approach_3_intervals_cover_the_true_parameters():
     covered = [f.params[name].covers(truth) for f in fits]
     assert sum(covered) >= 0.9 * len(fits), (name, sum(covered))
   assert coverage([f.frontier for f in fits], A_TRUE, "a") >= 0.9
+  # A held-out run 10x beyond the largest budget, off the optimum: its loss interval.
+  n = 1.5 * true_n_opt(1e21)
+  d = 1e21 / (6 * n)
+  assert sum(f.loss_at(n, d).covers(law(n, d)) for f in fits) >= 0.9 * len(fits)
+
+
+def test_loss_at_is_the_percentile_interval_of_the_refits():
+  """`loss_at` against a direct evaluation of every refit's law at (N, D)."""
+  fit = scaling_laws.fit_parametric(isoflop_runs(3), 1e21, replicates=40, seed=3)
+  thetas = fit.replicate_thetas
+  assert thetas.shape == (40, 5)
+  for n, d in [(3e8, 2e10), (1e10, 5e11)]:
+    losses = [np.exp(e) + np.exp(a) / n ** alpha + np.exp(b) / d ** beta
+              for e, a, b, alpha, beta in thetas]
+    estimate = fit.loss_at(n, d)
+    assert estimate.value == pytest.approx(float(fit.predict(n, d)), rel=1e-12)
+    assert (estimate.low, estimate.high) == pytest.approx(
+        tuple(np.percentile(losses, [2.5, 97.5])), rel=1e-12)
+    assert estimate.low < estimate.value < estimate.high
+  # At the compute-optimal point it is the reported loss at the target.
+  n_opt, d_opt = fit.frontier.n_opt.value, fit.frontier.d_opt.value
+  assert fit.loss_at(n_opt, d_opt).value == pytest.approx(fit.loss_at_target.value, rel=1e-9)
