@@ -70,7 +70,9 @@ class MetricsWriter:
   which step it belongs to. `rewind(step)` first drops the rows of steps after the
   restored checkpoint (they are about to be trained again), and an evaluation of a step
   already in the file is printed but not appended again, so the file never holds two
-  rows of the same kind for one step, however often a run is stopped and rerun.
+  rows of the same kind for one step, however often a run is stopped and rerun. Rows
+  with a `kind` field (`pretrain.goodput`: goodput, restart) are records of sessions;
+  they are appended with `log_record` and never dropped.
   """
 
   def __init__(self, workdir: str, total_steps: int, *, tensorboard: bool = True,
@@ -98,20 +100,41 @@ class MetricsWriter:
           name: value for name, value in record.items()
           if name != "step" and value is not None and math.isfinite(value)})
 
-  def rewind(self, step: int) -> None:
-    """Drops the rows of steps after `step` (and a half-written last line): the run
-    continues from the checkpoint of `step`, so those steps are logged again."""
+  def rewind(self, step: int) -> list[dict]:
+    """Drops the metric rows of steps after `step` (and a half-written last line): the
+    run continues from the checkpoint of `step`, so those steps are logged again.
+    Records with a `kind` (goodput, restart) describe sessions, not steps, and stay.
+    Returns the dropped rows (on process 0; [] elsewhere)."""
     if not self._enabled:
-      return
+      return []
     self._jsonl.close()
     with open(self._path, encoding="utf-8") as f:
-      rows = [line for line in f if line.endswith("\n")]
-    kept = [line for line in rows if json.loads(line)["step"] <= step]
+      lines = [line for line in f if line.endswith("\n")]
+    kept, dropped = [], []
+    for line in lines:
+      row = json.loads(line)
+      (kept if "kind" in row or row["step"] <= step else dropped).append((line, row))
     with open(self._path + ".tmp", "w", encoding="utf-8") as f:  # replaced atomically
-      f.writelines(kept)
+      f.writelines(line for line, _ in kept)
     os.replace(self._path + ".tmp", self._path)
-    self._eval_steps = {row["step"] for row in map(json.loads, kept) if "eval_loss" in row}
+    self._eval_steps = {row["step"] for _, row in kept if "eval_loss" in row}
     self._jsonl = open(self._path, "a", encoding="utf-8")
+    return [row for _, row in dropped]
+
+  def read_rows(self) -> list[dict]:
+    """Every complete row of the file (process 0; [] elsewhere)."""
+    if not self._enabled:
+      return []
+    self._jsonl.flush()
+    with open(self._path, encoding="utf-8") as f:
+      return [json.loads(line) for line in f if line.endswith("\n")]
+
+  def log_record(self, record: Mapping[str, object]) -> None:
+    """Appends a row with a `kind` (goodput, restart): not a step's metrics, so it goes
+    to the file only and survives `rewind`."""
+    if self._enabled:
+      self._jsonl.write(json.dumps(dict(record)) + "\n")
+      self._jsonl.flush()
 
   def log_train(self, step: int, row: Mapping[str, Optional[float]]) -> None:
     """A training row: loss, learning_rate, tokens_per_second, step_time_s, mfu, ..."""
