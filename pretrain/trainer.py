@@ -189,8 +189,9 @@ class Trainer:
       opt_state = init_opt(restored["params"])
     where = (self.checkpointer.local.directory if restored["tier"] == "local"
              else self.checkpointer.directory.parent)
-    self.writer.info(f"Resuming from the {restored['tier']} checkpoint of step "
-                     f"{restored['step']} in {where}")
+    tier = "local " if restored["tier"] == "local" else ""
+    self.writer.info(f"Resuming from the {tier}checkpoint of step {restored['step']} in "
+                     f"{where}")
     rng = restored["rng"] if restored["rng"] is not None else jax.random.key(self.config.seed)
     return (self._state(restored["step"], restored["params"], opt_state), rng,
             restored["tier"])
