@@ -143,8 +143,7 @@ class ChaosRun:
     """Until the launcher exits: send due faults, note recoveries."""
     while process.poll() is None:
       if self._now() > self._timeout_s:
-        process.send_signal(signal.SIGTERM)
-        process.wait()
+        _stop_launcher(process)
         raise UserError(f"launch.chaos: the run did not finish within {self._timeout_s:.0f}"
                         f" s (see {self._log_path})", EXIT_FAILED)
       rows = read_rows(self._workdir)
@@ -189,9 +188,7 @@ class ChaosRun:
         try:
           self._watch(process, pending, recovering)
         finally:
-          if process.poll() is None:
-            process.kill()
-            process.wait()
+          _stop_launcher(process)
         if process.returncode != 0:
           raise UserError(f"launch.chaos: launch.local gave up with exit code "
                           f"{process.returncode} (see {self._log_path})", EXIT_FAILED)
@@ -203,6 +200,17 @@ class ChaosRun:
         self.relaunches += 1
         print("launch.chaos: every process exited after a preemption; starting the "
               "launcher again", flush=True)
+
+
+def _stop_launcher(process: subprocess.Popen) -> None:
+  """SIGTERM to the launcher, which stops its processes; SIGKILL if it lingers."""
+  if process.poll() is None:
+    process.send_signal(signal.SIGTERM)
+    try:
+      process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+      process.kill()
+      process.wait()
 
 
 def training_command(workdir: str, steps: int, gin_files: Sequence[str],
@@ -348,6 +356,8 @@ def define_flags() -> None:
 
 def main(argv: Sequence[str]) -> None:
   cli.reject_extra_arguments(argv)
+  # Stopped from outside: unwind, so the running launcher and its processes are stopped.
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(EXIT_FAILED))
   report = run_chaos(FLAGS.workdir, steps=FLAGS.steps, faults=FLAGS.faults,
                      seed=FLAGS.seed, processes=FLAGS.num_processes,
                      devices=FLAGS.devices_per_process, gin_files=FLAGS.gin_file,
