@@ -35,6 +35,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 COMMIT_MARKER = "commit_success.txt"
+TMP_SUFFIX = ".orbax-checkpoint-tmp"
 
 
 def _committed(path: epath.Path) -> bool:
@@ -82,17 +83,29 @@ class LocalCheckpointer:
     self.directory = directory
     self.directory.mkdir(parents=True, exist_ok=True)
     for path in self.directory.iterdir():
-      if path.name.isdigit() and not _committed(path):
+      if (path.name.isdigit() and not _committed(path)) or TMP_SUFFIX in path.name:
         logging.warning("Removing incomplete local checkpoint %s (interrupted save)", path)
         shutil.rmtree(path, ignore_errors=True)
+    # Every process is the primary host of its own directory and synchronises with no
+    # other (the settings Orbax's emergency manager gives its local managers).
     me = jax.process_index()
-    alone = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me},
+    alone = ocp.options.MultiprocessingOptions(primary_host=None, active_processes={me},
                                                barrier_sync_key_prefix=f"local{me}")
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, save_interval_steps=1, enable_async_checkpointing=async_save,
-        create=False, cleanup_tmp_directories=True, multiprocessing_options=alone)
-    handlers = dict(shards=ocp.StandardCheckpointHandler(multiprocessing_options=alone),
-                    layout=ocp.JsonCheckpointHandler(multiprocessing_options=alone))
+        create=False, cleanup_tmp_directories=False, multiprocessing_options=alone,
+        enable_per_process_directory_creation=True, save_root_metadata=False,
+        enable_background_delete=False)
+    # Arrays written by the process holding them, whatever their replica id (Orbax's
+    # default writes replica 0 only, from the primary host).
+    registry = ocp.type_handlers.create_type_handler_registry(
+        (jax.Array, ocp.type_handlers.ArrayHandler(primary_host=None, replica_id=None,
+                                                   use_replica_parallel=False)))
+    handlers = dict(
+        shards=ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True,
+                                           multiprocessing_options=alone,
+                                           type_handler_registry=registry),
+        layout=ocp.JsonCheckpointHandler(multiprocessing_options=alone))
     self._manager = ocp.CheckpointManager(self.directory, options=options,
                                           item_handlers=handlers)
 
@@ -124,8 +137,9 @@ class LocalCheckpointer:
     return usable
 
   def save(self, step: int, leaves: Sequence[jax.Array], rng: jax.Array) -> None:
-    """Copies this process's distinct shards to host memory, then writes them (in the
-    background when async) as step `step`."""
+    """Saves this process's distinct shards (single-device arrays) as step `step`;
+    Orbax copies them to host memory before returning and writes in the background
+    when async."""
     shards, layout = {}, []
     for number, leaf in enumerate(leaves):
       by_index = {}
@@ -135,18 +149,28 @@ class LocalCheckpointer:
       ordered = sorted(by_index.values(), key=lambda s: _index_key(s.index, leaf.shape))
       layout.append(_leaf_layout(leaf.shape, leaf.dtype, [s.index for s in ordered]))
       for part, shard in enumerate(ordered):
-        shards[f"l{number:05d}_s{part:03d}"] = np.asarray(shard.data)
+        shards[f"l{number:05d}_s{part:03d}"] = shard.data
     record = {"step": int(step), "leaves": layout,
               "rng": np.asarray(jax.random.key_data(rng)).tolist()}
     self._manager.save(step, args=ocp.args.Composite(
-        shards=ocp.args.StandardSave(shards), layout=ocp.args.JsonSave(record)), force=True)
+        shards=ocp.args.PyTreeSave(shards), layout=ocp.args.JsonSave(record)), force=True)
 
   def restore(self, step: int, abstract_leaves: Sequence[Any]) -> tuple[list[jax.Array],
                                                                          jax.Array]:
     """The global arrays of `step` (laid out as `abstract_leaves`) and its RNG."""
-    restored = self._manager.restore(step, args=ocp.args.Composite(
-        shards=ocp.args.StandardRestore(), layout=ocp.args.JsonRestore()))
-    shards, record = restored["shards"], restored["layout"]
+    record = self._layout(step)
+    placement = {}   # shard name -> the local devices that hold that shard
+    for number, leaf in enumerate(abstract_leaves):
+      keys = [str(key) for key in record["leaves"][number]["shards"]]
+      for device, index in leaf.sharding.addressable_devices_indices_map(
+          leaf.shape).items():
+        name = f"l{number:05d}_s{keys.index(str(_index_key(index, leaf.shape))):03d}"
+        placement.setdefault(name, []).append(device)
+    restore_args = {name: ocp.ArrayRestoreArgs(
+        sharding=jax.sharding.SingleDeviceSharding(devices[0]))
+                    for name, devices in placement.items()}
+    shards = self._manager.restore(step, args=ocp.args.Composite(
+        shards=ocp.args.PyTreeRestore(restore_args=restore_args)))["shards"]
     arrays = []
     for number, leaf in enumerate(abstract_leaves):
       keys = [str(key) for key in record["leaves"][number]["shards"]]
