@@ -10,11 +10,11 @@ Why not Orbax's `experimental.emergency.CheckpointManager`: in the Orbax version
 project pins it uses its local directory only when the mesh has more than one replica
 slice (it restores a lost slice's shards from a peer slice); on the common one-slice job
 it ignores the local directory. So each process runs a standard Orbax
-`CheckpointManager` of its own over its own directory (`primary_host` and
-`active_processes` are this process alone: no cross-host barrier, no shared storage),
-and saves what only it holds: the distinct addressable shards of every array of the
-train state, as host numpy arrays, plus a JSON item with the step, the RNG and the shard
-layout. Orbax's atomic finalize (temporary directory, rename, commit marker) means a
+`CheckpointManager` of its own over its own directory (every process a primary host,
+`active_processes` this process alone: no cross-host barrier, no shared storage), and
+its array handler writes every shard the process holds, whatever its replica id (the
+settings Orbax's emergency manager uses for its local tier); plus a JSON item with the
+step, the RNG and the process's shard layout. Orbax's atomic finalize (temporary directory, rename, commit marker) means a
 step is listed only once complete; a directory without the marker is deleted on start.
 
 Restoring needs the same layout (same process count, mesh and shardings): a step whose
@@ -137,19 +137,11 @@ class LocalCheckpointer:
     return usable
 
   def save(self, step: int, leaves: Sequence[jax.Array], rng: jax.Array) -> None:
-    """Saves this process's distinct shards (single-device arrays) as step `step`;
-    Orbax copies them to host memory before returning and writes in the background
-    when async."""
-    shards, layout = {}, []
-    for number, leaf in enumerate(leaves):
-      by_index = {}
-      for shard in leaf.addressable_shards:
-        key = str(_index_key(shard.index, leaf.shape))
-        by_index.setdefault(key, shard)
-      ordered = sorted(by_index.values(), key=lambda s: _index_key(s.index, leaf.shape))
-      layout.append(_leaf_layout(leaf.shape, leaf.dtype, [s.index for s in ordered]))
-      for part, shard in enumerate(ordered):
-        shards[f"l{number:05d}_s{part:03d}"] = shard.data
+    """Saves this process's shards of the global arrays `leaves` as step `step`; Orbax
+    copies them to host memory before returning and writes in the background when
+    async."""
+    layout = expected_layout(leaves)
+    shards = {f"l{number:05d}": leaf for number, leaf in enumerate(leaves)}
     record = {"step": int(step), "leaves": layout,
               "rng": np.asarray(jax.random.key_data(rng)).tolist()}
     self._manager.save(step, args=ocp.args.Composite(
@@ -157,30 +149,17 @@ class LocalCheckpointer:
 
   def restore(self, step: int, abstract_leaves: Sequence[Any]) -> tuple[list[jax.Array],
                                                                          jax.Array]:
-    """The global arrays of `step` (laid out as `abstract_leaves`) and its RNG."""
+    """The global arrays of `step` (laid out as `abstract_leaves`, which must match the
+    saved layout: see `usable_steps`) and its RNG; each process reads only its own
+    shards, from its own directory."""
     record = self._layout(step)
-    placement = {}   # shard name -> the local devices that hold that shard
-    for number, leaf in enumerate(abstract_leaves):
-      keys = [str(key) for key in record["leaves"][number]["shards"]]
-      for device, index in leaf.sharding.addressable_devices_indices_map(
-          leaf.shape).items():
-        name = f"l{number:05d}_s{keys.index(str(_index_key(index, leaf.shape))):03d}"
-        placement.setdefault(name, []).append(device)
-    restore_args = {name: ocp.ArrayRestoreArgs(
-        sharding=jax.sharding.SingleDeviceSharding(devices[0]))
-                    for name, devices in placement.items()}
+    restore_args = {f"l{number:05d}": ocp.ArrayRestoreArgs(sharding=leaf.sharding,
+                                                           global_shape=leaf.shape,
+                                                           dtype=leaf.dtype)
+                    for number, leaf in enumerate(abstract_leaves)}
     shards = self._manager.restore(step, args=ocp.args.Composite(
         shards=ocp.args.PyTreeRestore(restore_args=restore_args)))["shards"]
-    arrays = []
-    for number, leaf in enumerate(abstract_leaves):
-      keys = [str(key) for key in record["leaves"][number]["shards"]]
-      per_device = []
-      for device, index in leaf.sharding.addressable_devices_indices_map(
-          leaf.shape).items():
-        part = keys.index(str(_index_key(index, leaf.shape)))
-        per_device.append(jax.device_put(shards[f"l{number:05d}_s{part:03d}"], device))
-      arrays.append(jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding,
-                                                             per_device))
+    arrays = [shards[f"l{number:05d}"] for number in range(len(abstract_leaves))]
     rng = jax.random.wrap_key_data(np.asarray(record["rng"], np.uint32))
     return arrays, rng
 
