@@ -57,15 +57,15 @@ class CheckpointConfig:
       None: no local tier. Each run and process gets its own subdirectory.
     local_every: save to the local tier every this many steps (steps that are also
       persistent saves are not saved twice).
-    local_keep: local checkpoints kept per process (1 or 2 is enough: only the newest
-      is ever restored, the previous one covers a save cut short).
+    local_keep: local checkpoints kept per process. 2: when a process dies in the middle
+      of a save, the others' previous step is still one every process holds.
   """
   keep_last: int = 3
   keep_every: Optional[int] = None
   async_save: bool = True
   local_dir: Optional[str] = None
   local_every: int = 10
-  local_keep: int = 1
+  local_keep: int = 2
 
   def __post_init__(self):
     if self.keep_last < 1:
@@ -291,13 +291,17 @@ class Checkpointer:
     if local_step is not None and (persistent_step is None or local_step > persistent_step):
       arrays, rng = self.local.restore(local_step, leaves)
       params, opt_state = jax.tree.unflatten(treedef, arrays)
-      return dict(params=params, opt_state=opt_state, step=local_step, rng=rng,
-                  tier="local")
-    if persistent_step is None:
-      return None
-    restored = self.restore(persistent_step, abstract_params=abstract_params,
-                            abstract_opt_state=abstract_opt_state)
-    return dict(restored, tier="persistent")
+      restored = dict(params=params, opt_state=opt_state, step=local_step, rng=rng,
+                      tier="local")
+    elif persistent_step is not None:
+      restored = dict(self.restore(persistent_step, abstract_params=abstract_params,
+                                   abstract_opt_state=abstract_opt_state),
+                      tier="persistent")
+    else:
+      restored = None
+    if self.local is not None:
+      self.local.delete_after(restored["step"] if restored else 0)
+    return restored
 
   def wait(self) -> None:
     """Blocks until the in-flight saves (if any) are committed."""

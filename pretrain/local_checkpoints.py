@@ -163,6 +163,13 @@ class LocalCheckpointer:
     rng = jax.random.wrap_key_data(np.asarray(record["rng"], np.uint32))
     return arrays, rng
 
+  def delete_after(self, step: int) -> None:
+    """Deletes local steps newer than `step`, the step the run resumes from: a host
+    may hold a step the others lack (one process died mid-save), and the run will save
+    that step again."""
+    for newer in [s for s in self._manager.all_steps() if s > step]:
+      self._manager.delete(newer)
+
   def latest_step(self) -> Optional[int]:
     steps = self.all_steps()
     return steps[-1] if steps else None

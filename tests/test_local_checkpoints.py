@@ -142,8 +142,11 @@ def test_local_step_of_another_layout_is_not_offered(run_dir, state):
   runtime, params, opt_state, _ = state
   other = Runtime.create(CONFIG, MeshConfig(data=8))   # another mesh: other shards
   tx = make_optimizer(OptimizerConfig(), 10)
-  restored = _restore(_checkpointer(run_dir), other, other.opt_state_layout(tx)[0])
+  resumer = _checkpointer(run_dir)
+  restored = _restore(resumer, other, other.opt_state_layout(tx)[0])
   assert (restored["tier"], restored["step"]) == ("persistent", 4)
+  # The run continues from step 4 and will save step 6 again: the stale one is gone.
+  assert resumer.local.all_steps() == []
 
 
 def test_keep_policy_and_no_local_tier(run_dir, state):
