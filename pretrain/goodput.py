@@ -15,8 +15,8 @@ Rows `{"kind": "goodput", ...}` of `metrics.jsonl` hold a session's running tota
 `log_every` steps and at the end). When a session resumes, two more amounts are charged
 to it:
   lost        steps run after the restored checkpoint by the previous session, which
-              will be computed again; their time (the logged `step_time_s`) was counted
-              as productive there and moves here
+              will be computed again; their time (the median logged `step_time_s`
+              times their number) was counted as productive there and moves here
   downtime    from the previous session's last row to this session's start: the end of
               the crashed session, the restart and the imports
 and a `{"kind": "restart", ...}` row records which steps are redone. The run's totals
@@ -26,6 +26,7 @@ first start to the last row.
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
@@ -83,8 +84,8 @@ class GoodputClock:
     steps = [row for row in dropped if "loss" in row and "kind" not in row]
     if steps:
       self.lost_steps = max(row["step"] for row in steps) - restored_step
-      self.lost_s = self.lost_steps * (sum(row["step_time_s"] for row in steps) /
-                                       len(steps))
+      # The median: a session's first logged step time includes its compilation.
+      self.lost_s = self.lost_steps * statistics.median(row["step_time_s"] for row in steps)
     return {"kind": RESTART, "step": int(restored_step), "session": self.session,
             "tier": tier, "redone_from": restored_step + 1,
             "redone_to": restored_step + self.lost_steps, "lost_steps": self.lost_steps,
