@@ -79,7 +79,10 @@ class GoodputClock:
     sessions = [row for row in earlier if row.get("kind") == GOODPUT]
     if not sessions:
       return None
-    self.session = max(row["session"] for row in sessions) + 1
+    # A session killed before its first goodput row left only its restart row; its time
+    # is part of the downtime measured from the newest goodput row.
+    self.session = max(row["session"] for row in earlier
+                       if row.get("kind") in (GOODPUT, RESTART)) + 1
     self.downtime_s = max(0.0, self.start_time - max(row["time"] for row in sessions))
     steps = [row for row in dropped if "loss" in row and "kind" not in row]
     if steps:
@@ -113,7 +116,8 @@ def run_totals(rows: Sequence[Mapping[str, Any]]) -> Optional[dict[str, float]]:
   totals["productive"] = sum(row["productive_s"] for row in sessions) - totals["lost"]
   totals["wall"] = sum(row["wall_s"] + row["downtime_s"] for row in sessions)
   totals["goodput"] = totals["productive"] / totals["wall"] if totals["wall"] > 0 else 0.0
-  totals["sessions"] = len(sessions)
+  totals["sessions"] = len({row["session"] for row in rows
+                            if row.get("kind") in (GOODPUT, RESTART)})
   totals["lost_steps"] = sum(row["lost_steps"] for row in sessions)
   return totals
 
