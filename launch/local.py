@@ -74,7 +74,11 @@ def _describe(code: int) -> str:
 
 
 def _port_is_free(port: int) -> bool:
+  """Whether a new coordinator can listen on `port`. Like the coordinator's gRPC server,
+  the probe sets SO_REUSEADDR: connections of the stopped run linger in TIME_WAIT for a
+  minute and do not stop a listener, only a socket still listening does."""
   with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
       sock.bind(("127.0.0.1", port))
     except OSError:

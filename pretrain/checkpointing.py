@@ -16,6 +16,10 @@ complete, then writes `commit_success.txt`. A run killed mid-save leaves at most
 or, on storage without atomic rename, a step directory without the marker, which
 `complete_steps` ignores and `Checkpointer` deletes on start-up, so resume always picks
 the newest *complete* step.
+
+With `CheckpointConfig.local_dir` set, a second, local tier (`pretrain.local_checkpoints`)
+saves every `local_every` steps to each host's own disk; `restore_newest` takes the
+newest complete step of either tier, the local one only if every process holds it.
 """
 from __future__ import annotations
 
@@ -27,12 +31,16 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+from jax.experimental import multihost_utils
 
 from pretrain import storage
 from pretrain.errors import CheckpointMismatchError, UserError
+from pretrain.local_checkpoints import LocalCheckpointer, process_directory
 from sharding.partition import path_str
 
 COMMIT_MARKER = "commit_success.txt"
+# Local steps each process reports when the processes agree on one (a fixed-size gather).
+MAX_LOCAL_KEEP = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,10 +52,19 @@ class CheckpointConfig:
     keep_every: additionally keep every checkpoint whose step is a multiple of this
       (long-term snapshots); None keeps only the newest ones.
     async_save: write in a background thread while training continues.
+    local_dir: the local tier's directory on each host (a local SSD or `/dev/shm`);
+      None: no local tier. Each run and process gets its own subdirectory.
+    local_every: save to the local tier every this many steps (steps that are also
+      persistent saves are not saved twice).
+    local_keep: local checkpoints kept per process. 2: when a process dies in the middle
+      of a save, the others' previous step is still one every process holds.
   """
   keep_last: int = 3
   keep_every: Optional[int] = None
   async_save: bool = True
+  local_dir: Optional[str] = None
+  local_every: int = 10
+  local_keep: int = 2
 
   def __post_init__(self):
     if self.keep_last < 1:
@@ -55,6 +72,11 @@ class CheckpointConfig:
     if self.keep_every is not None and self.keep_every < 1:
       raise ValueError(f"CheckpointConfig.keep_every must be >= 1 or None, got "
                        f"{self.keep_every}")
+    if self.local_every < 1:
+      raise ValueError(f"CheckpointConfig.local_every must be >= 1, got {self.local_every}")
+    if not 1 <= self.local_keep <= MAX_LOCAL_KEEP:
+      raise ValueError(f"CheckpointConfig.local_keep must be in 1..{MAX_LOCAL_KEEP}, got "
+                       f"{self.local_keep}")
 
 
 def checkpoint_dir(workdir: str) -> epath.Path:
@@ -88,6 +110,14 @@ def unmarked_step_dirs(directory: epath.PathLike) -> list[epath.Path]:
     return []
   return sorted(path for path in directory.iterdir()
                 if _step_of(path) is not None and not _committed(path))
+
+
+def newest_common_step(steps_per_process: list[list[int]]) -> Optional[int]:
+  """The newest step that every process lists; None when they share none."""
+  common = set(steps_per_process[0])
+  for steps in steps_per_process[1:]:
+    common &= set(steps)
+  return max(common) if common else None
 
 
 def shapes_by_path(tree: Any) -> dict[str, tuple[int, ...]]:
@@ -151,6 +181,11 @@ class Checkpointer:
                     metadata=ocp.JsonCheckpointHandler())
     self._manager = ocp.CheckpointManager(self.directory, options=options,
                                           item_handlers=handlers)
+    self.local_every = config.local_every
+    self.local: Optional[LocalCheckpointer] = None
+    if config.local_dir and not read_only:
+      self.local = LocalCheckpointer(process_directory(config.local_dir, workdir),
+                                     config.local_keep, config.async_save)
 
   # -- queries ---------------------------------------------------------------
   def all_steps(self) -> list[int]:
@@ -223,10 +258,63 @@ class Checkpointer:
                 rng=(jax.random.wrap_key_data(np.asarray(train["rng"], np.uint32))
                      if has_train else None))
 
+  # -- the local tier -----------------------------------------------------------
+  def save_local(self, step: int, *, params: Any, opt_state: Any, rng: jax.Array) -> None:
+    """Saves this process's shards of `step` to the local tier (no-op without one)."""
+    if self.local is not None:
+      self.local.save(step, jax.tree.leaves((params, opt_state)), rng)
+
+  def agreed_local_step(self, abstract_leaves: list[Any]) -> Optional[int]:
+    """The newest local step every process can restore with the current layout.
+
+    Hosts can disagree (a replaced host has an empty local disk, a crash cut one save
+    short), so each process gathers every process's usable steps and all take the
+    newest step they have in common; None when there is none (or no local tier).
+    """
+    steps = self.local.usable_steps(abstract_leaves) if self.local is not None else []
+    if jax.process_count() == 1:
+      return newest_common_step([steps])
+    mine = np.full(MAX_LOCAL_KEEP, -1, np.int64)  # -1: no step
+    recent = steps[-MAX_LOCAL_KEEP:]
+    mine[:len(recent)] = recent
+    everyone = np.asarray(multihost_utils.process_allgather(mine)).reshape(
+        jax.process_count(), MAX_LOCAL_KEEP)
+    return newest_common_step([[s for s in row.tolist() if s >= 0] for row in everyone])
+
+  def restore_newest(self, *, abstract_params: Any,
+                     abstract_opt_state: Any) -> Optional[dict[str, Any]]:
+    """Restores the newest complete step of either tier; None when there is none.
+
+    Returns `restore`'s dict plus `tier` ("local" or "persistent"). A local step wins
+    only when it is newer than the newest persistent one and every process holds it.
+    """
+    abstract = (abstract_params, abstract_opt_state)
+    leaves, treedef = jax.tree.flatten(abstract)
+    local_step = self.agreed_local_step(leaves)
+    persistent_step = self.latest_step()
+    if local_step is not None and (persistent_step is None or local_step > persistent_step):
+      arrays, rng = self.local.restore(local_step, leaves)
+      params, opt_state = jax.tree.unflatten(treedef, arrays)
+      restored = dict(params=params, opt_state=opt_state, step=local_step, rng=rng,
+                      tier="local")
+    elif persistent_step is not None:
+      restored = dict(self.restore(persistent_step, abstract_params=abstract_params,
+                                   abstract_opt_state=abstract_opt_state),
+                      tier="persistent")
+    else:
+      restored = None
+    if self.local is not None:
+      self.local.delete_after(restored["step"] if restored else 0)
+    return restored
+
   def wait(self) -> None:
-    """Blocks until the in-flight save (if any) is committed."""
+    """Blocks until the in-flight saves (if any) are committed."""
     self._manager.wait_until_finished()
+    if self.local is not None:
+      self.local.wait()
 
   def close(self) -> None:
     self._manager.wait_until_finished()
     self._manager.close()
+    if self.local is not None:
+      self.local.close()

@@ -40,10 +40,13 @@ class Hook:
     every: `on_step` runs at steps that are multiples of this; 0 never.
     drains_metrics: whether earlier steps' metrics must be checked before `on_step`.
     stop_requested: set to ask the loop to stop after the current step.
+    goodput_category: where the loop books the time of `on_step` and `on_end`
+      (`pretrain.goodput`).
   """
   every: int = 0
   drains_metrics: bool = True
   stop_requested: bool = False
+  goodput_category: str = "other"
 
   def is_due(self, step: int) -> bool:
     return bool(self.every) and step % self.every == 0
@@ -132,11 +135,16 @@ class MetricsLogger(Hook):
 
 
 class CheckpointHook(Hook):
-  """Saves every `every` steps and at the end (once per step), asynchronously."""
+  """Saves every `every` steps and at the end (once per step), asynchronously; with
+  `local_every`, also to the checkpointer's local tier at the multiples of it that are
+  not persistent saves."""
+  goodput_category = "checkpoint"
 
   def __init__(self, checkpointer: Checkpointer, every: int, *, start_step: int,
-               rng: jax.Array, metadata: Mapping[str, Any], writer: MetricsWriter):
+               rng: jax.Array, metadata: Mapping[str, Any], writer: MetricsWriter,
+               local_every: int = 0):
     self.every = every
+    self._local_every = local_every
     self._checkpointer = checkpointer
     self._rng = rng
     self._metadata = dict(metadata)
@@ -148,8 +156,15 @@ class CheckpointHook(Hook):
                             rng=self._rng, metadata=self._metadata)
     self.last_saved = step
 
+  def is_due(self, step: int) -> bool:
+    return step % self.every == 0 or bool(self._local_every and step % self._local_every == 0)
+
   def on_step(self, step: int, state: TrainState) -> None:
-    self._save(step, state)
+    if step % self.every == 0:
+      self._save(step, state)
+    else:
+      self._checkpointer.save_local(step, params=state.params, opt_state=state.opt_state,
+                                    rng=self._rng)
 
   def on_end(self, step: int, state: TrainState, preempted: bool) -> None:
     if step != self.last_saved:
@@ -166,6 +181,7 @@ class EvalHook(Hook):
   Attributes:
     last_loss: the newest validation loss (None before the first evaluation).
   """
+  goodput_category = "eval"
 
   def __init__(self, evaluate: Callable[[Any], tuple[float, int]], writer: MetricsWriter,
                *, every: int, final_eval: bool, train_steps: int):
@@ -289,6 +305,7 @@ class SampleHook(Hook):
   Attributes:
     text: the sampled continuation (None until sampled).
   """
+  goodput_category = "eval"
 
   def __init__(self, sample: Callable[[Any], str], prompt: str, writer: MetricsWriter):
     self._sample = sample

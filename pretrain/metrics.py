@@ -158,6 +158,8 @@ class MetricsWriter:
   but not written again, so the file never holds two rows of the same kind for one step,
   however often a run is stopped and rerun. On a local disk rows are appended; in a
   `gs://` / `s3://` workdir the file is rewritten whole (`_ObjectJsonl`).
+  Rows with a `kind` field (`pretrain.goodput`: goodput, restart) are records of
+  sessions; they are written with `log_record` and never dropped by `rewind`.
   """
 
   def __init__(self, workdir: str, total_steps: int, *, tensorboard: bool = True,
@@ -186,15 +188,34 @@ class MetricsWriter:
           name: value for name, value in record.items()
           if name != "step" and value is not None and math.isfinite(value)})
 
-  def rewind(self, step: int) -> None:
-    """Drops the rows of steps after `step` (and a half-written last line): the run
-    continues from the checkpoint of `step`, so those steps are logged again."""
+  def rewind(self, step: int) -> list[dict]:
+    """Drops the metric rows of steps after `step` (and a half-written last line): the
+    run continues from the checkpoint of `step`, so those steps are logged again.
+    Records with a `kind` (goodput, restart) describe sessions, not steps, and stay.
+    Returns the dropped rows (on process 0; [] elsewhere)."""
     if not self._enabled:
-      return
-    rows = [line for line in self._jsonl.lines() if line.endswith("\n")]
-    kept = [line for line in rows if json.loads(line)["step"] <= step]
-    self._jsonl.replace(kept)
-    self._eval_steps = {row["step"] for row in map(json.loads, kept) if "eval_loss" in row}
+      return []
+    kept, dropped = [], []
+    for line in self._jsonl.lines():
+      if not line.endswith("\n"):
+        continue  # a half-written last line
+      row = json.loads(line)
+      (kept if "kind" in row or row["step"] <= step else dropped).append((line, row))
+    self._jsonl.replace([line for line, _ in kept])
+    self._eval_steps = {row["step"] for _, row in kept if "eval_loss" in row}
+    return [row for _, row in dropped]
+
+  def read_rows(self) -> list[dict]:
+    """Every complete row of the file (process 0; [] elsewhere)."""
+    if not self._enabled:
+      return []
+    return [json.loads(line) for line in self._jsonl.lines() if line.endswith("\n")]
+
+  def log_record(self, record: Mapping[str, object]) -> None:
+    """Writes a row with a `kind` (goodput, restart): not a step's metrics, so it goes
+    to the file only and survives `rewind`."""
+    if self._enabled:
+      self._jsonl.append(json.dumps(dict(record)) + "\n")
 
   def log_train(self, step: int, row: Mapping[str, Optional[float]]) -> None:
     """A training row: loss, learning_rate, tokens_per_second, step_time_s, mfu, ..."""

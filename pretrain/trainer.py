@@ -9,6 +9,7 @@ background, and only hooks that are due look at values at all (`pretrain.hooks`)
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import os
 import shlex
@@ -22,6 +23,7 @@ from model import counting
 from pretrain import evaluation
 from pretrain import flops as flops_lib
 from pretrain import generation
+from pretrain import goodput
 from pretrain import hooks as hooks_lib
 from pretrain.checkpointing import Checkpointer
 from pretrain.errors import usage_error
@@ -146,12 +148,15 @@ class Trainer:
     pipeline: the DataPipeline (`batch(step)`, `validation_batches(n)`, `vocabulary`).
     checkpointer: where state is saved and restored.
     writer: metrics and console output.
+    clock: books the session's wall time (`pretrain.goodput`); a new one by default.
   """
 
   def __init__(self, config: TrainConfig, runtime: Runtime,
                optimizer_config: OptimizerConfig, pipeline: Any,
-               checkpointer: Checkpointer, writer: MetricsWriter):
+               checkpointer: Checkpointer, writer: MetricsWriter,
+               clock: Optional[goodput.GoodputClock] = None):
     self.config = config
+    self.clock = clock or goodput.GoodputClock()
     self.runtime = runtime
     self.pipeline = pipeline
     self.checkpointer = checkpointer
@@ -168,23 +173,28 @@ class Trainer:
     self.train_step = program.step
     self._eval_step = evaluation.jit_eval_step(runtime)
 
-  def initial_state(self) -> tuple[TrainState, jax.Array]:
-    """The newest complete checkpoint's state and RNG, or a fresh start."""
+  def initial_state(self) -> tuple[TrainState, jax.Array, Optional[str]]:
+    """The newest complete checkpoint's state and RNG (of either tier), or a fresh
+    start; and the tier it came from (None when fresh)."""
     init_opt = jax.jit(self.optimizer.init, out_shardings=self.state_shardings.opt_state)
-    step = self.checkpointer.latest_step()
-    if step is None:
+    restored = self.checkpointer.restore_newest(abstract_params=self.runtime.abstract_params,
+                                                abstract_opt_state=self.abstract_opt_state)
+    if restored is None:
       params = self.runtime.init_params(self.config.seed)
       self.writer.info(f"Starting a new run in {self.checkpointer.directory.parent}")
-      return self._state(0, params, init_opt(params)), jax.random.key(self.config.seed)
-    restored = self.checkpointer.restore(step, abstract_params=self.runtime.abstract_params,
-                                         abstract_opt_state=self.abstract_opt_state)
+      return (self._state(0, params, init_opt(params)), jax.random.key(self.config.seed),
+              None)
     opt_state = restored["opt_state"]
     if opt_state is None:  # a converted checkpoint: weights only
       opt_state = init_opt(restored["params"])
-    self.writer.info(f"Resuming from the checkpoint of step {restored['step']} in "
-                     f"{self.checkpointer.directory.parent}")
+    where = (self.checkpointer.local.directory if restored["tier"] == "local"
+             else self.checkpointer.directory.parent)
+    tier = "local " if restored["tier"] == "local" else ""
+    self.writer.info(f"Resuming from the {tier}checkpoint of step {restored['step']} in "
+                     f"{where}")
     rng = restored["rng"] if restored["rng"] is not None else jax.random.key(self.config.seed)
-    return self._state(restored["step"], restored["params"], opt_state), rng
+    return (self._state(restored["step"], restored["params"], opt_state), rng,
+            restored["tier"])
 
   def _state(self, step: int, params: Any, opt_state: Any) -> TrainState:
     return TrainState(jax.device_put(jnp.int32(step), self.runtime.replicated), params,
@@ -206,7 +216,9 @@ class Trainer:
         hooks_lib.PreemptionHook(self.checkpointer),
         hooks_lib.CheckpointHook(self.checkpointer, cfg.checkpoint_every,
                                  start_step=start_step, rng=rng,
-                                 metadata=metadata.to_json(), writer=self.writer),
+                                 metadata=metadata.to_json(), writer=self.writer,
+                                 local_every=(self.checkpointer.local_every
+                                              if self.checkpointer.local else 0)),
         hooks_lib.EvalHook(self.evaluate, self.writer, every=cfg.eval_every,
                            final_eval=cfg.final_eval, train_steps=cfg.train_steps),
     ]
@@ -230,36 +242,62 @@ class Trainer:
                                   cfg.sample_prompt, max_new_tokens=cfg.sample_tokens,
                                   temperature=0.8, seed=cfg.seed)
 
+  def _resume_accounting(self, start_step: int, tier: Optional[str]) -> None:
+    """Drops the metric rows past the restored step and books the steps to be redone
+    (and the downtime before this session) to the goodput clock; logs which steps are
+    redone as a `restart` row."""
+    dropped = self.writer.rewind(start_step)
+    restart = self.clock.resume(start_step, tier, self.writer.read_rows(), dropped)
+    if restart is not None:
+      self.writer.log_record(restart)
+      if restart["lost_steps"]:
+        self.writer.info(f"Redoing steps {restart['redone_from']}-{restart['redone_to']} "
+                         f"(run before the restart, after the newest checkpoint)")
+
   def run(self, hooks: Optional[Sequence[hooks_lib.Hook]] = None) -> RunResult:
     """Trains from the newest checkpoint (or from scratch) to `train_steps`."""
-    state, rng = self.initial_state()
+    clock = self.clock
+    restore_started = time.perf_counter()
+    state, rng, tier = self.initial_state()
+    clock.seconds["restore" if tier else "startup"] += time.perf_counter() - restore_started
     step = start_step = int(host_scalar(state.step))
-    self.writer.rewind(start_step)
+    self._resume_accounting(start_step, tier)
     hooks = list(hooks) if hooks is not None else self.default_hooks(start_step, rng)
     pending = _PendingMetrics(hooks)
     started = time.perf_counter()
     try:
       with self.runtime.activation_context():
         while step < self.config.train_steps and not any(h.stop_requested for h in hooks):
-          batch = self.runtime.global_batch(self.pipeline.batch(step))
-          state, metrics = self.train_step(state, batch)
+          with clock.timed("data"):
+            batch = self.runtime.global_batch(self.pipeline.batch(step))
+          # The first call traces and compiles before it dispatches the step.
+          with clock.timed("compile") if step == start_step else contextlib.nullcontext():
+            state, metrics = self.train_step(state, batch)
           step += 1
           pending.push(step, metrics)
           due = [hook for hook in hooks if hook.is_due(step)]
           if any(hook.drains_metrics for hook in due):
             pending.drain()
           for hook in due:
-            hook.on_step(step, state)
+            with clock.timed(hook.goodput_category):
+              hook.on_step(step, state)
           if any(hook.drains_metrics for hook in due):
             for hook in hooks:
               hook.resumed(step)
+          if step % self.config.log_every == 0:
+            self.writer.log_record(clock.row(step))
         pending.drain()
       preempted = step < self.config.train_steps
       for hook in hooks:
-        hook.on_end(step, state, preempted)
+        with clock.timed(hook.goodput_category):
+          hook.on_end(step, state, preempted)
     finally:
       for hook in hooks:
         hook.close()
+    self.writer.log_record(clock.row(step))
+    totals = goodput.run_totals(self.writer.read_rows())
+    if totals is not None:
+      self.writer.info(goodput.format_totals(totals))
     return self._result(step, preempted, hooks, time.perf_counter() - started)
 
   def _result(self, step: int, preempted: bool, hooks: Sequence[hooks_lib.Hook],
@@ -316,28 +354,41 @@ def train(workdir: str, config: TrainConfig, runtime: Runtime,
     on_ready: called once everything is configured, before the first step (the CLI
       writes the operative Gin config there).
   """
+  clock = goodput.GoodputClock()
   writer = MetricsWriter(workdir, config.train_steps)
   try:
-    pipeline = pipeline_factory(config, runtime)
-    if runtime.config.vocab_size < pipeline.vocab_size:
-      raise usage_error(
-          f"ModelConfig.vocab_size={runtime.config.vocab_size} is smaller than the data's "
-          f"vocabulary ({pipeline.vocab_size} ids); set ModelConfig.vocab_size >= "
-          f"{pipeline.vocab_size}")
-    trainer = Trainer(config, runtime, optimizer_config, pipeline, checkpointer, writer)
-    writer.info(start_summary(workdir, config, runtime))
-    writer.info(pipeline.describe())
-    writer.info(f"model: {counting.count_params(runtime.config).total:,} parameters, "
-                f"{trainer.flops_per_token:,.0f} training FLOPs/token")
-    if config.print_sharding:
-      writer.info(partition.format_sharding_table(runtime.abstract_params,
-                                                  runtime.param_shardings))
-    latest = checkpointer.latest_step()
-    if latest is not None:  # a checkpoint of another model fails before anything is written
-      checkpointer.check_params_match(latest, runtime.abstract_params)
+    with clock.timed("startup"):
+      trainer = _build_trainer(workdir, config, runtime, optimizer_config, checkpointer,
+                               pipeline_factory, writer, clock)
     if on_ready is not None:
       on_ready()
     return trainer.run()
   finally:
     checkpointer.close()
     writer.close()
+
+
+def _build_trainer(workdir: str, config: TrainConfig, runtime: Runtime,
+                   optimizer_config: OptimizerConfig, checkpointer: Checkpointer,
+                   pipeline_factory: Callable[[TrainConfig, Runtime], Any],
+                   writer: MetricsWriter, clock: goodput.GoodputClock) -> Trainer:
+  """The pipeline and the Trainer, after the checks that must fail before any step."""
+  pipeline = pipeline_factory(config, runtime)
+  if runtime.config.vocab_size < pipeline.vocab_size:
+    raise usage_error(
+        f"ModelConfig.vocab_size={runtime.config.vocab_size} is smaller than the data's "
+        f"vocabulary ({pipeline.vocab_size} ids); set ModelConfig.vocab_size >= "
+        f"{pipeline.vocab_size}")
+  trainer = Trainer(config, runtime, optimizer_config, pipeline, checkpointer, writer,
+                    clock)
+  writer.info(start_summary(workdir, config, runtime))
+  writer.info(pipeline.describe())
+  writer.info(f"model: {counting.count_params(runtime.config).total:,} parameters, "
+              f"{trainer.flops_per_token:,.0f} training FLOPs/token")
+  if config.print_sharding:
+    writer.info(partition.format_sharding_table(runtime.abstract_params,
+                                                runtime.param_shardings))
+  latest = checkpointer.latest_step()
+  if latest is not None:  # a checkpoint of another model fails before anything is written
+    checkpointer.check_params_match(latest, runtime.abstract_params)
+  return trainer

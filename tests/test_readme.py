@@ -9,7 +9,7 @@ backslash continuations joined; ```python blocks), so a documented command canno
   - `model.summary` runs verbatim and its memory plan must fit;
   - local training runs for real, verbatim, shortened through the documented
     `GRIFFIN_EXTRA_GIN_PARAMS` override (2 steps on a tiny corpus); the Python snippet
-    then runs against the workdir it wrote.
+    and the `pretrain.report` command then run against the workdir it wrote.
 A command of a kind not listed here fails the test, so a new README command needs a
 check before it can be documented.
 """
@@ -110,6 +110,8 @@ def _kind(piece):
     return "train"
   if piece.startswith("python -m pretrain.data.prepare"):
     return "prepare"
+  if piece.startswith("python -m pretrain.report"):
+    return "report"   # after the training commands, on their workdir
   return "unknown"
 
 
@@ -118,7 +120,7 @@ def test_every_readme_command_has_a_check():
   unknown = [piece for piece in PIECES if _kind(piece) == "unknown"]
   assert not unknown, f"README commands without a check in {__file__}: {unknown}"
   kinds = {_kind(piece) for piece in PIECES}
-  assert {"launcher", "summary", "train", "prepare"} <= kinds, kinds
+  assert {"launcher", "summary", "train", "prepare", "report"} <= kinds, kinds
 
 
 def _env():
@@ -205,6 +207,11 @@ def test_local_training_commands_and_python_snippet_run_verbatim(tmp_path):
     result = _run(piece, cwd=tmp_path, env=env)
     assert result.returncode == 0, (piece, result.stdout[-2000:], result.stderr[-2000:])
     assert result.stderr == "", result.stderr
+  for piece in [piece for piece in PIECES if _kind(piece) == "report"]:
+    result = _run(piece, cwd=tmp_path, env=env)
+    assert result.returncode == 0 and result.stderr == "", (piece, result.stderr[-2000:])
+    for path in result.stdout.split():
+      assert os.path.getsize(tmp_path / path) > 0, path
   for snippet in SNIPPETS:
     result = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=300)

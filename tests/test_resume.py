@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from pretrain import goodput
 from pretrain.checkpointing import complete_steps
 from trainer_helpers import (assert_ok, read_metrics, train_losses,  # pylint: disable=unused-import
                              trained_workdir, trainer_env)
@@ -47,8 +48,21 @@ def test_sigkill_then_restart_reproduces_uninterrupted_losses(trainer_env, train
   # The restart drops the rows logged after its checkpoint and logs those steps again:
   # one row per step, the restarted run's.
   restarted = train_losses(workdir)
-  assert [row["step"] for row in read_metrics(workdir)] == list(range(1, STEPS + 1))
+  assert [row["step"] for row in read_metrics(workdir) if "kind" not in row] == list(
+      range(1, STEPS + 1))
   for step in range(resume_step + 1, STEPS + 1):
     assert abs(restarted[step] - reference[step]) <= 1e-6, (
         step, restarted[step], reference[step], resume_step)
+  # The restart is recorded: which steps were redone, and the time they and the restore
+  # cost, in the second session's goodput.
+  rows = read_metrics(workdir)
+  (restart,) = [row for row in rows if row.get("kind") == goodput.RESTART]
+  assert (restart["step"], restart["lost_steps"]) == (resume_step, killed_at - resume_step)
+  assert restart["redone_to"] == killed_at and restart["downtime_s"] > 0
+  first, second = goodput.last_rows_per_session(rows)
+  assert second["lost_steps"] == killed_at - resume_step
+  assert (second["restore_s"] > 0) == bool(resumable)
+  totals = goodput.run_totals(rows)
+  assert abs(sum(totals[n] for n in goodput.BREAKDOWN) - totals["wall"]) < 1e-6 * totals["wall"]
+  assert totals["wall"] > first["wall_s"] + second["wall_s"]
   assert complete_steps(checkpoint_dir)[-1] == STEPS

@@ -1,11 +1,14 @@
 """`python -m pretrain.train` end to end on a tiny corpus: outputs, metrics, resume, SIGTERM."""
 import glob
+import json
 import os
 import signal
 import time
 
 import pytest
 
+from pretrain import goodput
+from pretrain import report
 from pretrain.checkpointing import complete_steps
 from trainer_helpers import (assert_ok, read_metrics, train_losses,  # pylint: disable=unused-import
                              trained_workdir, trainer_env)
@@ -120,3 +123,38 @@ def test_second_ctrl_c_aborts_at_once(trainer_env, tmp_path):
   process.send_signal(signal.SIGINT)
   process.communicate(timeout=30)
   assert process.returncode == -signal.SIGINT
+
+
+def test_trained_run_logs_goodput_that_sums_to_its_wall_time(trained_workdir):
+  workdir, result = trained_workdir
+  rows = read_metrics(workdir)
+  sessions = goodput.last_rows_per_session(rows)
+  assert len(sessions) == 1
+  last = sessions[0]
+  assert last["step"] == 24
+  parts = last["productive_s"] + sum(last[f"{n}_s"] for n in goodput.TIMED)
+  assert abs(parts - last["wall_s"]) < 1e-6 * last["wall_s"]
+  # Compilation, evaluations (at 12 and 24, and the sample), saves and steps all took time.
+  for name in ("compile_s", "eval_s", "checkpoint_s", "productive_s", "startup_s"):
+    assert last[name] > 0, (name, last)
+  assert last["restore_s"] == 0 and last["lost_steps"] == 0
+  assert "goodput " in result.stdout and "over 1 session:" in result.stdout
+
+
+def test_report_writes_plots_of_two_runs_side_by_side(trained_workdir, tmp_path):
+  workdir, _ = trained_workdir
+  second = tmp_path / "resumed"
+  second.mkdir()
+  # A second run: the same rows plus a restarted session.
+  rows = read_metrics(workdir)
+  extra = dict(goodput.last_rows_per_session(rows)[0], session=2, lost_s=1.0,
+               lost_steps=3, downtime_s=5.0)
+  with open(second / "metrics.jsonl", "w", encoding="utf-8") as f:
+    f.writelines(json.dumps(row) + "\n" for row in rows + [extra])
+  paths = report.write_report([workdir, str(second)], str(tmp_path / "plots"))
+  assert [os.path.basename(p) for p in paths] == [
+      "loss.png", "eval_loss.png", "throughput.png", "mfu.png", "goodput.png"]
+  for path in paths:
+    with open(path, "rb") as f:
+      assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert os.path.getsize(path) > 5000, path

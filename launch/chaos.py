@@ -1,0 +1,381 @@
+r"""Fault injection: a multi-process training killed again and again must finish by itself
+with the loss curve of an uninterrupted run.
+
+  python -m launch.chaos --workdir=workdirs/chaos --steps=200 --faults=5 --seed=0
+
+trains the same run twice with `launch.local` (2 processes x 2 CPU devices by default,
+the quickstart model unless `--gin_file` says otherwise, every step logged):
+
+  reference   uninterrupted (skipped when `--reference_workdir` already holds a finished
+              run of the same steps);
+  chaos       under `launch.local --max_restarts`, while this harness sends SIGKILL or
+              SIGTERM to a random process at seeded random steps, `--faults` times. A
+              SIGKILL makes the launcher stop the others and start all again; a SIGTERM
+              is a preemption notice: every process saves the agreed step and exits 0,
+              and the harness (playing the scheduler) starts the launcher again.
+
+Each fault waits until the previous one has recovered (the new session logged a step).
+Then every step's logged loss is compared with the reference (relative difference at
+most `--tolerance`), and a report is written to `<workdir>/chaos_report.json` and
+`chaos_report.txt`: each fault (kind, process, step), the step resumed from and its
+tier, steps lost, time to recover (signal to the next logged step), the run's goodput
+breakdown, and the verdict. Exit status 0 when the run finished with an equal loss
+curve, 1 otherwise, 2 for a bad command line.
+"""
+from __future__ import annotations
+
+from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
+import dataclasses
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Optional, Sequence
+
+from absl import flags
+
+from pretrain import cli
+from pretrain import goodput
+from pretrain.checkpointing import complete_steps
+from pretrain.errors import EXIT_FAILED, UserError, usage_error
+from pretrain.metrics import format_duration
+from sharding import distributed
+
+_POLL_S = 0.05
+KINDS = {"SIGKILL": signal.SIGKILL, "SIGTERM": signal.SIGTERM}
+
+
+@dataclasses.dataclass
+class Fault:
+  """One injected fault and what followed it."""
+  kind: str
+  process: int
+  planned_step: int
+  at_step: Optional[int] = None       # newest logged step when the signal was sent
+  sent_s: Optional[float] = None      # seconds since the chaos run started
+  resumed_step: Optional[int] = None
+  tier: Optional[str] = None
+  steps_lost: Optional[int] = None
+  recover_s: Optional[float] = None
+
+
+def plan_faults(steps: int, count: int, processes: int, seed: int) -> list[Fault]:
+  """`count` faults at distinct random steps between 10% and 75% of the run (a
+  preemption needs a few steps to be agreed on, and a fault must leave a restart to
+  measure), kinds mixed (SIGKILL and SIGTERM alternate before shuffling), each at a
+  random process."""
+  rng = random.Random(seed)
+  low, high = max(2, steps // 10), max(3, steps * 3 // 4)
+  if high - low < count:
+    raise usage_error(f"--faults={count} do not fit in --steps={steps}; use more steps "
+                      "or fewer faults")
+  at = sorted(rng.sample(range(low, high), count))
+  kinds = [("SIGKILL", "SIGTERM")[i % 2] for i in range(count)]
+  rng.shuffle(kinds)
+  return [Fault(kind, rng.randrange(processes), step) for kind, step in zip(kinds, at)]
+
+
+def read_rows(workdir: str) -> list[dict]:
+  """Complete rows of `workdir/metrics.jsonl` (a line being written is skipped)."""
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return []
+  with open(path, encoding="utf-8") as f:
+    return [json.loads(line) for line in f if line.endswith("\n")]
+
+
+def train_rows(rows: Sequence[dict]) -> dict[int, float]:
+  return {row["step"]: row["loss"] for row in rows if "loss" in row and "kind" not in row}
+
+
+def compare_losses(reference: dict[int, float], run: dict[int, float],
+                   tolerance: float) -> dict[str, Any]:
+  """Every step of the reference must be in the run with a relative difference of at
+  most `tolerance`."""
+  missing = sorted(set(reference) - set(run))
+  diffs = {step: abs(run[step] - loss) / max(abs(loss), 1e-12)
+           for step, loss in reference.items() if step in run}
+  worse = sorted(step for step, diff in diffs.items() if diff > tolerance)
+  return {"steps_compared": len(diffs), "missing_steps": missing[:20],
+          "max_rel_diff": max(diffs.values(), default=0.0), "mismatched_steps": worse[:20],
+          "tolerance": tolerance, "equal": not missing and not worse and bool(diffs)}
+
+
+def _child_pid(launcher_pid: int, process_id: int) -> Optional[int]:
+  """The pid of the launcher's child running JAX process `process_id`, if running."""
+  try:
+    with open(f"/proc/{launcher_pid}/task/{launcher_pid}/children", encoding="ascii") as f:
+      children = [int(pid) for pid in f.read().split()]
+  except OSError:
+    return None
+  wanted = f"{distributed.ENV_PROCESS_ID}={process_id}".encode()
+  for pid in children:
+    try:
+      with open(f"/proc/{pid}/environ", "rb") as f:
+        if wanted in f.read().split(b"\0"):
+          return pid
+    except OSError:
+      continue
+  return None
+
+
+class ChaosRun:
+  """Runs the faulted training and watches its metrics to time the faults."""
+
+  def __init__(self, launcher: list[str], workdir: str, faults: list[Fault],
+               max_relaunches: int, timeout_s: float, log_path: str):
+    self._launcher = launcher
+    self._workdir = workdir
+    self._faults = faults
+    self._max_relaunches = max_relaunches
+    self._timeout_s = timeout_s
+    self._log_path = log_path
+    self._started = 0.0
+    self.relaunches = 0
+
+  def _now(self) -> float:
+    return time.monotonic() - self._started
+
+  def _watch(self, process: subprocess.Popen, pending: list[Fault],
+             recovering: list[Fault]) -> None:
+    """Until the launcher exits: send due faults, note recoveries."""
+    while process.poll() is None:
+      if self._now() > self._timeout_s:
+        _stop_launcher(process)
+        raise UserError(f"launch.chaos: the run did not finish within {self._timeout_s:.0f}"
+                        f" s (see {self._log_path})", EXIT_FAILED)
+      rows = read_rows(self._workdir)
+      if recovering:
+        self._note_recovery(recovering, rows)
+      elif pending:
+        logged = max(train_rows(rows), default=0)
+        fault = pending[0]
+        if logged >= fault.planned_step:
+          pid = _child_pid(process.pid, fault.process)
+          if pid is not None:
+            os.kill(pid, KINDS[fault.kind])
+            fault.at_step, fault.sent_s = logged, self._now()
+            print(f"launch.chaos: {fault.kind} to process {fault.process} at step {logged}"
+                  f" ({format_duration(fault.sent_s)} into the run)", flush=True)
+            recovering.append(pending.pop(0))
+      time.sleep(_POLL_S)
+
+  def _note_recovery(self, recovering: list[Fault], rows: list[dict]) -> None:
+    """A fault has recovered once a restart row newer than it is followed by a step."""
+    fault = recovering[0]
+    sent_at = time.time() - (self._now() - fault.sent_s)
+    for i, row in enumerate(rows):
+      if row.get("kind") == goodput.RESTART and row["time"] >= sent_at - 1.0:
+        if any("loss" in later and "kind" not in later for later in rows[i + 1:]):
+          fault.resumed_step, fault.tier = row["step"], row["tier"]
+          fault.steps_lost = max(0, fault.at_step - row["step"])
+          fault.recover_s = self._now() - fault.sent_s
+          print(f"launch.chaos: resumed from the {fault.tier} checkpoint of step "
+                f"{fault.resumed_step} ({fault.steps_lost} steps lost), training again "
+                f"{fault.recover_s:.1f} s after the {fault.kind}", flush=True)
+          recovering.pop(0)
+        return
+
+  def run(self, finished) -> None:
+    """Launches until `finished()`; relaunches after a preemption's clean exit."""
+    self._started = time.monotonic()
+    pending, recovering = list(self._faults), []
+    with open(self._log_path, "a", encoding="utf-8") as log:
+      while True:
+        process = subprocess.Popen(self._launcher, stdout=log, stderr=subprocess.STDOUT)
+        try:
+          self._watch(process, pending, recovering)
+        finally:
+          _stop_launcher(process)
+        if process.returncode != 0:
+          raise UserError(f"launch.chaos: launch.local gave up with exit code "
+                          f"{process.returncode} (see {self._log_path})", EXIT_FAILED)
+        if finished():
+          return
+        if self.relaunches >= self._max_relaunches:
+          raise UserError(f"launch.chaos: the run stopped unfinished "
+                          f"{self.relaunches + 1} times (see {self._log_path})", EXIT_FAILED)
+        self.relaunches += 1
+        print("launch.chaos: every process exited after a preemption; starting the "
+              "launcher again", flush=True)
+
+
+def _stop_launcher(process: subprocess.Popen) -> None:
+  """SIGTERM to the launcher, which stops its processes; SIGKILL if it lingers."""
+  if process.poll() is None:
+    process.send_signal(signal.SIGTERM)
+    try:
+      process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+      process.kill()
+      process.wait()
+
+
+def training_command(workdir: str, steps: int, gin_files: Sequence[str],
+                     gin_params: Sequence[str]) -> list[str]:
+  """The trainer's command: every step logged, no evaluation or sample (they do not
+  touch the training state, and only cost time here)."""
+  params = [f"TRAIN_STEPS={steps}", "LOG_EVERY=1", "EVAL_EVERY=0",
+            "TrainConfig.final_eval=False", "TrainConfig.sample_prompt=None", *gin_params]
+  return ([sys.executable, "-m", "pretrain.train"] +
+          [f"--gin_file={f}" for f in gin_files] +
+          [f"--gin_param={p}" for p in params] + [f"--workdir={workdir}"])
+
+
+def launcher_command(command: Sequence[str], processes: int, devices: int,
+                     max_restarts: int) -> list[str]:
+  return [sys.executable, "-m", "launch.local", f"--num_processes={processes}",
+          f"--devices_per_process={devices}", f"--max_restarts={max_restarts}", "--",
+          *command]
+
+
+def _finished(workdir: str, steps: int) -> bool:
+  return steps in complete_steps(os.path.join(workdir, "checkpoints"))
+
+
+def format_report(report: dict[str, Any]) -> str:
+  """The text form of the report."""
+  lines = [f"chaos run: {report['processes']} processes x {report['devices_per_process']}"
+           f" devices, {report['steps']} steps, {len(report['faults'])} faults "
+           f"(seed {report['seed']}), local tier "
+           f"{'every %d steps' % report['local_every'] if report['local_every'] else 'off'}"
+           f", persistent every {report['checkpoint_every'] or 'config'} steps",
+           "fault  kind     process  at step  resumed from        lost  recover"]
+  for i, f in enumerate(report["faults"], 1):
+    resumed = (f"{f['resumed_step']} ({f['tier']})" if f["resumed_step"] is not None
+               else "-")
+    recover = f"{f['recover_s']:.1f} s" if f["recover_s"] is not None else "-"
+    lines.append(f"{i:>5}  {f['kind']:<7}  {f['process']:>7}  {str(f['at_step']):>7}  "
+                 f"{resumed:<18}  {str(f['steps_lost']):>4}  {recover}")
+  loss = report["loss_check"]
+  lines.append(f"loss curve: {loss['steps_compared']} steps compared with the "
+               f"uninterrupted run, max relative difference {loss['max_rel_diff']:.2e} "
+               f"({'equal' if loss['equal'] else 'DIFFERENT'} within {loss['tolerance']})")
+  if report["goodput"]:
+    lines.append(goodput.format_totals(report["goodput"]))
+  if report["median_recover_s"] is not None:
+    lines.append(f"steps lost {report['steps_lost']}, median time to recover "
+                 f"{report['median_recover_s']:.1f} s, wall {format_duration(report['wall_s'])}"
+                 f", launcher relaunches after preemption {report['relaunches']}")
+  lines.append(f"verdict: {report['verdict']}")
+  return "\n".join(lines)
+
+
+def run_chaos(workdir: str, *, steps: int, faults: int, seed: int, processes: int,
+              devices: int, gin_files: Sequence[str], gin_params: Sequence[str],
+              local_every: int, checkpoint_every: Optional[int], tolerance: float,
+              reference_workdir: Optional[str], timeout_s: float) -> dict[str, Any]:
+  """Trains the reference and the faulted run; returns the report (also written)."""
+  workdir = os.path.abspath(workdir)
+  chaos_dir = os.path.join(workdir, "chaos")
+  if os.path.exists(chaos_dir):
+    raise usage_error(f"{chaos_dir} exists (a previous chaos run); pass a new --workdir")
+  os.makedirs(workdir, exist_ok=True)
+  reference_dir = os.path.abspath(reference_workdir or os.path.join(workdir, "reference"))
+  params = list(gin_params)
+  if checkpoint_every:
+    params.append(f"CHECKPOINT_EVERY={checkpoint_every}")
+  plan = plan_faults(steps, faults, processes, seed)
+
+  if not _finished(reference_dir, steps):
+    print(f"launch.chaos: training the uninterrupted reference in {reference_dir}",
+          flush=True)
+    with open(os.path.join(workdir, "reference.log"), "a", encoding="utf-8") as log:
+      code = subprocess.call(launcher_command(
+          training_command(reference_dir, steps, gin_files, params), processes, devices, 0),
+          stdout=log, stderr=subprocess.STDOUT)
+    if code != 0 or not _finished(reference_dir, steps):
+      raise UserError(f"launch.chaos: the reference run failed (exit {code}; see "
+                      f"{workdir}/reference.log)", EXIT_FAILED)
+
+  chaos_params = list(params)
+  if local_every:
+    chaos_params += [f"CheckpointConfig.local_dir='{os.path.join(workdir, 'local')}'",
+                     f"CheckpointConfig.local_every={local_every}"]
+  print(f"launch.chaos: training under {faults} faults in {chaos_dir}", flush=True)
+  started = time.monotonic()
+  run = ChaosRun(launcher_command(training_command(chaos_dir, steps, gin_files, chaos_params),
+                                  processes, devices, max_restarts=faults + 2),
+                 chaos_dir, plan, max_relaunches=faults + 2, timeout_s=timeout_s,
+                 log_path=os.path.join(workdir, "chaos.log"))
+  run.run(lambda: _finished(chaos_dir, steps))
+  wall = time.monotonic() - started
+
+  rows = read_rows(chaos_dir)
+  loss = compare_losses(train_rows(read_rows(reference_dir)), train_rows(rows), tolerance)
+  recovered = [f.recover_s for f in plan if f.recover_s is not None]
+  # A fault sent so late that the run finished without a restart is reported, not failed.
+  unanswered = [f for f in plan if f.sent_s is not None and f.recover_s is None]
+  all_injected = all(f.sent_s is not None for f in plan)
+  report = {
+      "steps": steps, "processes": processes, "devices_per_process": devices,
+      "seed": seed, "local_every": local_every, "checkpoint_every": checkpoint_every,
+      "gin_files": list(gin_files), "gin_params": list(gin_params),
+      "faults": [dataclasses.asdict(f) for f in plan],
+      "steps_lost": sum(f.steps_lost or 0 for f in plan),
+      "median_recover_s": statistics.median(recovered) if recovered else None,
+      "relaunches": run.relaunches, "wall_s": wall,
+      "restarts": [row for row in rows if row.get("kind") == goodput.RESTART],
+      "loss_check": loss, "goodput": goodput.run_totals(rows),
+      "reference_goodput": goodput.run_totals(read_rows(reference_dir)),
+      "verdict": "pass" if loss["equal"] and all_injected else "fail",
+  }
+  with open(os.path.join(workdir, "chaos_report.json"), "w", encoding="utf-8") as f:
+    json.dump(report, f, indent=1)
+  text = format_report(report)
+  if not all_injected:
+    text += "\n(not every planned fault was injected before the run ended)"
+  elif unanswered:
+    text += (f"\n({len(unanswered)} fault(s) came so late that the run finished without a "
+             "restart)")
+  with open(os.path.join(workdir, "chaos_report.txt"), "w", encoding="utf-8") as f:
+    f.write(text + "\n")
+  return report | {"text": text}
+
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  flags.DEFINE_string("workdir", None, "Directory of the runs, logs and report.")
+  flags.DEFINE_integer("steps", 200, "Training steps.", lower_bound=4)
+  flags.DEFINE_integer("faults", 5, "Faults to inject.", lower_bound=1)
+  flags.DEFINE_integer("seed", 0, "Seeds the fault steps, kinds and processes.")
+  flags.DEFINE_integer("num_processes", 2, "Processes (simulated hosts).", lower_bound=1)
+  flags.DEFINE_integer("devices_per_process", 2, "Simulated CPU devices per process.",
+                       lower_bound=1)
+  flags.DEFINE_multi_string("gin_file", ["configs/quickstart.gin"], "Training config.")
+  flags.DEFINE_multi_string("gin_param", [], "Extra Gin bindings of both runs.")
+  flags.DEFINE_integer("local_every", 10, "Local checkpoint tier interval of the faulted "
+                       "run in steps; 0 turns the local tier off.", lower_bound=0)
+  flags.DEFINE_integer("checkpoint_every", None, "Persistent checkpoint interval of both "
+                       "runs (default: the config's CHECKPOINT_EVERY).", lower_bound=1)
+  flags.DEFINE_float("tolerance", 1e-6, "Largest relative loss difference per step.")
+  flags.DEFINE_string("reference_workdir", None, "The uninterrupted run (trained there "
+                      "unless it already finished); default <workdir>/reference.")
+  flags.DEFINE_float("timeout_s", 3600.0, "Give up after this many seconds.")
+  flags.mark_flag_as_required("workdir")
+
+
+def main(argv: Sequence[str]) -> None:
+  cli.reject_extra_arguments(argv)
+  # Stopped from outside: unwind, so the running launcher and its processes are stopped.
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(EXIT_FAILED))
+  report = run_chaos(FLAGS.workdir, steps=FLAGS.steps, faults=FLAGS.faults,
+                     seed=FLAGS.seed, processes=FLAGS.num_processes,
+                     devices=FLAGS.devices_per_process, gin_files=FLAGS.gin_file,
+                     gin_params=FLAGS.gin_param, local_every=FLAGS.local_every,
+                     checkpoint_every=FLAGS.checkpoint_every, tolerance=FLAGS.tolerance,
+                     reference_workdir=FLAGS.reference_workdir, timeout_s=FLAGS.timeout_s)
+  print(report["text"], flush=True)
+  if report["verdict"] != "pass":
+    sys.exit(EXIT_FAILED)
+
+
+if __name__ == "__main__":
+  define_flags()
+  cli.run(main)

@@ -1,0 +1,182 @@
+"""The local checkpoint tier: frequent saves of each process's own shards to local disk.
+
+The persistent tier (`pretrain.checkpointing.Checkpointer`, `workdir/checkpoints`) is
+written every `checkpoint_every` steps to storage every host shares; a crash loses the
+steps since. The local tier saves every `CheckpointConfig.local_every` steps to a
+directory on the host itself (a local SSD, `/dev/shm`), keeping only the newest one or
+two, so a crash whose host survives loses at most that interval.
+
+Why not Orbax's `experimental.emergency.CheckpointManager`: in the Orbax version this
+project pins it uses its local directory only when the mesh has more than one replica
+slice (it restores a lost slice's shards from a peer slice); on the common one-slice job
+it ignores the local directory. So each process runs a standard Orbax
+`CheckpointManager` of its own over its own directory (every process a primary host,
+`active_processes` this process alone: no cross-host barrier, no shared storage), and
+its array handler writes every shard the process holds, whatever its replica id (the
+settings Orbax's emergency manager uses for its local tier); plus a JSON item with the
+step, the RNG and the process's shard layout. Orbax's atomic finalize (temporary directory, rename, commit marker) means a
+step is listed only once complete; a directory without the marker is deleted on start.
+
+Restoring needs the same layout (same process count, mesh and shardings): a step whose
+recorded layout differs from the current one is not offered. Every process must restore
+the same step, so `Checkpointer` agrees on the newest step all processes hold.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+from typing import Any, Optional, Sequence
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+COMMIT_MARKER = "commit_success.txt"
+TMP_SUFFIX = ".orbax-checkpoint-tmp"
+
+
+def _committed(path: epath.Path) -> bool:
+  return (path / COMMIT_MARKER).exists()
+
+
+def process_directory(local_dir: str, workdir: str) -> epath.Path:
+  """`local_dir/<run key>/process_<i>_of_<n>`: one directory per run and process, so
+  processes sharing a machine (or a run sharing `/dev/shm` with another) never mix, and
+  a different process count never restores this layout."""
+  run_key = hashlib.sha1(os.path.abspath(workdir).encode()).hexdigest()[:12]
+  return (epath.Path(os.path.abspath(os.path.expanduser(local_dir))) / run_key /
+          f"process_{jax.process_index()}_of_{jax.process_count()}")
+
+
+def _index_key(index: tuple, shape: Sequence[int]) -> list[list[int]]:
+  """A shard's index (slices) as [[start, stop], ...] per dimension."""
+  return [[0 if s.start is None else int(s.start), dim if s.stop is None else int(s.stop)]
+          for s, dim in zip(index, shape)]
+
+
+def _leaf_layout(shape: Sequence[int], dtype: Any, indices: Sequence[tuple]) -> dict:
+  keys = []
+  for index in indices:
+    key = _index_key(index, shape)
+    if key not in keys:
+      keys.append(key)
+  return {"shape": list(shape), "dtype": np.dtype(dtype).name, "shards": keys}
+
+
+def expected_layout(abstract_leaves: Sequence[Any]) -> list[dict]:
+  """This process's shard layout of arrays with these shapes and shardings."""
+  layout = []
+  for leaf in abstract_leaves:
+    indices = leaf.sharding.addressable_devices_indices_map(leaf.shape).values()
+    layout.append(_leaf_layout(leaf.shape, leaf.dtype, sorted(
+        indices, key=lambda index: _index_key(index, leaf.shape))))
+  return layout
+
+
+class LocalCheckpointer:
+  """Saves and restores this process's shards of the train state under `directory`."""
+
+  def __init__(self, directory: epath.Path, keep: int, async_save: bool = True):
+    self.directory = directory
+    self.directory.mkdir(parents=True, exist_ok=True)
+    for path in self.directory.iterdir():
+      if (path.name.isdigit() and not _committed(path)) or TMP_SUFFIX in path.name:
+        logging.warning("Removing incomplete local checkpoint %s (interrupted save)", path)
+        shutil.rmtree(path, ignore_errors=True)
+    # Every process is the primary host of its own directory and synchronises with no
+    # other (the settings Orbax's emergency manager gives its local managers).
+    me = jax.process_index()
+    alone = ocp.options.MultiprocessingOptions(primary_host=None, active_processes={me},
+                                               barrier_sync_key_prefix=f"local{me}")
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=keep, save_interval_steps=1, enable_async_checkpointing=async_save,
+        create=False, cleanup_tmp_directories=False, multiprocessing_options=alone,
+        enable_per_process_directory_creation=True, save_root_metadata=False,
+        enable_background_delete=False)
+    # Arrays written by the process holding them, whatever their replica id (Orbax's
+    # default writes replica 0 only, from the primary host).
+    registry = ocp.type_handlers.create_type_handler_registry(
+        (jax.Array, ocp.type_handlers.ArrayHandler(primary_host=None, replica_id=None,
+                                                   use_replica_parallel=False)))
+    handlers = dict(
+        shards=ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True,
+                                           multiprocessing_options=alone,
+                                           type_handler_registry=registry),
+        layout=ocp.JsonCheckpointHandler(multiprocessing_options=alone))
+    self._manager = ocp.CheckpointManager(self.directory, options=options,
+                                          item_handlers=handlers)
+
+  def all_steps(self) -> list[int]:
+    """Complete local steps, ascending."""
+    return [step for step in self._manager.all_steps()
+            if _committed(self.directory / str(step))]
+
+  def _layout(self, step: int) -> dict:
+    restored = self._manager.restore(
+        step, args=ocp.args.Composite(layout=ocp.args.JsonRestore()))
+    return dict(restored["layout"])
+
+  def usable_steps(self, abstract_leaves: Sequence[Any]) -> list[int]:
+    """Complete steps saved with the layout these abstract arrays have now."""
+    expected = expected_layout(abstract_leaves)
+    usable = []
+    for step in self.all_steps():
+      try:
+        saved = self._layout(step)["leaves"]
+      except (OSError, ValueError, KeyError) as error:
+        logging.warning("Skipping unreadable local checkpoint %s: %s", step, error)
+        continue
+      if saved == expected:
+        usable.append(step)
+      else:
+        logging.warning("Local checkpoint %d has another shard layout; not restoring it",
+                        step)
+    return usable
+
+  def save(self, step: int, leaves: Sequence[jax.Array], rng: jax.Array) -> None:
+    """Saves this process's shards of the global arrays `leaves` as step `step`; Orbax
+    copies them to host memory before returning and writes in the background when
+    async."""
+    layout = expected_layout(leaves)
+    shards = {f"l{number:05d}": leaf for number, leaf in enumerate(leaves)}
+    record = {"step": int(step), "leaves": layout,
+              "rng": np.asarray(jax.random.key_data(rng)).tolist()}
+    self._manager.save(step, args=ocp.args.Composite(
+        shards=ocp.args.PyTreeSave(shards), layout=ocp.args.JsonSave(record)), force=True)
+
+  def restore(self, step: int, abstract_leaves: Sequence[Any]) -> tuple[list[jax.Array],
+                                                                         jax.Array]:
+    """The global arrays of `step` (laid out as `abstract_leaves`, which must match the
+    saved layout: see `usable_steps`) and its RNG; each process reads only its own
+    shards, from its own directory."""
+    record = self._layout(step)
+    restore_args = {f"l{number:05d}": ocp.ArrayRestoreArgs(sharding=leaf.sharding,
+                                                           global_shape=leaf.shape,
+                                                           dtype=leaf.dtype)
+                    for number, leaf in enumerate(abstract_leaves)}
+    shards = self._manager.restore(step, args=ocp.args.Composite(
+        shards=ocp.args.PyTreeRestore(restore_args=restore_args)))["shards"]
+    arrays = [shards[f"l{number:05d}"] for number in range(len(abstract_leaves))]
+    rng = jax.random.wrap_key_data(np.asarray(record["rng"], np.uint32))
+    return arrays, rng
+
+  def delete_after(self, step: int) -> None:
+    """Deletes local steps newer than `step`, the step the run resumes from: a host
+    may hold a step the others lack (one process died mid-save), and the run will save
+    that step again."""
+    for newer in [s for s in self._manager.all_steps() if s > step]:
+      self._manager.delete(newer)
+
+  def latest_step(self) -> Optional[int]:
+    steps = self.all_steps()
+    return steps[-1] if steps else None
+
+  def wait(self) -> None:
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    self._manager.wait_until_finished()
+    self._manager.close()

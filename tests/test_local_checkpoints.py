@@ -1,0 +1,177 @@
+"""The two checkpoint tiers with real Orbax checkpoints: restore takes the newest
+complete step of either, never a half-written or foreign-layout local one."""
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model.config import ModelConfig
+from pretrain import checkpointing as ckpt
+from pretrain.optimizer import OptimizerConfig, make_optimizer
+from pretrain.runtime import Runtime
+from sharding.mesh import MeshConfig
+
+CONFIG = ModelConfig(vocab_size=64, width=16, rnn_width=16, num_heads=2, depth=1,
+                     block_pattern=("recurrent", "attention"), attention_window=8)
+METADATA = {"model_config": {"width": 32}, "vocabulary": "byte", "sequence_length": 16}
+
+
+@pytest.fixture(scope="module")
+def state():
+  """Parameters sharded over fsdp x tensor (so shards differ per device), an optimizer
+  state with non-trivial moments, and their abstract trees."""
+  runtime = Runtime.create(CONFIG, MeshConfig(data=2, fsdp=2, tensor=2))
+  params = runtime.init_params(seed=0)
+  tx = make_optimizer(OptimizerConfig(), 10)
+  abstract_opt = runtime.opt_state_layout(tx)[0]
+
+  @jax.jit
+  def moments(params):
+    grads = jax.tree.map(lambda p: jnp.full_like(p, 0.25), params)
+    return tx.update(grads, tx.init(params), params)[1]
+  opt_state = jax.device_put(moments(params), jax.tree.map(lambda a: a.sharding,
+                                                             abstract_opt))
+  return runtime, params, opt_state, abstract_opt
+
+
+@pytest.fixture(scope="module")
+def saved(state, tmp_path_factory):
+  """A run directory with persistent step 4 and local steps 4 (a save that was then
+  made persistent too) and 6 (params and moments doubled, another RNG); tests copy it."""
+  _, params, opt_state, _ = state
+  root = tmp_path_factory.mktemp("saved")
+  saver = _checkpointer(root)
+  _save_both(saver, params, opt_state, persistent_step=4, local_step=6)
+  saver.close()
+  return root
+
+
+@pytest.fixture()
+def run_dir(saved, tmp_path):
+  """A copy of `saved`; the local tier's per-run directory is keyed by the workdir's
+  path, so it is renamed to the copy's key."""
+  shutil.copytree(saved, tmp_path, dirs_exist_ok=True)
+  old = ckpt.process_directory(str(tmp_path / "local"), str(saved / "run")).parent
+  new = ckpt.process_directory(str(tmp_path / "local"), str(tmp_path / "run")).parent
+  os.rename(old, new)
+  return tmp_path
+
+
+def _checkpointer(tmp_path, local=True):
+  config = ckpt.CheckpointConfig(local_dir=str(tmp_path / "local") if local else None,
+                                 local_every=2, local_keep=2, async_save=False)
+  return ckpt.Checkpointer(str(tmp_path / "run"), config)
+
+
+def _scaled(tree, factor):
+  return jax.tree.map(lambda x: x * factor if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                      tree)
+
+
+def _save_both(checkpointer, params, opt_state, persistent_step, local_step):
+  rng = jax.random.key(7)
+  checkpointer.save(persistent_step, params=params, opt_state=opt_state, rng=rng,
+                    metadata=METADATA)
+  checkpointer.save_local(local_step, params=_scaled(params, 2.0),
+                          opt_state=_scaled(opt_state, 2.0), rng=jax.random.key(9))
+  checkpointer.wait()
+
+
+def _restore(checkpointer, runtime, abstract_opt):
+  return checkpointer.restore_newest(abstract_params=runtime.abstract_params,
+                                     abstract_opt_state=abstract_opt)
+
+
+def _assert_equal(a, b):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    assert x.sharding.is_equivalent_to(y.sharding, x.ndim)
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_newer_local_step_is_restored_exactly(run_dir, state):
+  runtime, params, opt_state, abstract_opt = state
+
+  restored = _restore(_checkpointer(run_dir), runtime, abstract_opt)
+  assert (restored["tier"], restored["step"]) == ("local", 6)
+  _assert_equal(restored["params"], _scaled(params, 2.0))
+  _assert_equal(restored["opt_state"], _scaled(opt_state, 2.0))
+  np.testing.assert_array_equal(jax.random.key_data(restored["rng"]),
+                                jax.random.key_data(jax.random.key(9)))
+
+
+def test_wiped_local_dir_falls_back_to_persistent(run_dir, state):
+  runtime, params, opt_state, abstract_opt = state
+  shutil.rmtree(run_dir / "local")   # the host was replaced
+
+  restored = _restore(_checkpointer(run_dir), runtime, abstract_opt)
+  assert (restored["tier"], restored["step"]) == ("persistent", 4)
+  _assert_equal(restored["params"], params)
+  _assert_equal(restored["opt_state"], opt_state)
+
+
+def test_half_written_local_step_is_ignored_and_removed(run_dir, state):
+  runtime, params, opt_state, abstract_opt = state
+  process_dir = ckpt.process_directory(str(run_dir / "local"), str(run_dir / "run"))
+  # A save cut short after the rename but before the commit marker (non-atomic storage),
+  # and one cut short before the rename.
+  shutil.copytree(process_dir / "6", process_dir / "8")
+  os.remove(process_dir / "8" / ckpt.COMMIT_MARKER)
+  shutil.copytree(process_dir / "6", process_dir / "10.orbax-checkpoint-tmp-123")
+
+  resumer = _checkpointer(run_dir)
+  restored = _restore(resumer, runtime, abstract_opt)
+  assert (restored["tier"], restored["step"]) == ("local", 6)
+  assert not (process_dir / "8").exists()
+  assert resumer.local.all_steps() == [6]
+
+
+def test_persistent_step_newer_than_local_wins(run_dir, state):
+  runtime, params, opt_state, abstract_opt = state
+  saver = _checkpointer(run_dir)
+  saver.save(8, params=params, opt_state=opt_state, rng=jax.random.key(7),
+             metadata=METADATA)
+  saver.close()
+  restored = _restore(_checkpointer(run_dir), runtime, abstract_opt)
+  assert (restored["tier"], restored["step"]) == ("persistent", 8)
+
+
+def test_local_step_of_another_layout_is_not_offered(run_dir, state):
+  runtime, params, opt_state, _ = state
+  other = Runtime.create(CONFIG, MeshConfig(data=8))   # another mesh: other shards
+  tx = make_optimizer(OptimizerConfig(), 10)
+  resumer = _checkpointer(run_dir)
+  restored = _restore(resumer, other, other.opt_state_layout(tx)[0])
+  assert (restored["tier"], restored["step"]) == ("persistent", 4)
+  # The run continues from step 4 and will save step 6 again: the stale one is gone.
+  assert resumer.local.all_steps() == []
+
+
+def test_keep_policy_and_no_local_tier(run_dir, state):
+  _, params, opt_state, _ = state
+  saver = _checkpointer(run_dir / "fresh")
+  for step in (2, 4, 6):
+    saver.save_local(step, params=params, opt_state=opt_state, rng=jax.random.key(0))
+  saver.wait()
+  assert saver.local.all_steps() == [4, 6]   # local_keep=2
+  saver.close()
+  plain = _checkpointer(run_dir / "plain", local=False)
+  assert plain.local is None
+  plain.save_local(2, params=params, opt_state=opt_state, rng=jax.random.key(0))  # no-op
+  plain.close()
+
+
+@pytest.mark.parametrize("steps, newest", [
+    ([[4, 6]], 6), ([[4, 6], [4, 6]], 6), ([[4, 6], [4]], 4), ([[4, 6], []], None),
+    ([[6, 8], [4, 6], [6]], 6), ([[]], None)])
+def test_processes_agree_on_their_newest_common_step(steps, newest):
+  assert ckpt.newest_common_step(steps) == newest
+
+
+@pytest.mark.parametrize("field, value", [("local_every", 0), ("local_keep", 0),
+                                          ("local_keep", ckpt.MAX_LOCAL_KEEP + 1)])
+def test_bad_local_settings_name_the_field(field, value):
+  with pytest.raises(ValueError, match=f"CheckpointConfig.{field}"):
+    ckpt.CheckpointConfig(**{field: value})
