@@ -12,7 +12,8 @@ writes into --out (PNG, matplotlib's Agg backend, no display needed):
   goodput.png     per run, the wall time of the whole run (all sessions) stacked by
                   category (`pretrain.goodput`) against wall-clock time, with the
                   goodput % in the title
-and prints the paths. A workdir without metrics is a one-line error (exit 2).
+and prints the paths. A --workdir may be local, gs:// or s3://; --out is a local
+directory. A workdir without metrics is a one-line error (exit 2).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from absl import flags
 
 from pretrain import cli
 from pretrain import goodput
+from pretrain import storage
 from pretrain.errors import usage_error
 
 _DPI = 120
@@ -39,11 +41,11 @@ def _pyplot():
 
 def read_run(workdir: str) -> list[dict]:
   """The rows of `workdir/metrics.jsonl`; a usage error when there are none."""
-  path = os.path.join(workdir, "metrics.jsonl")
+  path = storage.join(workdir, "metrics.jsonl")
   rows = []
-  if os.path.exists(path):
-    with open(path, encoding="utf-8") as f:
-      rows = [json.loads(line) for line in f if line.endswith("\n")]
+  if storage.exists(path):  # local, gs:// or s3://
+    rows = [json.loads(line) for line in storage.read_text(path).splitlines(True)
+            if line.endswith("\n")]
   if not rows:
     raise usage_error(f"no metrics in {path}: pass the --workdir of a training run "
                       "(python -m pretrain.train ... --workdir=DIR)")
