@@ -33,6 +33,7 @@ import tempfile
 import uuid
 from typing import Any, Callable, TypeVar
 
+import fsspec.config
 from etils import epath
 from orbax.checkpoint._src.serialization import tensorstore_utils as _orbax_ts_utils
 
@@ -42,6 +43,11 @@ SCHEMES = ("gs://", "s3://")
 # gcsfs logs each request that ran out of retries with a traceback; `guarded` reports the
 # failure itself, in one line.
 logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
+# gcsfs and s3fs cache directory listings for the life of a process; other processes
+# (the other hosts, a restarted run, Orbax's own writes) change a bucket under it, and a
+# stale listing hides checkpoint steps. List afresh every time.
+for _protocol in ("gs", "gcs", "s3"):
+  fsspec.config.conf.setdefault(_protocol, {}).setdefault("use_listings_cache", False)
 T = TypeVar("T")
 
 
