@@ -34,6 +34,7 @@ import uuid
 from typing import Any, Callable, TypeVar
 
 import fsspec.config
+import fsspec.exceptions
 from etils import epath
 from orbax.checkpoint._src.serialization import tensorstore_utils as _orbax_ts_utils
 
@@ -89,7 +90,16 @@ def makedirs(path: str) -> None:
 
 
 def read_bytes(path: str) -> bytes:
-  return guarded(path, lambda: as_path(path).read_bytes())
+  """The whole file; an object replaced while being read (a writer's new version) is
+  read again, up to 3 times."""
+  def read():
+    for attempt in range(3):
+      try:
+        return as_path(path).read_bytes()
+      except fsspec.exceptions.FileExpired:
+        if attempt == 2:
+          raise
+  return guarded(path, read)
 
 
 def read_text(path: str) -> str:
