@@ -174,7 +174,8 @@ def check_writable(directory: str, flag: str = "--workdir") -> None:
     raise usage_error(f"{flag} {directory} is a file, not a directory; choose a "
                       "directory (it is created if missing)")
   try:
-    makedirs(directory)
+    if not is_url(directory):  # on S3, s3fs's makedirs would create a missing bucket
+      makedirs(directory)
     if is_url(directory):
       probe = join(directory, f".write_test-{uuid.uuid4().hex[:8]}")
       write_bytes(probe, b"")
