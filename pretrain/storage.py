@@ -33,6 +33,8 @@ import tempfile
 import uuid
 from typing import Any, Callable, TypeVar
 
+import fsspec.config
+import fsspec.exceptions
 from etils import epath
 from orbax.checkpoint._src.serialization import tensorstore_utils as _orbax_ts_utils
 
@@ -42,6 +44,11 @@ SCHEMES = ("gs://", "s3://")
 # gcsfs logs each request that ran out of retries with a traceback; `guarded` reports the
 # failure itself, in one line.
 logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
+# gcsfs and s3fs cache directory listings for the life of a process; other processes
+# (the other hosts, a restarted run, Orbax's own writes) change a bucket under it, and a
+# stale listing hides checkpoint steps. List afresh every time.
+for _protocol in ("gs", "gcs", "s3"):
+  fsspec.config.conf.setdefault(_protocol, {}).setdefault("use_listings_cache", False)
 T = TypeVar("T")
 
 
@@ -83,7 +90,16 @@ def makedirs(path: str) -> None:
 
 
 def read_bytes(path: str) -> bytes:
-  return guarded(path, lambda: as_path(path).read_bytes())
+  """The whole file; an object replaced while being read (a writer's new version) is
+  read again, up to 3 times."""
+  def read():
+    for attempt in range(3):
+      try:
+        return as_path(path).read_bytes()
+      except fsspec.exceptions.FileExpired:
+        if attempt == 2:
+          raise
+  return guarded(path, read)
 
 
 def read_text(path: str) -> str:
@@ -158,7 +174,8 @@ def check_writable(directory: str, flag: str = "--workdir") -> None:
     raise usage_error(f"{flag} {directory} is a file, not a directory; choose a "
                       "directory (it is created if missing)")
   try:
-    makedirs(directory)
+    if not is_url(directory):  # on S3, s3fs's makedirs would create a missing bucket
+      makedirs(directory)
     if is_url(directory):
       probe = join(directory, f".write_test-{uuid.uuid4().hex[:8]}")
       write_bytes(probe, b"")
