@@ -14,6 +14,7 @@ from trainer_helpers import (assert_ok, read_metrics, train_losses,  # pylint: d
                              trained_workdir, trainer_env)
 
 
+@pytest.mark.slow
 def test_run_writes_config_checkpoints_metrics_and_tensorboard(trained_workdir):
   workdir, result = trained_workdir
   with open(os.path.join(workdir, "config.gin"), encoding="utf-8") as f:
@@ -125,6 +126,7 @@ def test_second_ctrl_c_aborts_at_once(trainer_env, tmp_path):
   assert process.returncode == -signal.SIGINT
 
 
+@pytest.mark.slow
 def test_trained_run_logs_goodput_that_sums_to_its_wall_time(trained_workdir):
   workdir, result = trained_workdir
   rows = read_metrics(workdir)
@@ -141,6 +143,7 @@ def test_trained_run_logs_goodput_that_sums_to_its_wall_time(trained_workdir):
   assert "goodput " in result.stdout and "over 1 session:" in result.stdout
 
 
+@pytest.mark.slow
 def test_report_writes_plots_of_two_runs_side_by_side(trained_workdir, tmp_path):
   workdir, _ = trained_workdir
   second = tmp_path / "resumed"
