@@ -36,7 +36,7 @@ NOISE_PATTERNS = (
     r"^E\d{4} \d\d:\d\d:.*(cuInit|cuda_|cudart|libtpu|TPU_)",  # no GPU/TPU here
     r"^To enable the following instructions: .* rebuild TensorFlow",
     r"(TPU_ACCELERATOR_TYPE|TPU_WORKER_HOSTNAMES)",
-    r"^=== Source Location Trace: ===$",
+    r"^=== Source Location Trace: ===\s*$",  # printed with a trailing space
     r"^learning/.*\.cc:\d+$",
     r"Rank connected",
     # Apache Beam (pretrain.data.prepare): optional Google Cloud clients it did not find,
