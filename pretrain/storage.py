@@ -34,7 +34,6 @@ import uuid
 from typing import Any, Callable, TypeVar
 
 import fsspec.config
-import fsspec.exceptions
 from etils import epath
 from orbax.checkpoint._src.serialization import tensorstore_utils as _orbax_ts_utils
 
@@ -96,8 +95,8 @@ def read_bytes(path: str) -> bytes:
     for attempt in range(3):
       try:
         return as_path(path).read_bytes()
-      except fsspec.exceptions.FileExpired:
-        if attempt == 2:
+      except OSError as error:  # s3fs.utils.FileExpired: replaced while being read
+        if type(error).__name__ != "FileExpired" or attempt == 2:
           raise
   return guarded(path, read)
 

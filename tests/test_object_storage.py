@@ -37,11 +37,13 @@ _STORAGE_PREFIXES = ("AWS_", "STORAGE_", "TENSORSTORE_", "GOOGLE_AUTH", "FSSPEC_
 
 
 def bucket_rows(workdir: str) -> list[dict]:
+  """The per-step rows of the run's metrics.jsonl (training and evaluation)."""
   path = storage.join(workdir, "metrics.jsonl")
   if not storage.exists(path):
     return []
-  return [json.loads(line) for line in storage.read_text(path).splitlines(True)
+  rows = [json.loads(line) for line in storage.read_text(path).splitlines(True)
           if line.endswith("\n")]
+  return [row for row in rows if "kind" not in row]  # step rows, not goodput records
 
 
 def storage_env(trainer_env, **overrides) -> dict:
