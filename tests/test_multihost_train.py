@@ -136,15 +136,22 @@ def test_two_processes_reproduce_one_process(trainer_env, two_process_run, tmp_p
   assert {"ocdbt.process_0", "ocdbt.process_1"} <= set(os.listdir(params))
 
 
-@pytest.mark.slow
-def test_sigterm_to_one_process_saves_one_step_on_all(preempted_run):
-  workdir, code, output = preempted_run
+def _agreed_saved_step(code, output):
+  """The one step both processes agreed to save after a signal, checking the launch
+  exited 0 and each process announced that same step."""
   assert code == 0, output[-3000:]
   saved = set(re.findall(r"^\[(\d)\] .*all processes save step (\d+)", output, re.M))
   assert {index for index, _ in saved} == {"0", "1"}, output[-3000:]
   assert len({step for _, step in saved}) == 1, saved
   step = int(saved.pop()[1])
   assert 3 <= step < STEPS
+  return step
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_process_saves_one_step_on_all(preempted_run):
+  workdir, code, output = preempted_run
+  step = _agreed_saved_step(code, output)
   assert f"Preempted: saved step {step}" in output
   assert complete_steps(os.path.join(workdir, "checkpoints"))[-1] == step
 
@@ -154,12 +161,7 @@ def test_ctrl_c_to_the_launcher_saves_one_step_on_all(trainer_env, tmp_path):
   workdir = str(tmp_path / "interrupted")
   code, output, seconds = _run_and_signal(trainer_env, workdir, signal.SIGINT, after_steps=3,
                                           to_launcher=True)
-  assert code == 0, output[-3000:]
-  saved = set(re.findall(r"^\[(\d)\] .*all processes save step (\d+)", output, re.M))
-  assert {index for index, _ in saved} == {"0", "1"}, output[-3000:]
-  assert len({step for _, step in saved}) == 1, saved
-  step = int(saved.pop()[1])
-  assert 3 <= step < STEPS
+  step = _agreed_saved_step(code, output)
   assert complete_steps(os.path.join(workdir, "checkpoints"))[-1] == step
   assert "launch.local: restart" not in output   # an interrupt is never restarted
   assert seconds < 60
