@@ -87,8 +87,12 @@ class GoodputClock:
     steps = [row for row in dropped if "loss" in row and "kind" not in row]
     if steps:
       self.lost_steps = max(row["step"] for row in steps) - restored_step
-      # The median: a session's first logged step time includes its compilation.
-      self.lost_s = self.lost_steps * statistics.median(row["step_time_s"] for row in steps)
+      # The median over every step row of the run, not only the dropped ones: a session's
+      # first logged step time includes its compilation, and when that row is the only
+      # one dropped it alone would price the lost steps at a compile each.
+      timed = [row["step_time_s"] for row in list(earlier) + list(dropped)
+               if "loss" in row and "kind" not in row and "step_time_s" in row]
+      self.lost_s = self.lost_steps * statistics.median(timed)
     return {"kind": RESTART, "step": int(restored_step), "session": self.session,
             "tier": tier, "redone_from": restored_step + 1,
             "redone_to": restored_step + self.lost_steps, "lost_steps": self.lost_steps,

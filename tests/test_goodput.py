@@ -46,6 +46,15 @@ def test_resumed_session_is_charged_redone_steps_and_downtime():
   assert goodput.GoodputClock().resume(0, None, [_train_row(1)], []) is None  # first
 
 
+def test_one_dropped_step_that_paid_a_compile_is_priced_at_the_runs_step_time():
+  """A session killed right after its first logged step: that row's time includes the
+  compilation, so the run's other step rows price the redone step."""
+  first = goodput.GoodputClock()
+  earlier = [_train_row(s, 0.5) for s in (1, 2, 3)] + [first.row(3) | {"time": time.time()}]
+  restart = goodput.GoodputClock().resume(3, "persistent", earlier, [_train_row(4, 20.0)])
+  assert restart["lost_steps"] == 1 and abs(restart["lost_s"] - 0.5) < 1e-9
+
+
 def test_run_totals_add_sessions_and_move_lost_time_out_of_productive():
   rows = [
       {"kind": "goodput", "session": 1, "time": 0, "wall_s": 50.0, "productive_s": 30.0,
