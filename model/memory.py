@@ -33,27 +33,36 @@ activations while it is recomputed; "save_matmuls" keeps the matmul outputs.
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
+from model import counting, lm
 from model.config import BlockType, ModelConfig
 from sharding import mesh as mesh_lib
-from sharding import rules as rules_lib
-from model import counting, lm
 from sharding import partition
-import optax
-from model import lm
-from model import counting
+from sharding import rules as rules_lib
 
 PARAM_BYTES = 4          # float32 master weights
 ADAM_MOMENTS = 2         # AdamW's mu and nu, float32, sharded like the params
 UPDATE_WORKSPACE = 2     # temporaries of the optimizer update, in parameter shards
 COMPILED_MAX_PARAMS = 50_000_000
+# Activation buffers per token, in units of one channel of the named width (compute-dtype
+# elements, float32 elements); see the module docstring for what they stand for and which
+# were calibrated against libtpu's compiled peaks.
+KEEP_RESIDUAL = 2            # x D, compute dtype: block input and mid-block residual
+KEEP_MLP = 2                 # x M/t, compute dtype: gate and up projections
+BACKWARD_MLP = (2, 2)        # x M/t: GeLU and product gradients
+KEEP_RNN = (3, 10)           # x R/t: branch outputs; gates, decay, normaliser, scan, h
+BACKWARD_RNN = (2, 7)        # x R/t: the scan's and gates' gradients
+KEEP_SCORES = 2              # x score, float32: masked scores and probabilities
+BACKWARD_SCORES = (2, 0)     # x score, compute dtype: probabilities and their gradient
+LOGITS_RESIDENT = 1          # x V/t, float32: the logits' gradient, live all backward
+OUTPUT_BACKWARD = 2          # x V/t, float32: logits and log-softmax while it is formed
 _KEYS = ("params", "optimizer", "gradients", "activations", "workspace", "total")
 
 
@@ -104,50 +113,80 @@ def param_bytes_per_device(config: ModelConfig, mesh: Mapping[str, int],
   return total
 
 
-def _activation_elements_per_token(config: ModelConfig, seq: int, tensor: int,
-                                   remat: str) -> tuple[float, float]:
-  """(elements in the compute dtype, float32 elements) saved per token on one device."""
+def _score_columns(config: ModelConfig, seq: int) -> int:
+  """Key columns of the float32 score matrix one query materialises: 2·window on the
+  blocked local path (T > window), else T (global, or a call within the window)."""
+  window = config.attention_window
+  return 2 * window if window is not None and seq > window else seq
+
+
+def _block_buffers(config: ModelConfig, block_type: str, seq: int, tensor: int
+                   ) -> tuple[tuple[float, float], tuple[float, float]]:
+  """((kept), (backward extra)) of one residual block, each (compute-dtype elements,
+  float32 elements) per token on one device; see the module docstring."""
   d, r, m, t = config.width, config.rnn_width, config.mlp_width, tensor
-  head_dim = config.head_dim
-
-  def block(block_type: str, matmuls_only: bool) -> tuple[float, float]:
-    if matmuls_only:
-      temporal = {BlockType.RECURRENT.value: (2 * r / t + d, 2 * r / t),
-                  BlockType.ATTENTION.value: (d / t + 2 * head_dim + d, 0.0),
-                  BlockType.GATELOOP.value: (3 * d / t + d, 2 * d / t)}[block_type]
-      return temporal[0] + 2 * m / t + d, temporal[1]
-    temporal = {
-        BlockType.RECURRENT.value: ((6 + 2 * config.conv_width) * r / t, 12 * r / t),
-        BlockType.ATTENTION.value: (2 * d / t + 2 * head_dim,
-                                    3 * (config.num_heads / t) * seq),
-        BlockType.GATELOOP.value: (3 * d / t, 12 * d / t),
-    }[block_type]
-    return 6 * d + 6 * m / t + temporal[0], temporal[1]
-
-  def total(types, matmuls_only=False):
-    parts = [block(b, matmuls_only) for b in types]
-    return sum(p[0] for p in parts), sum(p[1] for p in parts)
-
-  output = (float(d), 3 * config.vocab_size / t)
-  unit = config.block_pattern
-  units = config.num_scanned_units
-  tail = config.remainder_block_types
-  if remat == "none":
-    c, f = total(config.block_types)
-  elif remat == "full":
-    one_unit = total(unit)
-    c, f = units * d + one_unit[0], one_unit[1]
-    tail_c, tail_f = total(tail)
-    c, f = c + tail_c, f + tail_f
-  elif remat == "save_matmuls":
-    saved = total(unit, matmuls_only=True)
-    live = total(unit)
-    tail_c, tail_f = total(tail)
-    c = units * saved[0] + live[0] + tail_c
-    f = units * saved[1] + live[1] + tail_f
+  mlp_kept = (KEEP_RESIDUAL * d + KEEP_MLP * m / t, 0.0)
+  mlp_extra = (BACKWARD_MLP[0] * m / t, BACKWARD_MLP[1] * m / t)
+  if block_type == BlockType.RECURRENT.value:
+    kept = (KEEP_RNN[0] * r / t, KEEP_RNN[1] * r / t)
+    extra = (BACKWARD_RNN[0] * r / t, BACKWARD_RNN[1] * r / t)
+  elif block_type == BlockType.ATTENTION.value:
+    scores = config.num_heads / t * _score_columns(config, seq)
+    kept = (2 * d / t + 2 * config.head_dim, KEEP_SCORES * scores)
+    extra = (BACKWARD_SCORES[0] * scores, BACKWARD_SCORES[1] * scores)
+  elif block_type == BlockType.GATELOOP.value:
+    kept = (3 * d / t, 12 * d / t)
+    extra = (3 * d / t, 12 * d / t)
   else:
-    raise ValueError(f"unknown remat policy {remat!r}")
-  return c + output[0], f + output[1]
+    raise ValueError(f"unknown block type {block_type!r}")
+  return ((kept[0] + mlp_kept[0], kept[1] + mlp_kept[1]),
+          (extra[0] + mlp_extra[0], extra[1] + mlp_extra[1]))
+
+
+def _saved_matmul_outputs(config: ModelConfig, block_type: str, tensor: int
+                          ) -> tuple[float, float]:
+  """What remat "save_matmuls" keeps of one block per token: its weight matmuls' outputs."""
+  d, r, m, t = config.width, config.rnn_width, config.mlp_width, tensor
+  temporal = {BlockType.RECURRENT.value: (2 * r / t + d, 2 * r / t),
+              BlockType.ATTENTION.value: (d / t + 2 * config.head_dim + d, 0.0),
+              BlockType.GATELOOP.value: (3 * d / t + d, 2 * d / t)}[block_type]
+  return temporal[0] + 2 * m / t + d, temporal[1]
+
+
+def activation_bytes_per_token(config: ModelConfig, seq: int, tensor: int) -> float:
+  """Peak bytes per token on one device of the activations of a training step (the
+  per-token part of the module docstring's model; the unit's weights come on top)."""
+  c_bytes = np.dtype(jnp.dtype(config.dtype)).itemsize
+  as_bytes = lambda buffers: buffers[0] * c_bytes + buffers[1] * 4
+  blocks = {b: tuple(map(as_bytes, _block_buffers(config, b, seq, tensor)))
+            for b in set(config.block_types)}
+  logits = config.vocab_size / tensor * 4
+  resident = LOGITS_RESIDENT * logits
+  if config.remat == "none":
+    return resident + sum(blocks[b][0] for b in config.block_types)
+  # Rematerialised units keep their inputs (with save_matmuls, their matmul outputs);
+  # the unscanned tail keeps everything. The peak is the backward pass of one block of
+  # the recomputed unit, or of the output.
+  units = config.num_scanned_units
+  if config.remat == "save_matmuls":
+    saved = units * sum(as_bytes(_saved_matmul_outputs(config, b, tensor))
+                        for b in config.block_pattern)
+  elif config.remat == "full":
+    saved = units * config.width * c_bytes
+  else:
+    raise ValueError(f"unknown remat policy {config.remat!r}")
+  saved += sum(blocks[b][0] for b in config.remainder_block_types)
+  busiest = max([OUTPUT_BACKWARD * logits] + [sum(blocks[b]) for b in config.block_pattern])
+  return saved + resident + busiest
+
+
+def unit_weight_bytes(config: ModelConfig, tensor: int) -> int:
+  """One scanned unit's weights in the compute dtype, as gathered over the FSDP axes
+  for its forward and backward (split over `tensor` only)."""
+  c_bytes = np.dtype(jnp.dtype(config.dtype)).itemsize
+  weights = sum(counting.block_matmul_params(config, b) + counting.mlp_matmul_params(config)
+                for b in config.block_pattern)
+  return int(weights * c_bytes / tensor)
 
 
 def activation_bytes_per_device(config: ModelConfig, mesh: Mapping[str, int], batch_size: int,
@@ -162,10 +201,8 @@ def activation_bytes_per_device(config: ModelConfig, mesh: Mapping[str, int], ba
     raise ValueError(f"sequence length {seq_len} is not divisible by the sequence axis "
                      f"({sizes['sequence']})")
   tokens = batch_size * seq_len / (batch_shards * sizes["sequence"])
-  compute, float32 = _activation_elements_per_token(config, seq_len, sizes["tensor"],
-                                                    config.remat)
-  compute_bytes = np.dtype(jnp.dtype(config.dtype)).itemsize
-  return int(tokens * (compute * compute_bytes + float32 * 4))
+  per_token = activation_bytes_per_token(config, seq_len, sizes["tensor"])
+  return int(tokens * per_token + unit_weight_bytes(config, sizes["tensor"]))
 
 
 def _analytic(config, sizes, batch_size, seq_len, rules):
@@ -266,13 +303,16 @@ def plan_memory(config: ModelConfig, mesh: Mapping[str, int], batch_size: int, s
   if method == "auto":
     small = counting.count_params(config).total <= COMPILED_MAX_PARAMS
     method = "compiled" if small and math.prod(sizes.values()) <= jax.device_count() else "analytic"
+  state = plan["params"] + plan["optimizer"] + plan["gradients"]
   if method == "compiled":
     compiled = compiled_train_step_memory(config, sizes, batch_size, seq_len, rules)
-    state = plan["params"] + plan["optimizer"] + plan["gradients"] + plan["workspace"]
     plan["activations"] = max(0, compiled["peak"] - state)
+    plan["total"] = compiled["peak"]
     plan["compiled"] = compiled
-  plan["total"] = sum(plan[k] for k in ("params", "optimizer", "gradients", "activations",
-                                        "workspace"))
+  else:
+    # The update's temporaries are allocated after the backward pass has freed the
+    # activations: the two never add.
+    plan["total"] = state + max(plan["activations"], plan["workspace"])
   plan["method"] = method
   plan["mesh"] = sizes
   plan["device_memory_bytes"] = (None if device_memory_gb is None
