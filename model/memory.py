@@ -4,35 +4,63 @@ Two methods, same result keys (bytes per device):
 
 * "analytic": parameters, AdamW moments and gradients are counted exactly from the
   model's parameter shapes and the sharding rules (each leaf's per-device shard);
-  activations saved for the backward pass are counted per token and layer from the
-  block structure (below). Instant for any size; the 14B preset on 128 devices plans in
-  about a second.
+  activations at the peak of the backward pass are estimated per token from the block
+  structure, with buffer counts calibrated against the TPU compiler (below). Instant
+  for any size; the 14B preset on 128 devices plans in seconds.
 * "compiled": the real train step (loss, gradients, AdamW update) is lowered and
   compiled ahead of time for the mesh on this machine's (simulated) devices, with
   abstract `jax.ShapeDtypeStruct` inputs carrying their shardings, and XLA's
   `memory_analysis()` gives the figure. Nothing is allocated, but the mesh must fit in
   the available devices and compiling must be affordable, so "auto" uses it only for
-  small models on small meshes. Tests hold the analytic count against it.
+  small models on small meshes (on CPU devices: XLA:CPU's figure, not a TPU's; for a
+  TPU slice use `pretrain.compile`).
 
-Activation model (per token on a device, saved for the backward pass, without remat):
-tokens per device = batch·seq / (replica·data·fsdp·sequence); widths the rules split
-over `tensor` (MLP, RNN channels, query heads, vocab) are divided by the tensor size.
-  residual stream, per block:   6·D        (block input, RMSNorm internals, mid residual)
-  gated MLP:                    6·M/t      (two up-projections, tanh-GeLU internals, product)
-  recurrent block:              (6 + 2·W)·R/t in the compute dtype (W_x, W_y, GeLU,
-                                Conv1D's W masked windows and partial sums, product)
-                                + 12·R/t in float32 (gate pre-activations and sigmoids,
-                                log a, a² and the normaliser, scan inputs, a, h)
-  MQA block:                    (2·D/t + 2·d) + 3·(N/t)·T float32 scores, mask, probs
-                                (the implementation materialises masked T×T scores)
-  GateLoop block:               3·D/t (q, k, v) + 12·D/t float32 (gates, complex state)
-  output:                       D + 3·V/t float32 (logits, log-softmax, its gradient)
-  workspace:                    2 × the parameter shard (the AdamW update's temporaries)
-With remat "full" only each scanned unit's input (D) is saved, plus one unit's
-activations while it is recomputed; "save_matmuls" keeps the matmul outputs.
+Analytic model of the peak (bytes per device). The total is
+    params + optimizer + gradients + max(activations, workspace)
+because the AdamW update's temporaries (workspace: 2 x the parameter shard) are allocated
+after the backward pass has freed the activations. Activations are a per-token part
+times tokens per device, batch·seq / (replica·data·fsdp·sequence), plus one scanned
+unit's weights in the compute dtype, split over `tensor` (the FSDP all-gather of the unit
+being computed). Widths the rules split over `tensor` (M = MLP, R = RNN channels, query
+heads, V = vocab) are divided by its size t. Per block and token, in buffers of that
+width (c: compute dtype, f: float32):
+                      kept for the backward pass          extra while its backward runs
+  residual + MLP      4·D c + 2·M/t c                      2·M/t c + 2·M/t f
+  recurrent           3·R/t c + 10·R/t f                   2·R/t c + 7·R/t f
+  attention           (2·D/t + 2·d) c + 2·S f              2·S c
+  GateLoop            3·D/t c + 12·D/t f                   the same again
+S = (N/t)·K is the score matrix's entries per query: K = 2·window on the blocked local
+path (T > window), else T. The output keeps one float32 copy of the logits' gradient
+(V/t f) live through the whole backward pass and needs two more while it is formed. So:
+  remat "none":          the logits' copy + the kept buffers of every block;
+  "full":                units·D c (each scanned unit's input) + the kept buffers of the
+                         unscanned tail + the logits' copy + the busiest single phase:
+                         one block's kept + extra buffers, or the output's two copies;
+  "save_matmuls":        as "full", with each unit's matmul outputs kept in place of its
+                         input.
+The TPU compiler schedules a rematerialised unit's recomputation next to each block's
+backward, so only one block's buffers peak at a time (a max, not a sum over the unit).
+
+Which numbers are measured. The structure (what is kept, that the phases do not add, that
+the logits' gradient stays live) and the buffer counts were read from libtpu's buffer
+assignment (its live-range dump at the peak) of Griffin, Hawk and MQA at 1.3B on v5p;
+the per-block counts were then rounded to whole buffers so the totals land on the
+compiled peaks: griffin, hawk and mqa 1.3B cut to one to three units, remat full, none
+and save_matmuls, fsdp and fsdp x tensor meshes, and griffin 7B cut to one unit on
+fsdp:2,tensor:4 (benchmarks/results/planner_vs_compiler.json; tests hold every record
+to within 25%, total and activations; benchmarks/RESULTS.md has the table). Nothing
+else is fitted: the GateLoop and CG-LRU rows are not calibrated (no compiled point),
+and the output rows assume the plain loss (TrainConfig.loss_chunks = 1).
+Known gaps: XLA:CPU keeps about twice these activations for small float32 models (it
+fuses less); with depth_scan_unroll > 1 the TPU compiler may recompute several units
+at once (griffin 1.3B at depth 6 unrolled: +2.7 GiB per chip in the buffer assignment),
+which the model does not count; the blocked local attention's backward adds about one
+float32 score matrix after buffer assignment (libtpu's low-level passes), covered by
+the rounding above rather than modelled.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Mapping, Optional, Sequence
 
@@ -54,7 +82,7 @@ COMPILED_MAX_PARAMS = 50_000_000
 # Activation buffers per token, in units of one channel of the named width (compute-dtype
 # elements, float32 elements); see the module docstring for what they stand for and which
 # were calibrated against libtpu's compiled peaks.
-KEEP_RESIDUAL = 2            # x D, compute dtype: block input and mid-block residual
+KEEP_RESIDUAL = 4            # x D, compute dtype: block input, mid residual, both norms
 KEEP_MLP = 2                 # x M/t, compute dtype: gate and up projections
 BACKWARD_MLP = (2, 2)        # x M/t: GeLU and product gradients
 KEEP_RNN = (3, 10)           # x R/t: branch outputs; gates, decay, normaliser, scan, h
@@ -80,7 +108,14 @@ def resolve_mesh(mesh: Mapping[str, int]) -> dict[str, int]:
 
 
 def _param_shapes_and_specs(config: ModelConfig):
-  return counting.param_shapes(config), lm.param_logical_axes(config)
+  # Shapes and logical axes do not depend on how the step runs (remat, depth unrolling):
+  # plans of one model under several policies trace it once.
+  return _traced_shapes_and_specs(config.replace(remat="none", depth_scan_unroll=None))
+
+
+@functools.lru_cache(maxsize=16)
+def _traced_shapes_and_specs(config: ModelConfig):
+  return lm.abstract_params_and_axes(config)
 
 
 def _shard_elements(shape: Sequence[int], spec: jax.sharding.PartitionSpec,
@@ -288,11 +323,12 @@ def plan_memory(config: ModelConfig, mesh: Mapping[str, int], batch_size: int, s
 
   Returns:
     {"params", "optimizer", "gradients", "activations", "workspace", "total"} in bytes
-    per device (total includes the optimizer update's workspace), plus "fits" (bool, or
-    None without `device_memory_gb`), "device_memory_bytes",
-    "method", "mesh" (all five axes) and, for "compiled", "compiled" (XLA's figures).
-    With "compiled", params/optimizer/gradients are the exact shard sizes and
-    activations is what XLA's peak leaves after them.
+    per device (total = params + optimizer + gradients + the larger of activations and
+    the optimizer update's workspace, which are never live together), plus "fits"
+    (bool, or None without `device_memory_gb`), "device_memory_bytes", "method", "mesh"
+    (all five axes) and, for "compiled", "compiled" (XLA's figures). With "compiled",
+    params/optimizer/gradients are the exact shard sizes, activations is what XLA's
+    peak leaves after them, and total is XLA's peak.
   """
   if method not in ("auto", "analytic", "compiled"):
     raise ValueError(f"plan_memory method must be auto, analytic or compiled, got {method!r}")
