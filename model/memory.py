@@ -19,44 +19,46 @@ Analytic model of the peak (bytes per device). The total is
     params + optimizer + gradients + max(activations, workspace)
 because the AdamW update's temporaries (workspace: 2 x the parameter shard) are allocated
 after the backward pass has freed the activations. Activations are a per-token part
-times tokens per device, batch·seq / (replica·data·fsdp·sequence), plus one scanned
-unit's weights in the compute dtype, split over `tensor` (the FSDP all-gather of the unit
-being computed). Widths the rules split over `tensor` (M = MLP, R = RNN channels, query
-heads, V = vocab) are divided by its size t. Per block and token, in buffers of that
-width (c: compute dtype, f: float32):
-                      kept for the backward pass          extra while its backward runs
-  residual + MLP      4·D c + 2·M/t c                      2·M/t c + 2·M/t f
-  recurrent           3·R/t c + 10·R/t f                   2·R/t c + 7·R/t f
-  attention           (2·D/t + 2·d) c + 2·S f              2·S c
-  GateLoop            3·D/t c + 12·D/t f                   the same again
+times tokens per device, batch·seq / (replica·data·fsdp·sequence), plus the weights of
+the units being computed in the compute dtype, split over `tensor` (the FSDP all-gather).
+Widths the rules split over `tensor` (M = MLP, R = RNN channels, query heads, V = vocab)
+are divided by its size t. What one residual block keeps for its backward pass, per
+token, in buffers of that width (c: compute dtype, f: float32):
+  residual + MLP      4·D c + 2·M/t c     (block input, mid residual, both norms' outputs;
+                                           gate and up projections)
+  recurrent           3·R/t c + 10·R/t f  (branch outputs; gates, decay, normaliser, h)
+  attention           (2·D/t + 2·d) c + 2·S f   (q, k, v; masked scores, probabilities)
+  GateLoop            3·D/t c + 12·D/t f
 S = (N/t)·K is the score matrix's entries per query: K = 2·window on the blocked local
-path (T > window), else T. The output keeps one float32 copy of the logits' gradient
-(V/t f) live through the whole backward pass and needs two more while it is formed. So:
-  remat "none":          the logits' copy + the kept buffers of every block;
+path (T > window), else T. The output's backward holds one float32 V/t copy (the
+logits' gradient). Then, per token:
+  remat "none":          the larger of the output's copy and every block's kept buffers;
   "full":                units·D c (each scanned unit's input) + the kept buffers of the
-                         unscanned tail + the logits' copy + the busiest single phase:
-                         one block's kept + extra buffers, or the output's two copies;
-  "save_matmuls":        as "full", with each unit's matmul outputs kept in place of its
-                         input.
-The TPU compiler schedules a rematerialised unit's recomputation next to each block's
-backward, so only one block's buffers peak at a time (a max, not a sum over the unit).
+                         unscanned tail + the larger of the output's copy and the kept
+                         buffers of the units one scan iteration recomputes together
+                         (`depth_unroll` of them; attention scores of at most
+                         SCORE_UNITS = 2 of them), and that many units' weights;
+  "save_matmuls":        each unit's matmul outputs (and Conv1D output, attention scores)
+                         + the tail + the larger of the output's copy and the largest
+                         block's remaining kept buffers (recomputed).
+Backward-pass temporaries of a block (gradients of its internals) do not appear: the TPU
+compiler frees the recomputed buffers as the block's backward consumes them, and at the
+peaks measured they fit inside the kept set.
 
-Which numbers are measured. The structure (what is kept, that the phases do not add, that
-the logits' gradient stays live) and the buffer counts were read from libtpu's buffer
-assignment (its live-range dump at the peak) of Griffin, Hawk and MQA at 1.3B on v5p;
-the per-block counts were then rounded to whole buffers so the totals land on the
-compiled peaks: griffin, hawk and mqa 1.3B cut to one to three units, remat full, none
-and save_matmuls, fsdp and fsdp x tensor meshes, and griffin 7B cut to one unit on
-fsdp:2,tensor:4 (benchmarks/results/planner_vs_compiler.json; tests hold every record
-to within 25%, total and activations; benchmarks/RESULTS.md has the table). Nothing
-else is fitted: the GateLoop and CG-LRU rows are not calibrated (no compiled point),
-and the output rows assume the plain loss (TrainConfig.loss_chunks = 1).
-Known gaps: XLA:CPU keeps about twice these activations for small float32 models (it
-fuses less); with depth_scan_unroll > 1 the TPU compiler may recompute several units
-at once (griffin 1.3B at depth 6 unrolled: +2.7 GiB per chip in the buffer assignment),
-which the model does not count; the blocked local attention's backward adds about one
-float32 score matrix after buffer assignment (libtpu's low-level passes), covered by
-the rounding above rather than modelled.
+How it was measured. Structure (what stays live at the peak, that a recomputed unit is
+live as a whole, that the logits' and the unit's phases do not add) from libtpu's buffer
+assignment (the live-range dump at the peak, `XLA_FLAGS=--xla_dump_to`) of Griffin, Hawk
+and MQA at 1.3B on v5p; the per-block counts above are those buffers rounded to whole
+copies, and SCORE_UNITS is set by the one unrolled MQA point (3 units per iteration,
+2 units' scores live). Against the compiled peaks (benchmarks/results/
+planner_vs_compiler.json; benchmarks/RESULTS.md; tests/test_memory_planner.py holds
+every record to within 25%, total and activations): griffin, hawk and mqa 1.3B at 3 to
+24 layers, remat full, none and save_matmuls, fsdp and fsdp x tensor meshes, griffin 7B
+cut to 3 layers on fsdp:2,tensor:4: 0.84x to 1.08x. Not calibrated (no compiled point):
+GateLoop, the CG-LRU, sequence-parallel meshes, and the chunked loss (the output term
+assumes TrainConfig.loss_chunks = 1). XLA:CPU keeps about twice these activations for
+small float32 models (it fuses less), so the "compiled" method on CPU devices reads
+higher than this model.
 """
 from __future__ import annotations
 
@@ -80,17 +82,14 @@ ADAM_MOMENTS = 2         # AdamW's mu and nu, float32, sharded like the params
 UPDATE_WORKSPACE = 2     # temporaries of the optimizer update, in parameter shards
 COMPILED_MAX_PARAMS = 50_000_000
 # Activation buffers per token, in units of one channel of the named width (compute-dtype
-# elements, float32 elements); see the module docstring for what they stand for and which
-# were calibrated against libtpu's compiled peaks.
+# elements, float32 elements); see the module docstring for what they stand for and how
+# they were calibrated against libtpu's compiled peaks.
 KEEP_RESIDUAL = 4            # x D, compute dtype: block input, mid residual, both norms
 KEEP_MLP = 2                 # x M/t, compute dtype: gate and up projections
-BACKWARD_MLP = (2, 2)        # x M/t: GeLU and product gradients
 KEEP_RNN = (3, 10)           # x R/t: branch outputs; gates, decay, normaliser, scan, h
-BACKWARD_RNN = (2, 7)        # x R/t: the scan's and gates' gradients
 KEEP_SCORES = 2              # x score, float32: masked scores and probabilities
-BACKWARD_SCORES = (2, 0)     # x score, compute dtype: probabilities and their gradient
-LOGITS_RESIDENT = 1          # x V/t, float32: the logits' gradient, live all backward
-OUTPUT_BACKWARD = 2          # x V/t, float32: logits and log-softmax while it is formed
+SCORE_UNITS = 2              # unrolled units whose scores are live together, at most
+OUTPUT_LOGITS = 1            # x V/t, float32: the logits' gradient
 _KEYS = ("params", "optimizer", "gradients", "activations", "workspace", "total")
 
 
@@ -155,64 +154,64 @@ def _score_columns(config: ModelConfig, seq: int) -> int:
   return 2 * window if window is not None and seq > window else seq
 
 
-def _block_buffers(config: ModelConfig, block_type: str, seq: int, tensor: int
-                   ) -> tuple[tuple[float, float], tuple[float, float]]:
-  """((kept), (backward extra)) of one residual block, each (compute-dtype elements,
-  float32 elements) per token on one device; see the module docstring."""
+def _block_kept(config: ModelConfig, block_type: str, seq: int, tensor: int
+                ) -> tuple[float, float, float]:
+  """What one residual block keeps for its backward pass, per token on one device:
+  (compute-dtype elements, float32 elements, of which float32 attention scores)."""
   d, r, m, t = config.width, config.rnn_width, config.mlp_width, tensor
-  mlp_kept = (KEEP_RESIDUAL * d + KEEP_MLP * m / t, 0.0)
-  mlp_extra = (BACKWARD_MLP[0] * m / t, BACKWARD_MLP[1] * m / t)
+  compute, float32, scores = KEEP_RESIDUAL * d + KEEP_MLP * m / t, 0.0, 0.0
   if block_type == BlockType.RECURRENT.value:
-    kept = (KEEP_RNN[0] * r / t, KEEP_RNN[1] * r / t)
-    extra = (BACKWARD_RNN[0] * r / t, BACKWARD_RNN[1] * r / t)
+    compute, float32 = compute + KEEP_RNN[0] * r / t, KEEP_RNN[1] * r / t
   elif block_type == BlockType.ATTENTION.value:
-    scores = config.num_heads / t * _score_columns(config, seq)
-    kept = (2 * d / t + 2 * config.head_dim, KEEP_SCORES * scores)
-    extra = (BACKWARD_SCORES[0] * scores, BACKWARD_SCORES[1] * scores)
+    scores = KEEP_SCORES * config.num_heads / t * _score_columns(config, seq)
+    compute, float32 = compute + 2 * d / t + 2 * config.head_dim, scores
   elif block_type == BlockType.GATELOOP.value:
-    kept = (3 * d / t, 12 * d / t)
-    extra = (3 * d / t, 12 * d / t)
+    compute, float32 = compute + 3 * d / t, 12 * d / t
   else:
     raise ValueError(f"unknown block type {block_type!r}")
-  return ((kept[0] + mlp_kept[0], kept[1] + mlp_kept[1]),
-          (extra[0] + mlp_extra[0], extra[1] + mlp_extra[1]))
+  return compute, float32, scores
 
 
-def _saved_matmul_outputs(config: ModelConfig, block_type: str, tensor: int
+def _saved_matmul_outputs(config: ModelConfig, block_type: str, seq: int, tensor: int
                           ) -> tuple[float, float]:
-  """What remat "save_matmuls" keeps of one block per token: its weight matmuls' outputs."""
+  """What remat "save_matmuls" keeps of one block per token: its weight matmuls' outputs
+  (and the Conv1D's) in the compute dtype, and the attention's float32 scores."""
   d, r, m, t = config.width, config.rnn_width, config.mlp_width, tensor
-  temporal = {BlockType.RECURRENT.value: (2 * r / t + d, 2 * r / t),
-              BlockType.ATTENTION.value: (d / t + 2 * config.head_dim + d, 0.0),
-              BlockType.GATELOOP.value: (3 * d / t + d, 2 * d / t)}[block_type]
+  temporal = {BlockType.RECURRENT.value: (3 * r / t + d, 0.0),
+              BlockType.ATTENTION.value: (
+                  d / t + 2 * config.head_dim + d,
+                  KEEP_SCORES * config.num_heads / t * _score_columns(config, seq)),
+              BlockType.GATELOOP.value: (3 * d / t + d, 0.0)}[block_type]
   return temporal[0] + 2 * m / t + d, temporal[1]
 
 
 def activation_bytes_per_token(config: ModelConfig, seq: int, tensor: int) -> float:
   """Peak bytes per token on one device of the activations of a training step (the
-  per-token part of the module docstring's model; the unit's weights come on top)."""
+  per-token part of the module docstring's model; the units' weights come on top)."""
   c_bytes = np.dtype(jnp.dtype(config.dtype)).itemsize
-  as_bytes = lambda buffers: buffers[0] * c_bytes + buffers[1] * 4
-  blocks = {b: tuple(map(as_bytes, _block_buffers(config, b, seq, tensor)))
-            for b in set(config.block_types)}
-  logits = config.vocab_size / tensor * 4
-  resident = LOGITS_RESIDENT * logits
+  kept = {b: _block_kept(config, b, seq, tensor) for b in set(config.block_types)}
+  kept_bytes = lambda b: kept[b][0] * c_bytes + kept[b][1] * 4
+  output = OUTPUT_LOGITS * config.vocab_size / tensor * 4
   if config.remat == "none":
-    return resident + sum(blocks[b][0] for b in config.block_types)
+    return max(output, sum(kept_bytes(b) for b in config.block_types))
   # Rematerialised units keep their inputs (with save_matmuls, their matmul outputs);
-  # the unscanned tail keeps everything. The peak is the backward pass of one block of
-  # the recomputed unit, or of the output.
-  units = config.num_scanned_units
-  if config.remat == "save_matmuls":
-    saved = units * sum(as_bytes(_saved_matmul_outputs(config, b, tensor))
-                        for b in config.block_pattern)
-  elif config.remat == "full":
+  # the unscanned tail keeps everything. The backward pass recomputes the units of one
+  # scan iteration together.
+  units, unrolled = config.num_scanned_units, config.depth_unroll
+  tail = sum(kept_bytes(b) for b in config.remainder_block_types)
+  if config.remat == "full":
     saved = units * config.width * c_bytes
+    recomputed = sum(unrolled * kept_bytes(b)
+                     - (unrolled - min(unrolled, SCORE_UNITS)) * kept[b][2] * 4
+                     for b in config.block_pattern)
+  elif config.remat == "save_matmuls":
+    outputs = {b: _saved_matmul_outputs(config, b, seq, tensor) for b in config.block_pattern}
+    saved = units * sum(c * c_bytes + f * 4 for c, f in outputs.values())
+    recomputed = max(kept_bytes(b) - outputs[b][0] * c_bytes - outputs[b][1] * 4
+                     for b in config.block_pattern)
   else:
     raise ValueError(f"unknown remat policy {config.remat!r}")
-  saved += sum(blocks[b][0] for b in config.remainder_block_types)
-  busiest = max([OUTPUT_BACKWARD * logits] + [sum(blocks[b]) for b in config.block_pattern])
-  return saved + resident + busiest
+  return saved + tail + max(output, recomputed)
 
 
 def unit_weight_bytes(config: ModelConfig, tensor: int) -> int:
@@ -237,7 +236,8 @@ def activation_bytes_per_device(config: ModelConfig, mesh: Mapping[str, int], ba
                      f"({sizes['sequence']})")
   tokens = batch_size * seq_len / (batch_shards * sizes["sequence"])
   per_token = activation_bytes_per_token(config, seq_len, sizes["tensor"])
-  return int(tokens * per_token + unit_weight_bytes(config, sizes["tensor"]))
+  units = config.depth_unroll if config.remat == "full" else 1
+  return int(tokens * per_token + units * unit_weight_bytes(config, sizes["tensor"]))
 
 
 def _analytic(config, sizes, batch_size, seq_len, rules):
