@@ -50,13 +50,16 @@ live as a whole, that the logits' and the unit's phases do not add) from libtpu'
 assignment (the live-range dump at the peak, `XLA_FLAGS=--xla_dump_to`) of Griffin, Hawk
 and MQA at 1.3B on v5p; the per-block counts above are those buffers rounded to whole
 copies, and SCORE_UNITS is set by the one unrolled MQA point (3 units per iteration,
-2 units' scores live). Against the compiled peaks (benchmarks/results/
+2 units' scores live); the form (kept sets, no temporaries) was chosen with eleven
+compiled peaks in view. Against the compiled peaks (benchmarks/results/
 planner_vs_compiler.json; benchmarks/RESULTS.md; tests/test_memory_planner.py holds
-every record to within 25%, total and activations): griffin, hawk and mqa 1.3B at 3 to
-24 layers, remat full, none and save_matmuls, fsdp and fsdp x tensor meshes, griffin 7B
-cut to 3 layers on fsdp:2,tensor:4: 0.84x to 1.08x. Not calibrated (no compiled point):
-GateLoop, the CG-LRU, sequence-parallel meshes, and the chunked loss (the output term
-assumes TrainConfig.loss_chunks = 1). XLA:CPU keeps about twice these activations for
+every record's total to within 25%): griffin and mqa 1.3B at 3 to 24 layers, hawk 1.3B
+at 3, remat full, none and save_matmuls, fsdp and fsdp x tensor meshes, griffin 7B cut
+to 3 layers on fsdp:2,tensor:4: totals 0.84x to 1.08x, activations 0.82x to 1.10x; hawk
+1.3B at 24 layers, compiled after the model was fixed: total 0.96x, activations 0.73x
+(its peak holds about 0.8 GiB/chip more than the kept set, not identified). Not
+calibrated (no compiled point): GateLoop, the CG-LRU, sequence-parallel meshes, and the
+chunked loss (the output term assumes TrainConfig.loss_chunks = 1). XLA:CPU keeps about twice these activations for
 small float32 models (it fuses less), so the "compiled" method on CPU devices reads
 higher than this model.
 """
