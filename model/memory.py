@@ -239,7 +239,7 @@ def embedding_copy_bytes(config: ModelConfig, sizes: Mapping[str, int]) -> int:
 
 def activation_bytes_per_device(config: ModelConfig, mesh: Mapping[str, int], batch_size: int,
                                 seq_len: int) -> int:
-  """Analytic bytes of activations kept for the backward pass on one device."""
+  """Analytic bytes of activations on one device at the training step's peak."""
   sizes = resolve_mesh(mesh)
   batch_shards = sizes["replica"] * sizes["data"] * sizes["fsdp"]
   if batch_size % batch_shards:
