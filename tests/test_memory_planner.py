@@ -59,8 +59,8 @@ def test_analytic_plan_matches_compiled_train_step(model_name, mesh):
 def test_analytic_plan_matches_tpu_compiled_peaks():
   """The analytic plan within 25% of libtpu's compiled per-chip peak, total and
   activations, for every run benchmarks/planner_vs_compiler.py --record compiled (Griffin,
-  Hawk and MQA 1.3B at 3 to 24 layers, Griffin 7B cut to 3, remat full, none and
-  save_matmuls, FSDP and tensor meshes on v5p slices); nothing is compiled here."""
+  Hawk and MQA 1.3B at 3 to 24 layers and 7B cut to 3, Griffin 14B cut to 3, remat full,
+  none and save_matmuls, FSDP and tensor meshes on v5p slices); nothing is compiled here."""
   with open(TPU_RECORDS) as f:
     records = json.load(f)
   models = {os.path.basename(r["gin_files"][-1]) for r in records}
