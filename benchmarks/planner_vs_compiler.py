@@ -5,20 +5,30 @@ script compiles the trainer's own train step for a TPU slice (`pretrain.compile`
 libtpu's XLA:TPU and Mosaic on this host, no TPU needed) and prints both per chip, with
 the ratio, so the analytic model can be held against the compiler (benchmarks/RESULTS.md,
 "Planner against the compiler"). "compiled activations" is the peak less the arguments
-(parameters, AdamW moments and the batch), the part the analytic activation model
-estimates; compile time is given as wall and CPU seconds (on a shared host the wall
-time mostly measures the other jobs).
+(parameters, AdamW moments and the batch) and less the float32 gradients (the planner's
+exact parameter shard), the part the analytic activation model estimates; compile time is
+given as wall and CPU seconds (on a shared host the wall time mostly measures the other
+jobs).
 
 Example (run it under `nice -n 19` on a shared machine):
   python benchmarks/planner_vs_compiler.py --topology=v5p-8 --mesh=fsdp:4 \
       --gin_file=configs/models/griffin_1_3b.gin --gin_param=ModelConfig.depth=3 \
       --gin_param='ModelConfig.remat="full"' --gin_param=BATCH_SIZE=16 \
-      --gin_param=SEQUENCE_LENGTH=2048
+      --gin_param=SEQUENCE_LENGTH=2048 [--record=benchmarks/results/planner_vs_compiler.json]
+
+`--record` adds the compiled figures (bytes, compile time, the command's arguments) to a
+JSON list, replacing an earlier record of the same run; tests/test_memory_planner.py
+holds the analytic plan against every record there.
 """
 from __future__ import annotations
 
 from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
+import datetime
+import importlib.metadata
 import json
+import os
+import shlex
+import sys
 from typing import Any, Sequence
 
 from absl import flags
@@ -36,15 +46,19 @@ GIB = 2 ** 30
 
 def compare(topology: str, gin_files: Sequence[str], gin_params: Sequence[str],
             mesh: str) -> dict[str, Any]:
-  """Compiled and analytic per-chip memory (GiB) of the run the Gin files describe."""
+  """Compiled and analytic per-chip memory (bytes, GiB) of the run the Gin files describe."""
   report, _ = compile_lib.compile_from_gin(topology, 1, gin_files, gin_params, mesh)
   config = gin_config.build_model_config()
   plan = memory.plan_memory(config, parse_mesh_flag(mesh), report.batch_size,
                             report.sequence_length, method="analytic")
-  compiled_activations = report.peak_bytes - report.argument_bytes
+  compiled_activations = report.peak_bytes - report.argument_bytes - plan["gradients"]
   return {
       "topology": topology, "mesh": mesh, "gin_files": list(gin_files),
       "gin_params": list(gin_params), "remat": config.remat,
+      "batch_size": report.batch_size, "sequence_length": report.sequence_length,
+      "compiled_peak_bytes": report.peak_bytes,
+      "compiled_argument_bytes": report.argument_bytes,
+      "compiled_temp_bytes": report.temp_bytes,
       "compiled_peak_gib": report.peak_bytes / GIB,
       "compiled_arguments_gib": report.argument_bytes / GIB,
       "compiled_temporaries_gib": report.temp_bytes / GIB,
@@ -58,15 +72,38 @@ def compare(topology: str, gin_files: Sequence[str], gin_params: Sequence[str],
   }
 
 
+def record(path: str, result: dict[str, Any]) -> None:
+  """Adds `result` to the JSON list at `path`, replacing a record of the same run."""
+  key = lambda r: (r["topology"], r["mesh"], r["gin_files"], r["gin_params"])
+  records = []
+  if os.path.exists(path):
+    with open(path) as f:
+      records = [r for r in json.load(f) if key(r) != key(result)]
+  with open(path, "w") as f:
+    json.dump(records + [result], f, indent=1)
+    f.write("\n")
+
+
 def main(argv: Sequence[str]) -> None:
   cli.reject_extra_arguments(argv)
   jax.config.update("jax_platforms", "cpu")  # compile only: no TPU runtime here
-  print(json.dumps(compare(FLAGS.topology, FLAGS.gin_file, FLAGS.gin_param, FLAGS.mesh)))
+  result = compare(FLAGS.topology, FLAGS.gin_file, FLAGS.gin_param, FLAGS.mesh)
+  if FLAGS.record:
+    kept = {k: v for k, v in result.items() if not k.endswith(("_gib", "_ratio"))}
+    name = " ".join([os.path.basename(FLAGS.gin_file[-1]).removesuffix(".gin")]
+                    + list(FLAGS.gin_param))
+    record(FLAGS.record, {"name": name, **kept,
+                          "command": "python " + " ".join(map(shlex.quote, sys.argv)),
+                          "date": datetime.date.today().isoformat(),
+                          "compiler": f"libtpu {importlib.metadata.version('libtpu')} "
+                                      f"(jax {jax.__version__}), ahead of time"})
+  print(json.dumps(result))
 
 
 if __name__ == "__main__":
   cli.define_gin_flags()
   flags.DEFINE_string("topology", None, "TPU slice type, e.g. v5p-128.")
   flags.DEFINE_string("mesh", None, "Mesh over all chips, e.g. fsdp:16,tensor:4.")
+  flags.DEFINE_string("record", None, "Add the compiled figures to this JSON list.")
   flags.mark_flags_as_required(["topology", "mesh"])
   cli.run(main)

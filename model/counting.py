@@ -91,7 +91,7 @@ def count_params(config: ModelConfig) -> ParamCounts:
 
 
 # -- the architecture restated by hand -------------------------------------------------
-def _block_matmul_params(config: ModelConfig, block: str) -> int:
+def block_matmul_params(config: ModelConfig, block: str) -> int:
   """Weights of one temporal-mixing block that multiply each token once."""
   d, r = config.width, config.rnn_width
   if block == BlockType.RECURRENT.value:
@@ -122,7 +122,7 @@ def _block_vector_params(config: ModelConfig, block: str) -> int:
   raise ValueError(f"unknown block type {block!r}")
 
 
-def _mlp_matmul_params(config: ModelConfig) -> int:
+def mlp_matmul_params(config: ModelConfig) -> int:
   return 3 * config.width * config.mlp_width               # gate, up, down
 
 
@@ -132,7 +132,7 @@ def _mlp_vector_params(config: ModelConfig) -> int:
 
 def analytic_matmul_params(config: ModelConfig) -> int:
   """Matmul-like weights of all residual blocks (excludes the embedding)."""
-  return sum(_block_matmul_params(config, block) + _mlp_matmul_params(config)
+  return sum(block_matmul_params(config, block) + mlp_matmul_params(config)
              for block in config.block_types)
 
 

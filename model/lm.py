@@ -195,6 +195,12 @@ def param_logical_axes(config: ModelConfig) -> Any:
   Computed from shapes only (`jax.eval_shape`): nothing is allocated, so it is cheap for
   any model size.
   """
+  return abstract_params_and_axes(config)[1]
+
+
+def abstract_params_and_axes(config: ModelConfig) -> tuple[Any, Any]:
+  """(`jax.ShapeDtypeStruct`s of `init_params`'s result, `param_logical_axes`) from one
+  abstract initialisation, for callers that need both."""
   abstract = jax.eval_shape(LanguageModel(config).init, jax.random.PRNGKey(0),
                             *_dummy_inputs())
-  return nn.get_partition_spec(abstract)["params"]
+  return nn.meta.unbox(abstract)["params"], nn.get_partition_spec(abstract)["params"]

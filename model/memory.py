@@ -4,32 +4,69 @@ Two methods, same result keys (bytes per device):
 
 * "analytic": parameters, AdamW moments and gradients are counted exactly from the
   model's parameter shapes and the sharding rules (each leaf's per-device shard);
-  activations saved for the backward pass are counted per token and layer from the
-  block structure (below). Instant for any size; the 14B preset on 128 devices plans in
-  about a second.
+  activations at the peak of the backward pass are estimated per token from the block
+  structure, with buffer counts calibrated against the TPU compiler (below). Instant
+  for any size; the 14B preset on 128 devices plans in seconds.
 * "compiled": the real train step (loss, gradients, AdamW update) is lowered and
   compiled ahead of time for the mesh on this machine's (simulated) devices, with
   abstract `jax.ShapeDtypeStruct` inputs carrying their shardings, and XLA's
   `memory_analysis()` gives the figure. Nothing is allocated, but the mesh must fit in
   the available devices and compiling must be affordable, so "auto" uses it only for
-  small models on small meshes. Tests hold the analytic count against it.
+  small models on small meshes (on CPU devices: XLA:CPU's figure, not a TPU's; for a
+  TPU slice use `pretrain.compile`).
 
-Activation model (per token on a device, saved for the backward pass, without remat):
-tokens per device = batch·seq / (replica·data·fsdp·sequence); widths the rules split
-over `tensor` (MLP, RNN channels, query heads, vocab) are divided by the tensor size.
-  residual stream, per block:   6·D        (block input, RMSNorm internals, mid residual)
-  gated MLP:                    6·M/t      (two up-projections, tanh-GeLU internals, product)
-  recurrent block:              (6 + 2·W)·R/t in the compute dtype (W_x, W_y, GeLU,
-                                Conv1D's W masked windows and partial sums, product)
-                                + 12·R/t in float32 (gate pre-activations and sigmoids,
-                                log a, a² and the normaliser, scan inputs, a, h)
-  MQA block:                    (2·D/t + 2·d) + 3·(N/t)·T float32 scores, mask, probs
-                                (the implementation materialises masked T×T scores)
-  GateLoop block:               3·D/t (q, k, v) + 12·D/t float32 (gates, complex state)
-  output:                       D + 3·V/t float32 (logits, log-softmax, its gradient)
-  workspace:                    2 × the parameter shard (the AdamW update's temporaries)
-With remat "full" only each scanned unit's input (D) is saved, plus one unit's
-activations while it is recomputed; "save_matmuls" keeps the matmul outputs.
+Analytic model of the peak (bytes per device). The total is
+    params + optimizer + gradients + max(activations, workspace)
+because the AdamW update's temporaries (workspace: 2 x the parameter shard) are allocated
+after the backward pass has freed the activations. Activations are a per-token part
+times tokens per device, batch·seq / (replica·data·fsdp·sequence), plus the weights of
+the units being computed in the compute dtype, split over `tensor` (the FSDP all-gather),
+and the tied embedding as the output projection reads it (a compute-dtype copy, and
+with FSDP the gathered float32 table: V·D/t each).
+Widths the rules split over `tensor` (M = MLP, R = RNN channels, query heads, V = vocab)
+are divided by its size t. What one residual block keeps for its backward pass, per
+token, in buffers of that width (c: compute dtype, f: float32):
+  residual + MLP      4·D c + 2·M/t c     (block input, mid residual, both norms' outputs;
+                                           gate and up projections)
+  recurrent           3·R/t c + 10·R/t f  (branch outputs; gates, decay, normaliser, h)
+  attention           (2·D/t + 2·d) c + 2·S f   (q, k, v; masked scores, probabilities)
+  GateLoop            3·D/t c + 12·D/t f
+S = (N/t)·K is the score matrix's entries per query: K = 2·window on the blocked local
+path (T > window), else T. The output's backward holds one float32 V/t copy (the
+logits' gradient). Then, per token:
+  remat "none":          the larger of the output's copy and every block's kept buffers;
+  "full":                units·D c (each scanned unit's input) + the kept buffers of the
+                         unscanned tail + the larger of the output's copy and the kept
+                         buffers of the units one scan iteration recomputes together
+                         (`depth_unroll` of them; attention scores of at most
+                         SCORE_UNITS = 2 of them), and that many units' weights;
+  "save_matmuls":        each unit's matmul outputs (and Conv1D output, attention scores)
+                         + the tail + the larger of the output's copy and the largest
+                         block's remaining kept buffers (recomputed).
+Backward-pass temporaries of a block (gradients of its internals) do not appear: the TPU
+compiler frees the recomputed buffers as the block's backward consumes them, and at the
+peaks measured they fit inside the kept set.
+
+How it was measured. Structure (what stays live at the peak, that a recomputed unit is
+live as a whole, that the logits' and the unit's phases do not add) from libtpu's buffer
+assignment (the live-range dump at the peak, `XLA_FLAGS=--xla_dump_to`) of Griffin, Hawk
+and MQA at 1.3B on v5p; the per-block counts above are those buffers rounded to whole
+copies, and SCORE_UNITS is set by the one unrolled MQA point (3 units per iteration,
+2 units' scores live); the form (kept sets, no temporaries) was chosen with eleven
+compiled peaks in view. Against the compiled peaks (benchmarks/results/
+planner_vs_compiler.json; benchmarks/RESULTS.md; tests/test_memory_planner.py holds
+every record to within 25%, total and activations): griffin and mqa 1.3B at 3 to 24
+layers, hawk 1.3B at 3, remat full, none and save_matmuls, fsdp and fsdp x tensor
+meshes, griffin 7B cut to 3 layers on fsdp:2,tensor:4: totals 0.91x to 1.14x,
+activations 0.89x to 1.18x. Hawk 1.3B at 24 layers was compiled after the per-block
+form was fixed: total 0.96x, activations 0.73x, then 0.86x once the embedding term
+(the gathered float32 table and its compute-dtype copy, both in the dumps) was added.
+Held out (compiled after the model was final, predicted before): Hawk 7B, MQA 7B and
+Griffin 14B cut to 3 layers on fsdp:2,tensor:4: 1.09x, 1.04x and 1.10x.
+Not calibrated (no compiled point): GateLoop, the CG-LRU, sequence-parallel meshes, and
+the chunked loss (the output term assumes TrainConfig.loss_chunks = 1). XLA:CPU keeps
+about twice these activations for small float32 models (it fuses less), so the
+"compiled" method on CPU devices reads higher than this model.
 """
 from __future__ import annotations
 
@@ -40,20 +77,27 @@ from typing import Any, Mapping, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
+from model import counting, lm
 from model.config import BlockType, ModelConfig
 from sharding import mesh as mesh_lib
-from sharding import rules as rules_lib
-from model import counting, lm
 from sharding import partition
-import optax
-from model import lm
-from model import counting
+from sharding import rules as rules_lib
 
 PARAM_BYTES = 4          # float32 master weights
 ADAM_MOMENTS = 2         # AdamW's mu and nu, float32, sharded like the params
 UPDATE_WORKSPACE = 2     # temporaries of the optimizer update, in parameter shards
 COMPILED_MAX_PARAMS = 50_000_000
+# Activation buffers per token, in units of one channel of the named width (compute-dtype
+# elements, float32 elements); see the module docstring for what they stand for and how
+# they were calibrated against libtpu's compiled peaks.
+KEEP_RESIDUAL = 4            # x D, compute dtype: block input, mid residual, both norms
+KEEP_MLP = 2                 # x M/t, compute dtype: gate and up projections
+KEEP_RNN = (3, 10)           # x R/t: branch outputs; gates, decay, normaliser, scan, h
+KEEP_SCORES = 2              # x score, float32: masked scores and probabilities
+SCORE_UNITS = 2              # unrolled units whose scores are live together, at most
+OUTPUT_LOGITS = 1            # x V/t, float32: the logits' gradient
 _KEYS = ("params", "optimizer", "gradients", "activations", "workspace", "total")
 
 
@@ -71,7 +115,14 @@ def resolve_mesh(mesh: Mapping[str, int]) -> dict[str, int]:
 
 
 def _param_shapes_and_specs(config: ModelConfig):
-  return counting.param_shapes(config), lm.param_logical_axes(config)
+  # Shapes and logical axes do not depend on how the step runs (remat, depth unrolling):
+  # plans of one model under several policies trace it once.
+  return _traced_shapes_and_specs(config.replace(remat="none", depth_scan_unroll=None))
+
+
+@functools.lru_cache(maxsize=16)
+def _traced_shapes_and_specs(config: ModelConfig):
+  return lm.abstract_params_and_axes(config)
 
 
 def _shard_elements(shape: Sequence[int], spec: jax.sharding.PartitionSpec,
@@ -104,55 +155,93 @@ def param_bytes_per_device(config: ModelConfig, mesh: Mapping[str, int],
   return total
 
 
-def _activation_elements_per_token(config: ModelConfig, seq: int, tensor: int,
-                                   remat: str) -> tuple[float, float]:
-  """(elements in the compute dtype, float32 elements) saved per token on one device."""
+def _score_columns(config: ModelConfig, seq: int) -> int:
+  """Key columns of the float32 score matrix one query materialises: 2·window on the
+  blocked local path (T > window), else T (global, or a call within the window)."""
+  window = config.attention_window
+  return 2 * window if window is not None and seq > window else seq
+
+
+def _block_kept(config: ModelConfig, block_type: str, seq: int, tensor: int
+                ) -> tuple[float, float, float]:
+  """What one residual block keeps for its backward pass, per token on one device:
+  (compute-dtype elements, float32 elements, of which float32 attention scores)."""
   d, r, m, t = config.width, config.rnn_width, config.mlp_width, tensor
-  head_dim = config.head_dim
-
-  def block(block_type: str, matmuls_only: bool) -> tuple[float, float]:
-    if matmuls_only:
-      temporal = {BlockType.RECURRENT.value: (2 * r / t + d, 2 * r / t),
-                  BlockType.ATTENTION.value: (d / t + 2 * head_dim + d, 0.0),
-                  BlockType.GATELOOP.value: (3 * d / t + d, 2 * d / t)}[block_type]
-      return temporal[0] + 2 * m / t + d, temporal[1]
-    temporal = {
-        BlockType.RECURRENT.value: ((6 + 2 * config.conv_width) * r / t, 12 * r / t),
-        BlockType.ATTENTION.value: (2 * d / t + 2 * head_dim,
-                                    3 * (config.num_heads / t) * seq),
-        BlockType.GATELOOP.value: (3 * d / t, 12 * d / t),
-    }[block_type]
-    return 6 * d + 6 * m / t + temporal[0], temporal[1]
-
-  def total(types, matmuls_only=False):
-    parts = [block(b, matmuls_only) for b in types]
-    return sum(p[0] for p in parts), sum(p[1] for p in parts)
-
-  output = (float(d), 3 * config.vocab_size / t)
-  unit = config.block_pattern
-  units = config.num_scanned_units
-  tail = config.remainder_block_types
-  if remat == "none":
-    c, f = total(config.block_types)
-  elif remat == "full":
-    one_unit = total(unit)
-    c, f = units * d + one_unit[0], one_unit[1]
-    tail_c, tail_f = total(tail)
-    c, f = c + tail_c, f + tail_f
-  elif remat == "save_matmuls":
-    saved = total(unit, matmuls_only=True)
-    live = total(unit)
-    tail_c, tail_f = total(tail)
-    c = units * saved[0] + live[0] + tail_c
-    f = units * saved[1] + live[1] + tail_f
+  compute, float32, scores = KEEP_RESIDUAL * d + KEEP_MLP * m / t, 0.0, 0.0
+  if block_type == BlockType.RECURRENT.value:
+    compute, float32 = compute + KEEP_RNN[0] * r / t, KEEP_RNN[1] * r / t
+  elif block_type == BlockType.ATTENTION.value:
+    scores = KEEP_SCORES * config.num_heads / t * _score_columns(config, seq)
+    compute, float32 = compute + 2 * d / t + 2 * config.head_dim, scores
+  elif block_type == BlockType.GATELOOP.value:
+    compute, float32 = compute + 3 * d / t, 12 * d / t
   else:
-    raise ValueError(f"unknown remat policy {remat!r}")
-  return c + output[0], f + output[1]
+    raise ValueError(f"unknown block type {block_type!r}")
+  return compute, float32, scores
+
+
+def _saved_matmul_outputs(config: ModelConfig, block_type: str, seq: int, tensor: int
+                          ) -> tuple[float, float]:
+  """What remat "save_matmuls" keeps of one block per token: its weight matmuls' outputs
+  (and the Conv1D's) in the compute dtype, and the attention's float32 scores."""
+  d, r, m, t = config.width, config.rnn_width, config.mlp_width, tensor
+  temporal = {BlockType.RECURRENT.value: (3 * r / t + d, 0.0),
+              BlockType.ATTENTION.value: (
+                  d / t + 2 * config.head_dim + d,
+                  KEEP_SCORES * config.num_heads / t * _score_columns(config, seq)),
+              BlockType.GATELOOP.value: (3 * d / t + d, 0.0)}[block_type]
+  return temporal[0] + 2 * m / t + d, temporal[1]
+
+
+def activation_bytes_per_token(config: ModelConfig, seq: int, tensor: int) -> float:
+  """Peak bytes per token on one device of the activations of a training step (the
+  per-token part of the module docstring's model; the units' weights come on top)."""
+  c_bytes = np.dtype(jnp.dtype(config.dtype)).itemsize
+  kept = {b: _block_kept(config, b, seq, tensor) for b in set(config.block_types)}
+  kept_bytes = lambda b: kept[b][0] * c_bytes + kept[b][1] * 4
+  output = OUTPUT_LOGITS * config.vocab_size / tensor * 4
+  if config.remat == "none":
+    return max(output, sum(kept_bytes(b) for b in config.block_types))
+  # Rematerialised units keep their inputs (with save_matmuls, their matmul outputs);
+  # the unscanned tail keeps everything. The backward pass recomputes the units of one
+  # scan iteration together.
+  units, unrolled = config.num_scanned_units, config.depth_unroll
+  tail = sum(kept_bytes(b) for b in config.remainder_block_types)
+  if config.remat == "full":
+    saved = units * config.width * c_bytes
+    recomputed = sum(unrolled * kept_bytes(b)
+                     - (unrolled - min(unrolled, SCORE_UNITS)) * kept[b][2] * 4
+                     for b in config.block_pattern)
+  elif config.remat == "save_matmuls":
+    outputs = {b: _saved_matmul_outputs(config, b, seq, tensor) for b in config.block_pattern}
+    saved = units * sum(c * c_bytes + f * 4 for c, f in outputs.values())
+    recomputed = max(kept_bytes(b) - outputs[b][0] * c_bytes - outputs[b][1] * 4
+                     for b in config.block_pattern)
+  else:
+    raise ValueError(f"unknown remat policy {config.remat!r}")
+  return saved + tail + max(output, recomputed)
+
+
+def unit_weight_bytes(config: ModelConfig, tensor: int) -> int:
+  """One scanned unit's weights in the compute dtype, as gathered over the FSDP axes
+  for its forward and backward (split over `tensor` only)."""
+  c_bytes = np.dtype(jnp.dtype(config.dtype)).itemsize
+  weights = sum(counting.block_matmul_params(config, b) + counting.mlp_matmul_params(config)
+                for b in config.block_pattern)
+  return int(weights * c_bytes / tensor)
+
+
+def embedding_copy_bytes(config: ModelConfig, sizes: Mapping[str, int]) -> int:
+  """The tied embedding as the output projection uses it: a compute-dtype copy, and with
+  FSDP the gathered float32 table it is cast from (both split over `tensor` only)."""
+  c_bytes = np.dtype(jnp.dtype(config.dtype)).itemsize
+  table = config.vocab_size * config.width / sizes["tensor"]
+  return int(table * (c_bytes + (PARAM_BYTES if sizes["fsdp"] > 1 else 0)))
 
 
 def activation_bytes_per_device(config: ModelConfig, mesh: Mapping[str, int], batch_size: int,
                                 seq_len: int) -> int:
-  """Analytic bytes of activations kept for the backward pass on one device."""
+  """Analytic bytes of activations on one device at the training step's peak."""
   sizes = resolve_mesh(mesh)
   batch_shards = sizes["replica"] * sizes["data"] * sizes["fsdp"]
   if batch_size % batch_shards:
@@ -162,10 +251,10 @@ def activation_bytes_per_device(config: ModelConfig, mesh: Mapping[str, int], ba
     raise ValueError(f"sequence length {seq_len} is not divisible by the sequence axis "
                      f"({sizes['sequence']})")
   tokens = batch_size * seq_len / (batch_shards * sizes["sequence"])
-  compute, float32 = _activation_elements_per_token(config, seq_len, sizes["tensor"],
-                                                    config.remat)
-  compute_bytes = np.dtype(jnp.dtype(config.dtype)).itemsize
-  return int(tokens * (compute * compute_bytes + float32 * 4))
+  per_token = activation_bytes_per_token(config, seq_len, sizes["tensor"])
+  units = config.depth_unroll if config.remat == "full" else 1
+  return int(tokens * per_token + units * unit_weight_bytes(config, sizes["tensor"])
+             + embedding_copy_bytes(config, sizes))
 
 
 def _analytic(config, sizes, batch_size, seq_len, rules):
@@ -251,11 +340,12 @@ def plan_memory(config: ModelConfig, mesh: Mapping[str, int], batch_size: int, s
 
   Returns:
     {"params", "optimizer", "gradients", "activations", "workspace", "total"} in bytes
-    per device (total includes the optimizer update's workspace), plus "fits" (bool, or
-    None without `device_memory_gb`), "device_memory_bytes",
-    "method", "mesh" (all five axes) and, for "compiled", "compiled" (XLA's figures).
-    With "compiled", params/optimizer/gradients are the exact shard sizes and
-    activations is what XLA's peak leaves after them.
+    per device (total = params + optimizer + gradients + the larger of activations and
+    the optimizer update's workspace, which are never live together), plus "fits"
+    (bool, or None without `device_memory_gb`), "device_memory_bytes", "method", "mesh"
+    (all five axes) and, for "compiled", "compiled" (XLA's figures). With "compiled",
+    params/optimizer/gradients are the exact shard sizes, activations is what XLA's
+    peak leaves after them, and total is XLA's peak.
   """
   if method not in ("auto", "analytic", "compiled"):
     raise ValueError(f"plan_memory method must be auto, analytic or compiled, got {method!r}")
@@ -266,13 +356,16 @@ def plan_memory(config: ModelConfig, mesh: Mapping[str, int], batch_size: int, s
   if method == "auto":
     small = counting.count_params(config).total <= COMPILED_MAX_PARAMS
     method = "compiled" if small and math.prod(sizes.values()) <= jax.device_count() else "analytic"
+  state = plan["params"] + plan["optimizer"] + plan["gradients"]
   if method == "compiled":
     compiled = compiled_train_step_memory(config, sizes, batch_size, seq_len, rules)
-    state = plan["params"] + plan["optimizer"] + plan["gradients"] + plan["workspace"]
     plan["activations"] = max(0, compiled["peak"] - state)
+    plan["total"] = compiled["peak"]
     plan["compiled"] = compiled
-  plan["total"] = sum(plan[k] for k in ("params", "optimizer", "gradients", "activations",
-                                        "workspace"))
+  else:
+    # The update's temporaries are allocated after the backward pass has freed the
+    # activations: the two never add.
+    plan["total"] = state + max(plan["activations"], plan["workspace"])
   plan["method"] = method
   plan["mesh"] = sizes
   plan["device_memory_bytes"] = (None if device_memory_gb is None

@@ -12,7 +12,8 @@ tokens (`model.memory.plan_memory`). With `--json` it prints one JSON object ins
 `flops_breakdown`, `seq`, `decode_state_bytes`, `model` (the resolved ModelConfig as
 checkpoints record it, `model.config.model_config_to_dict`) and, with a mesh,
 `per_device_bytes: {params, optimizer, gradients, activations, workspace, total}` (total
-includes the optimizer update's workspace), `memory_fits` (null without
+counts the larger of activations and the optimizer update's workspace, never live
+together; `model.memory`), `memory_fits` (null without
 `--device_memory_gb`), `memory_method`, `mesh` and `batch`.
 
 Everything is computed from shapes (`jax.eval_shape`), so the 14B presets take seconds.

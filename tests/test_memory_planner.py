@@ -1,5 +1,8 @@
 """The memory planner: exact parameter/optimizer shards, the analytic activation model held
-against XLA's compiled figure on small configs, and the big presets planned quickly."""
+against the TPU compiler's recorded peaks and XLA:CPU's compiled figure on small configs,
+and the big presets planned quickly."""
+import json
+import os
 import time
 
 import gin
@@ -9,6 +12,11 @@ from model import counting
 from model import memory
 from model.config import ModelConfig
 from pretrain import gin_config
+from pretrain.compile import BASE_GIN
+from sharding.mesh import parse_mesh_flag
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TPU_RECORDS = os.path.join(REPO, "benchmarks", "results", "planner_vs_compiler.json")
 
 SMALL = {
     "griffin": ModelConfig(vocab_size=256, width=128, rnn_width=128, num_heads=4, depth=3,
@@ -36,12 +44,46 @@ def test_analytic_plan_matches_compiled_train_step(model_name, mesh):
   assert xla["arguments"] == analytic["params"] + analytic["optimizer"] + token_bytes + 4
   # Params and optimizer state are donated: the update happens in place.
   assert xla["aliased"] >= analytic["params"] + analytic["optimizer"]
-  # The analytic model of activations and workspace lands near XLA's peak.
+  # The activation model is calibrated against the TPU compiler (the test below); XLA:CPU
+  # keeps about twice as much of these tiny float32 models (it does not fuse the
+  # element-wise chains into their consumers), so here the plan is held below XLA:CPU's
+  # peak and within a factor 2.5 of it.
   ratio = analytic["total"] / xla["peak"]
   print(f"{model_name} {mesh}: analytic {analytic['total']:,} B, compiled peak "
         f"{xla['peak']:,} B, ratio {ratio:.3f}")
-  assert 0.75 < ratio < 1.25
+  assert 0.4 < ratio < 1.0
   assert compiled["total"] == xla["peak"] and compiled["method"] == "compiled"
+
+
+@pytest.mark.slow
+def test_analytic_plan_matches_tpu_compiled_peaks():
+  """The analytic plan within 25% of libtpu's compiled per-chip peak, total and
+  activations, for every run benchmarks/planner_vs_compiler.py --record compiled (Griffin,
+  Hawk and MQA 1.3B at 3 to 24 layers and 7B cut to 3, Griffin 14B cut to 3, remat full,
+  none and save_matmuls, FSDP and tensor meshes on v5p slices); nothing is compiled here."""
+  with open(TPU_RECORDS) as f:
+    records = json.load(f)
+  models = {os.path.basename(r["gin_files"][-1]) for r in records}
+  assert {"griffin_1_3b.gin", "hawk_1_3b.gin", "mqa_1_3b.gin"} <= models
+  assert {"full", "none"} <= {r["remat"] for r in records}
+  for record in records:
+    gin_config.parse(list(BASE_GIN) + record["gin_files"], record["gin_params"])
+    try:
+      config = gin_config.build_model_config()
+    finally:
+      gin.clear_config()
+    plan = memory.plan_memory(config, parse_mesh_flag(record["mesh"]), record["batch_size"],
+                              record["sequence_length"], method="analytic")
+    peak = record["compiled_peak_bytes"]
+    # XLA's arguments are the parameter and AdamW shards and the batch; the gradients
+    # are live through the backward pass, and the rest is activations.
+    activations = peak - record["compiled_argument_bytes"] - plan["gradients"]
+    total_ratio = plan["total"] / peak
+    activation_ratio = plan["activations"] / activations
+    print(f"{record['name']}: plan / compiled peak {total_ratio:.2f}, "
+          f"activations {activation_ratio:.2f}")
+    assert 0.75 < total_ratio < 1.25, record["name"]
+    assert 0.75 < activation_ratio < 1.25, record["name"]
 
 
 def test_14b_on_128_devices_plans_quickly_and_shards_state():

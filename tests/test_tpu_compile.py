@@ -109,9 +109,10 @@ def test_targets_describe_their_chips(name, chips, topology, hosts_bound):
 
 
 @pytest.mark.slow
-def test_planner_vs_compiler_script_reports_both():
+def test_planner_vs_compiler_script_reports_both(tmp_path):
   """benchmarks/planner_vs_compiler.py in-process on the tiny Griffin: the compiled
-  peak and the analytic plan of one run, and ratios that are theirs."""
+  peak and the analytic plan of one run, ratios that are theirs, and a record that
+  replaces the earlier one of the same run."""
   spec = importlib.util.spec_from_file_location(
       "planner_vs_compiler", os.path.join(REPO, "benchmarks", "planner_vs_compiler.py"))
   script = importlib.util.module_from_spec(spec)
@@ -123,3 +124,9 @@ def test_planner_vs_compiler_script_reports_both():
   assert row["total_ratio"] == pytest.approx(row["analytic_total_gib"]
                                              / row["compiled_peak_gib"])
   assert row["compile_wall_s"] > 0 and row["compile_cpu_s"] > 0
+  assert row["compiled_peak_bytes"] == round(row["compiled_peak_gib"] * 2**30)
+  records = tmp_path / "records.json"
+  script.record(str(records), {**row, "date": "first"})
+  script.record(str(records), {**row, "mesh": "data:8", "date": "other run"})
+  script.record(str(records), {**row, "date": "again"})
+  assert [r["date"] for r in json.loads(records.read_text())] == ["other run", "again"]
