@@ -3,8 +3,9 @@
 For each mesh, a tiny Griffin (and on two meshes a tiny Hawk) computes logits and
 parameter gradients with parameters, batch and activations laid out by the default
 rules; they must match the unsharded computation (float32, 1e-5 relative), and every
-parameter array must be split across devices exactly as the rules say. The sequence meshes split time, with
-packed documents starting inside shards and exactly on shard boundaries.
+parameter array must be split across devices exactly as the rules say. The sequence
+meshes split time, with packed documents starting inside shards and exactly on shard
+boundaries.
 """
 import functools
 
