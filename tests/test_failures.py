@@ -35,6 +35,7 @@ def test_missing_gin_file(trainer_env, tmp_path):
   assert not (tmp_path / "w").exists()
 
 
+@pytest.mark.slow  # a subprocess; its path is covered fast by a sibling test
 def test_unwritable_workdir_reported_before_compute(trainer_env, tmp_path):
   blocker = tmp_path / "a_file"
   blocker.write_text("not a directory")

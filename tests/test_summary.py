@@ -20,6 +20,7 @@ def run_summary(*args: str) -> subprocess.CompletedProcess:
                         capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow  # a subprocess; its path is covered fast by a sibling test
 def test_griffin_14b_json_in_under_60_seconds():
   start = time.monotonic()
   result = run_summary("--gin_file=configs/models/griffin_14b.gin", "--json")
@@ -62,6 +63,7 @@ def test_training_configs_work_too():
   assert (model["vocab_size"], model["width"], model["depth"]) == (259, 192, 6)
 
 
+@pytest.mark.slow  # a subprocess; its path is covered fast by a sibling test
 def test_mesh_adds_per_device_memory():
   result = run_summary("--gin_file=configs/models/griffin_100m.gin", "--json",
                        "--mesh=data:2,fsdp:4,tensor:1", "--batch=16", "--seq=512",

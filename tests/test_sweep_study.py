@@ -68,6 +68,7 @@ def _study(tmp_path, *flags):
   return result.stdout, len(runs)
 
 
+@pytest.mark.slow  # a subprocess; its path is covered fast by a sibling test
 def test_readme_isoflop_study_local_dry_run(tmp_path):
   out, count = _study(tmp_path)
   commands = [shlex.split(l) for l in out.splitlines() if "-m pretrain.train" in l]
