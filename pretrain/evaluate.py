@@ -15,8 +15,8 @@ from pretrain import quiet  # pylint: disable=unused-import  # first: see its do
 import json
 from typing import Sequence
 
-import seqio
 from absl import flags
+from etils import epy
 
 from pretrain import cli
 from pretrain import evaluation
@@ -27,6 +27,11 @@ from pretrain.data import synthetic
 from pretrain.errors import UserError
 from pretrain.load import LoadedModel, load
 from pretrain.trainer import TrainConfig
+
+# SeqIO and TensorFlow load on first use (about 6 s): commands that only parse
+# configs, print help or plan memory never touch them.
+with epy.lazy_imports():
+  import seqio
 
 FLAGS = flags.FLAGS
 

@@ -12,9 +12,9 @@ import sys
 import types
 from typing import Any, Optional
 
+from etils import epy
 import jax
 import jax.numpy as jnp
-import seqio
 
 from model.config import ModelConfig
 from pretrain.checkpointing import Checkpointer
@@ -22,6 +22,11 @@ from pretrain.errors import UserError
 from pretrain.metadata import RunMetadata, make_vocabulary
 from pretrain.runtime import Runtime
 from sharding.mesh import MeshConfig
+
+# SeqIO and TensorFlow load on first use (about 6 s): commands that only parse
+# configs, print help or plan memory never touch them.
+with epy.lazy_imports():
+  import seqio
 
 
 class LoadedModel:

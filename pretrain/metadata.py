@@ -13,13 +13,18 @@ import dataclasses
 import hashlib
 from typing import Any, Mapping, Optional
 
+from etils import epy
 import jax
-import seqio
 
 from model.config import ModelConfig, model_config_from_dict, model_config_to_dict
 from pretrain import storage
 from pretrain.data.vocabularies import get_vocabulary
 from pretrain.errors import UserError
+
+# SeqIO and TensorFlow load on first use (about 6 s): commands that only parse
+# configs, print help or plan memory never touch them.
+with epy.lazy_imports():
+  import seqio
 
 _PASSTHROUGH_PREFIX = "passthrough:"
 _SENTENCEPIECE_PREFIX = "sentencepiece:"

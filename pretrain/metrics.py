@@ -18,12 +18,17 @@ import tempfile
 import time
 from typing import Iterable, Iterator, Mapping, Optional, TextIO, TypeVar
 
-T = TypeVar("T")
-
+from etils import epy
 import jax
-from clu import metric_writers
 
 from pretrain import storage
+
+# clu's TensorBoard writer imports TensorFlow (about 6 s): loaded when a run first
+# writes events, not by every command that imports this module.
+with epy.lazy_imports():
+  from clu import metric_writers
+
+T = TypeVar("T")
 
 
 def format_duration(seconds: float) -> str:

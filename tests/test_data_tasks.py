@@ -9,7 +9,7 @@ import seqio
 import tensorflow as tf
 
 from pretrain import gin_config
-from pretrain.data import DataError, corpus_files, pipeline, tasks
+from pretrain.data import DataError, corpus_files, materialize, pipeline, tasks
 
 CONFIGS = os.path.join(os.path.dirname(__file__), os.pardir, "configs", "data")
 
@@ -19,7 +19,7 @@ def test_tfds_tasks_are_registered_with_byte_vocabulary():
       ("c4_en", "c4/en:3.1.0", {"train", "validation"}),
       ("wikitext103", "wikitext/wikitext-103-raw-v1:1.0.0",
        {"train", "validation", "test"})]:
-    task = seqio.get_mixture_or_task(name)
+    task = materialize.get_provider(name)
     assert isinstance(task.source, seqio.TfdsDataSource)
     assert task.source.tfds_dataset.name == tfds_name
     assert set(task.splits) == splits

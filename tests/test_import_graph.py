@@ -2,6 +2,8 @@
 no import inside a function except the optional heavy dependencies listed here."""
 import ast
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -108,3 +110,18 @@ def test_imports_at_module_top(package):
           offenders += [f"{module}:{node.lineno} {name}" for name in names
                         if name not in OPTIONAL_INSIDE_FUNCTIONS]
   assert not offenders, "imports inside functions: " + ", ".join(offenders)
+
+
+def test_entry_points_load_tensorflow_only_when_data_is_read():
+  """SeqIO and TensorFlow cost about 6 s to import; parsing configs, `--help`, memory
+  planning, compiling for TPU and launching must not pay it."""
+  entry_points = ["pretrain.train", "pretrain.evaluate", "pretrain.sample",
+                  "pretrain.convert", "pretrain.compile", "pretrain.extrapolation",
+                  "model.summary", "launch.sweep", "launch.local"]
+  script = ("import importlib, sys\n"
+            f"for name in {entry_points!r}: importlib.import_module(name)\n"
+            "print(sorted(m for m in ('seqio', 'tensorflow') if m in sys.modules))\n")
+  result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+  assert result.returncode == 0, result.stderr
+  assert result.stdout.strip() == "[]"

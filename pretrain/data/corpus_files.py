@@ -20,6 +20,8 @@ from pretrain.data.errors import DataError
 # Third-party packages installed into the interpreter live under the standard-library
 # directory; they are not part of the stdlib corpus and vary between machines.
 DEFAULT_EXCLUDE = ("*/site-packages/*", "*/dist-packages/*", "*/__pycache__/*")
+# Text per input shard: shards are packed (and prepared by Beam workers) separately.
+DEFAULT_SHARD_BYTES = 4 << 20
 _GLOB_CHARS = "*?["
 
 

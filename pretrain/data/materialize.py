@@ -29,13 +29,19 @@ import hashlib
 import inspect
 from typing import Any, Dict, Iterator, Optional, Tuple
 
+from etils import epy
 import numpy as np
-import seqio
-import tensorflow as tf
 
-from pretrain.data import packing, sources, token_store
+from pretrain.data import packing, synthetic, tasks, token_store
 from pretrain.data.errors import DataError
 from pretrain.data.vocabularies import vocabulary_fingerprint
+
+# SeqIO and TensorFlow load on first use (about 6 s): commands that only parse
+# configs, print help or plan memory never touch them.
+with epy.lazy_imports():
+  import seqio
+  import tensorflow as tf
+  from pretrain.data import sources  # defines a seqio.DataSource subclass
 
 _GROUP_TOKENS = 1 << 22   # tokens packed together (one padded row at most per group)
 _BATCH_DOCUMENTS = 256    # documents per ragged batch out of tf.data
@@ -44,6 +50,8 @@ _MAX_SHARDS = 4096
 
 def get_provider(name: str) -> seqio.DatasetProviderBase:
   """The registered task or mixture `name`, or an error listing what exists."""
+  tasks.register_default_tasks()
+  synthetic.add_to_seqio()
   try:
     provider = seqio.get_mixture_or_task(name)
   except ValueError:
@@ -209,10 +217,12 @@ def _as_ragged(values: tf.Tensor) -> tf.RaggedTensor:
 
 def packed_groups(provider: seqio.DatasetProviderBase, split: str,
                   sequence_length: int, max_documents: Optional[int] = None,
-                  shard: seqio.ShardInfo = seqio.ShardInfo(0, 1)
+                  shard: Optional[seqio.ShardInfo] = None
                   ) -> Iterator[Tuple[packing.PackedRows, int]]:
-  """Packed rows of one input shard of a split, in order, with the number of documents
-  in each group. Memory stays bounded: documents stream through in groups."""
+  """Packed rows of one input shard of a split (default: the whole split), in order,
+  with the number of documents in each group. Memory stays bounded: documents stream
+  through in groups."""
+  shard = shard or seqio.ShardInfo(0, 1)
   quota = shard_quota(max_documents, shard)
   ds = _documents(provider, split, sequence_length, quota, shard)
   if quota is not None:

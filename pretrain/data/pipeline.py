@@ -17,14 +17,19 @@ from __future__ import annotations
 import os
 from typing import Dict, Iterator, Optional
 
+from etils import epy
 import gin
 import numpy as np
-import seqio
 
 from pretrain import storage
 from pretrain.data import indexing, materialize, token_store
 from pretrain.data.errors import DataError
 from pretrain.data.packing import features_from_rows
+
+# SeqIO and TensorFlow load on first use (about 6 s): commands that only parse
+# configs, print help or plan memory never touch them.
+with epy.lazy_imports():
+  import seqio
 
 DEFAULT_CACHE_DIR = os.environ.get(
     "GRIFFIN_DATA_CACHE", os.path.join("~", ".cache", "griffin_pretrain", "tokens"))

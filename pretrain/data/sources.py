@@ -16,13 +16,11 @@ from typing import Optional, Sequence, Tuple
 import seqio
 import tensorflow as tf
 
-from pretrain.data.corpus_files import (DEFAULT_EXCLUDE, assign_validation,
-                                        expand_pattern, glob_root, match_files,
-                                        read_jsonl_texts)
+from pretrain.data.corpus_files import (DEFAULT_EXCLUDE, DEFAULT_SHARD_BYTES,
+                                        assign_validation, expand_pattern, glob_root,
+                                        match_files, read_jsonl_texts)
 from pretrain.data.errors import DataError
 
-# Text per input shard: shards are packed (and prepared by Beam workers) separately.
-DEFAULT_SHARD_BYTES = 4 << 20
 TRAIN = "train"
 VALIDATION = "validation"
 

@@ -56,11 +56,16 @@ import hashlib
 import json
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
+from etils import epy
 import gin
 import jax.numpy as jnp
 import numpy as np
-import seqio
-import tensorflow as tf
+
+# SeqIO and TensorFlow load on first use (about 6 s): commands that only parse
+# configs, print help or plan memory never touch them.
+with epy.lazy_imports():
+  import seqio
+  import tensorflow as tf
 
 Example = Tuple[np.ndarray, np.ndarray]  # tokens int32 [N, n], loss_mask uint8 [N, n]
 _SPLIT_STREAMS = {"train": 0, "validation": 1, "test": 2}
@@ -256,6 +261,8 @@ FAMILIES: Dict[str, _Family] = {
 }
 
 SPECS: Dict[str, SyntheticSpec] = {}
+# The spec each name was last put into SeqIO's registry with.
+_IN_SEQIO: Dict[str, SyntheticSpec] = {}
 
 
 def _dataset_fn(split: str, shuffle_files: bool = False, seed: Optional[int] = None, *,
@@ -278,7 +285,12 @@ def _dataset_fn(split: str, shuffle_files: bool = False, seed: Optional[int] = N
 
 def register(family: str, name: Optional[str] = None, *, num_train: int,
              num_validation: int, seed: int, **params) -> str:
-  """Registers a synthetic SeqIO task (replacing one of the same name); returns its name."""
+  """Describes a synthetic task (replacing one of the same name); returns its name.
+
+  The SeqIO task itself is built by `add_to_seqio`, which the data pipeline calls
+  before it looks a task up, so registering (the four defaults below happen on import)
+  does not load TensorFlow.
+  """
   if family not in FAMILIES:
     raise ValueError(f"unknown synthetic task family {family!r}; "
                      f"expected one of {sorted(FAMILIES)}")
@@ -291,23 +303,34 @@ def register(family: str, name: Optional[str] = None, *, num_train: int,
   if name is None:
     key = json.dumps([spec.params, num_train, num_validation, seed])
     name = f"{family}_{hashlib.sha256(key.encode()).hexdigest()[:10]}"
+  SPECS[name] = spec
+  return name
+
+
+def _seqio_task(name: str, spec: SyntheticSpec) -> seqio.Task:
   vocabulary = seqio.PassThroughVocabulary(spec.vocab_size)
   features = {"targets": seqio.Feature(vocabulary, add_eos=False, dtype=tf.int32)}
-  if FAMILIES[family].prefix_lm:
+  if FAMILIES[spec.family].prefix_lm:
     features["inputs"] = seqio.Feature(vocabulary, add_eos=False, dtype=tf.int32)
   else:
     features["loss_mask"] = seqio.Feature(seqio.PassThroughVocabulary(2), add_eos=False,
                                           dtype=tf.int32)
   source = seqio.FunctionDataSource(
       functools.partial(_dataset_fn, spec=spec), splits=("train", "validation"),
-      num_input_examples={"train": num_train, "validation": num_validation})
-  if name in seqio.TaskRegistry.names():
-    seqio.TaskRegistry.remove(name)
-  seqio.TaskRegistry.add_provider(
-      name, seqio.Task(name, source=source, output_features=features, preprocessors=[],
-                       shuffle_buffer_size=None))
-  SPECS[name] = spec
-  return name
+      num_input_examples={"train": spec.num_train, "validation": spec.num_validation})
+  return seqio.Task(name, source=source, output_features=features, preprocessors=[],
+                    shuffle_buffer_size=None)
+
+
+def add_to_seqio() -> None:
+  """Puts every described task into SeqIO's registry (a changed one replaces the old)."""
+  for name, spec in SPECS.items():
+    if _IN_SEQIO.get(name) == spec:
+      continue
+    if name in seqio.TaskRegistry.names():
+      seqio.TaskRegistry.remove(name)
+    seqio.TaskRegistry.add_provider(name, _seqio_task(name, spec))
+    _IN_SEQIO[name] = spec
 
 
 def spec_of(task_name: str) -> SyntheticSpec:

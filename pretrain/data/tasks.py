@@ -12,7 +12,8 @@ TFDS tasks (need the dataset downloaded, or `tfds_data_dir` pointing at a copy):
 - `wikitext103`: WikiText-103 raw (`wikitext/wikitext-103-raw-v1`); TFDS yields one
   line per example, so lines are joined back into whole articles (an article starts
   at a ` = Title = ` line) before tokenising; splits train/validation/test.
-Both are registered with the byte vocabulary on import; `c4_task(vocabulary=...)` and
+Both are registered with the byte vocabulary when the pipeline first looks a task up
+(`register_default_tasks`); `c4_task(vocabulary=...)` and
 `wikitext103_task(vocabulary=...)` register variants for other vocabularies.
 """
 from __future__ import annotations
@@ -22,12 +23,18 @@ import hashlib
 import json
 from typing import Optional, Sequence
 
+from etils import epy
 import gin
-import seqio
-import tensorflow as tf
 
-from pretrain.data import corpus_files, sources
+from pretrain.data import corpus_files
 from pretrain.data.vocabularies import short_vocabulary_name, vocabulary_fingerprint
+
+# SeqIO and TensorFlow load on first use (about 6 s): commands that only parse
+# configs, print help or plan memory never touch them.
+with epy.lazy_imports():
+  import seqio
+  import tensorflow as tf
+  from pretrain.data import sources  # defines a seqio.DataSource subclass
 
 C4_TFDS_NAME = "c4/en:3.1.0"
 WIKITEXT103_TFDS_NAME = "wikitext/wikitext-103-raw-v1:1.0.0"
@@ -68,7 +75,7 @@ def text_files_task(train_files: str = gin.REQUIRED,
                     exclude: Sequence[str] = corpus_files.DEFAULT_EXCLUDE,
                     vocabulary: Optional[seqio.Vocabulary] = None,
                     name: Optional[str] = None,
-                    shard_bytes: int = sources.DEFAULT_SHARD_BYTES) -> str:
+                    shard_bytes: int = corpus_files.DEFAULT_SHARD_BYTES) -> str:
   """Registers a task over the files matching a glob; returns its name.
 
   Args:
@@ -159,5 +166,14 @@ def wikitext103_task(vocabulary: Optional[seqio.Vocabulary] = None,
                     extra_preprocessors=[join_wikitext_articles])
 
 
-c4_task()
-wikitext103_task()
+def register_default_tasks() -> None:
+  """Registers `c4_en` and `wikitext103` with the byte vocabulary, once.
+
+  The data pipeline calls this before it looks a task up, rather than this module on
+  import, so that importing the Gin configurables does not load TensorFlow.
+  """
+  if "c4_en" not in seqio.TaskRegistry.names():
+    _tfds_task("c4_en", C4_TFDS_NAME, ("train", "validation"), None, None)
+  if "wikitext103" not in seqio.TaskRegistry.names():
+    _tfds_task("wikitext103", WIKITEXT103_TFDS_NAME, ("train", "validation", "test"), None,
+               None, extra_preprocessors=[join_wikitext_articles])

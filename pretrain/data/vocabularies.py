@@ -10,11 +10,16 @@ import hashlib
 import os
 from typing import Optional
 
+from etils import epy
 import gin
-import seqio
 
 from pretrain import storage
 from pretrain.data.errors import DataError
+
+# SeqIO and TensorFlow load on first use (about 6 s): commands that only parse
+# configs, print help or plan memory never touch them.
+with epy.lazy_imports():
+  import seqio
 
 
 @gin.configurable
