@@ -174,9 +174,10 @@ class ChaosRun:
           fault.resumed_step, fault.tier = row["step"], row["tier"]
           fault.steps_lost = max(0, fault.at_step - row["step"])
           fault.recover_s = self._now() - fault.sent_s
-          print(f"launch.chaos: resumed from the {fault.tier} checkpoint of step "
-                f"{fault.resumed_step} ({fault.steps_lost} steps lost), training again "
-                f"{fault.recover_s:.1f} s after the {fault.kind}", flush=True)
+          origin = (f"the {fault.tier} checkpoint of step {fault.resumed_step}"
+                    if fault.tier else "scratch (no checkpoint yet)")
+          print(f"launch.chaos: resumed from {origin} ({fault.steps_lost} steps lost), "
+                f"training again {fault.recover_s:.1f} s after the {fault.kind}", flush=True)
           recovering.pop(0)
         return
 
@@ -246,8 +247,8 @@ def format_report(report: dict[str, Any]) -> str:
            f", persistent every {report['checkpoint_every'] or 'config'} steps",
            "fault  kind     process  at step  resumed from        lost  recover"]
   for i, f in enumerate(report["faults"], 1):
-    resumed = (f"{f['resumed_step']} ({f['tier']})" if f["resumed_step"] is not None
-               else "-")
+    resumed = ("-" if f["resumed_step"] is None else
+               f"{f['resumed_step']} ({f['tier'] or 'scratch'})")
     recover = f"{f['recover_s']:.1f} s" if f["recover_s"] is not None else "-"
     lines.append(f"{i:>5}  {f['kind']:<7}  {f['process']:>7}  {str(f['at_step']):>7}  "
                  f"{resumed:<18}  {str(f['steps_lost']):>4}  {recover}")

@@ -27,3 +27,18 @@ def test_loss_comparison_flags_differences_and_missing_steps():
   assert not different["equal"] and different["mismatched_steps"] == [2]
   missing = chaos.compare_losses(reference, {1: 5.0, 2: 4.0}, 1e-6)
   assert not missing["equal"] and missing["missing_steps"] == [3]
+
+
+def test_report_names_a_restart_from_scratch():
+  """Without a local tier a kill before the first persistent save restarts at step 0."""
+  fault = dict(kind="SIGKILL", process=0, at_step=30, resumed_step=0, tier=None,
+               steps_lost=30, recover_s=86.0)
+  report = dict(processes=2, devices_per_process=2, steps=200, seed=0, local_every=0,
+                checkpoint_every=None, faults=[fault], goodput=None, median_recover_s=86.0,
+                steps_lost=30, wall_s=600.0, relaunches=0, verdict="pass",
+                loss_check=dict(steps_compared=200, max_rel_diff=0.0, equal=True,
+                                tolerance=1e-6))
+  text = chaos.format_report(report)
+  assert "local tier off" in text
+  row = text.splitlines()[2].split()
+  assert row[:6] == ["1", "SIGKILL", "0", "30", "0", "(scratch)"], text
