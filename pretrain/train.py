@@ -58,7 +58,9 @@ def use_compilation_cache(directory: str) -> None:
     jax.config.update("jax_enable_compilation_cache", False)
     return
   jax.config.update("jax_compilation_cache_dir", os.path.expanduser(directory))
-  if "JAX_COMPILATION_CACHE_MAX_SIZE" not in os.environ:
+  # Eviction locks the directory with a lock file, which only a local disk can hold; a
+  # bucket keeps everything (its lifecycle rules can age entries out).
+  if "JAX_COMPILATION_CACHE_MAX_SIZE" not in os.environ and not storage.is_url(directory):
     jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_MAX_BYTES)
 
 
