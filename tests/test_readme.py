@@ -257,14 +257,14 @@ def test_prepare_command_runs_verbatim_and_the_trainer_reads_its_stores(tmp_path
 # steps of short rows, and no evaluation in between. Its mesh config (fsdp -1 x tensor 4)
 # fits the 8 simulated devices as is.
 CPU_OVERRIDES = (
-    "VOCAB_SIZE=259", "ModelConfig.width=32", "ModelConfig.rnn_width=32",
+    "VOCAB_SIZE=260", "ModelConfig.width=32", "ModelConfig.rnn_width=32",
     "ModelConfig.depth=3", "ModelConfig.num_heads=4", "ModelConfig.num_gate_blocks=4",
     "ModelConfig.attention_window=8", "ModelConfig.scan_impl='lax'", "TRAIN_STEPS=3",
     "BATCH_SIZE=4", "SEQUENCE_LENGTH=32", "LOG_EVERY=1", "EVAL_EVERY=0",
     "TrainConfig.eval_batches=1")
-# Float32 master weights, bfloat16 compute (the README's dtype), the same mesh split
-# over 1 or 2 processes: reductions run in another order (measured below ~1e-3).
-TWO_PROCESS_TOLERANCE = 5e-3
+# The same mesh split over 1 or 2 processes: float32 losses reduced in another order
+# (measured: 4.8e-7 at step 3).
+TWO_PROCESS_TOLERANCE = 1e-5
 
 
 def write_c4_stand_in(data_dir: str, corpus: str) -> str:
@@ -330,7 +330,7 @@ def test_tpu_example_trains_against_the_emulated_bucket(gcs_bucket, tmp_path):
                           timeout=600)
   assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
   assert f"store {stores[0].path}" in result.stdout, result.stdout[-3000:]
-  one = {row["step"]: row["loss"] for row in bucket_rows(workdir)}
+  one = {row["step"]: row["loss"] for row in bucket_rows(workdir) if "loss" in row}
   assert sorted(one) == [1, 2, 3] and all(np.isfinite(list(one.values())))
   assert storage.exists(storage.join(workdir, "checkpoints"))
 
@@ -342,7 +342,7 @@ def test_tpu_example_trains_against_the_emulated_bucket(gcs_bucket, tmp_path):
   result = subprocess.run(launch, env=env, cwd=REPO, capture_output=True, text=True,
                           timeout=600)
   assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
-  two = {row["step"]: row["loss"] for row in bucket_rows(two_workdir)}
+  two = {row["step"]: row["loss"] for row in bucket_rows(two_workdir) if "loss" in row}
   assert sorted(two) == sorted(one)
   for step, loss in one.items():
     assert abs(two[step] - loss) <= TWO_PROCESS_TOLERANCE, (step, two[step], loss)
