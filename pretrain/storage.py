@@ -152,6 +152,16 @@ def copy(source: str, destination: str) -> None:
   write_bytes(destination, read_bytes(source))
 
 
+def upload_tree(local_dir: str, destination: str) -> None:
+  """Copies every file under `local_dir` to the same relative path under `destination`
+  (a directory or a URL), for outputs that a library writes only to local disk."""
+  for parent, _, names in os.walk(local_dir):
+    relative = os.path.relpath(parent, local_dir)
+    parts = [] if relative == "." else relative.split(os.sep)
+    for name in names:
+      copy(os.path.join(parent, name), join(destination, *parts, name))
+
+
 def local_copy(path: str) -> str:
   """A local file with the content of `path`: the path itself when local; for a URL a
   download into a content-addressed cache (`$GRIFFIN_DOWNLOAD_CACHE`, default

@@ -1,6 +1,7 @@
 """Runs whose workdir is a bucket, on real local servers (a GCS emulator, moto's S3).
 
-Per server, one tiny run (the shared tiny config) trains into `<bucket>/runs/tiny`, is
+Per server, one tiny run (the shared tiny config, with a profiler trace of steps 2-3,
+uploaded to the bucket) trains into `<bucket>/runs/tiny`, is
 killed with SIGKILL mid-run (async saves in flight) and rerun with the same command;
 its losses must equal the uninterrupted local run's step for step. Then `evaluate`,
 `sample` and `pretrain.load` read that bucket workdir. Bad storage (an unreachable
@@ -42,7 +43,7 @@ def bucket_run(request, trainer_env):
   """(workdir URL, stdout of the rerun, resumed step) of a killed-and-rerun bucket run."""
   workdir = request.getfixturevalue(f"{request.param}_bucket") + "/runs/tiny"
   env = storage_env(trainer_env.env)
-  command = trainer_env.train_command(workdir)
+  command = trainer_env.train_command(workdir, "TrainConfig.profile_steps=(2, 3)")
   process = subprocess.Popen(command, env=env, cwd=REPO,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   deadline = time.time() + 240
@@ -73,6 +74,8 @@ def test_killed_bucket_run_reruns_to_the_uninterrupted_losses(bucket_run, traine
   assert "TRAIN_STEPS = 24" in storage.read_text(storage.join(workdir, "config.gin"))
   events = storage.listdir(storage.join(workdir, "tensorboard"))
   assert events and all(name.startswith("events.out.tfevents") for name in events)
+  # JAX traces to local disk only; the trace of steps 2-3 was uploaded when it stopped.
+  assert list(storage.as_path(storage.join(workdir, "profile")).rglob("*.xplane.pb"))
 
 
 def test_evaluate_sample_and_load_read_the_bucket(bucket_run, trainer_env, trained_workdir):
