@@ -75,7 +75,8 @@ def test_killed_bucket_run_reruns_to_the_uninterrupted_losses(bucket_run, traine
   events = storage.listdir(storage.join(workdir, "tensorboard"))
   assert events and all(name.startswith("events.out.tfevents") for name in events)
   # JAX traces to local disk only; the trace of steps 2-3 was uploaded when it stopped.
-  assert list(storage.as_path(storage.join(workdir, "profile")).rglob("*.xplane.pb"))
+  assert list(storage.as_path(storage.join(workdir, "profile")).glob(
+      "plugins/profile/*/*.xplane.pb"))
 
 
 def test_evaluate_sample_and_load_read_the_bucket(bucket_run, trainer_env, trained_workdir):

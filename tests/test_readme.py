@@ -28,7 +28,7 @@ from model.config import ModelConfig
 from pretrain import gin_config
 from pretrain.checkpointing import CheckpointConfig
 from pretrain import storage
-from pretrain.data import pipeline, prepare
+from pretrain.data import pipeline
 from pretrain.optimizer import OptimizerConfig
 from pretrain.trainer import TrainConfig
 from sharding.mesh import MeshConfig
@@ -304,6 +304,8 @@ def test_tpu_example_trains_against_the_emulated_bucket(gcs_bucket, tmp_path):
   and `DataPipeline.cache_dir` at the bucket store (C4 read from a local stand-in); the
   same command under `launch.local` on 2 processes x 4 devices reads the same store,
   each process its own rows: its losses are the 1-process run's."""
+  # Beam, SeqIO and TensorFlow load here, not when the module's fast tests collect.
+  from pretrain.data import prepare  # pylint: disable=import-outside-toplevel
   corpus = make_corpus(str(tmp_path / "corpus"))
   tfds_dir = write_c4_stand_in(str(tmp_path / "tfds"), corpus)
   data = f"{gcs_bucket}/c4_tokens"
