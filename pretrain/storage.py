@@ -31,6 +31,7 @@ import hashlib
 import logging
 import socket
 import tempfile
+import time
 import urllib.parse
 import uuid
 from typing import Any, Callable, TypeVar
@@ -90,16 +91,21 @@ def makedirs(path: str) -> None:
   guarded(path, lambda: as_path(path).mkdir(parents=True, exist_ok=True))
 
 
+READ_ATTEMPTS = 6
+
+
 def read_bytes(path: str) -> bytes:
-  """The whole file; an object replaced while being read (a writer's new version) is
-  read again, up to 3 times."""
+  """The whole file; an object replaced while being read (a writer's new version, e.g.
+  metrics.jsonl of a live run, rewritten every logged step) is read again, up to
+  `READ_ATTEMPTS` times, 0.1 s apart."""
   def read():
-    for attempt in range(3):
+    for attempt in range(READ_ATTEMPTS):
       try:
         return as_path(path).read_bytes()
       except OSError as error:  # s3fs.utils.FileExpired: replaced while being read
-        if type(error).__name__ != "FileExpired" or attempt == 2:
+        if type(error).__name__ != "FileExpired" or attempt == READ_ATTEMPTS - 1:
           raise
+        time.sleep(0.1)
   return guarded(path, read)
 
 
