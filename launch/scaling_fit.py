@@ -12,7 +12,8 @@ rows give approach 1 its training curves. It prints, per family, the fits of the
 Chinchilla approaches (`launch.scaling_laws`) with bootstrap intervals and the
 compute-optimal N and D at `--target_flops` (default: the largest compute in the data),
 as tables or, with `--json`, as one JSON object; `--plots` writes the figures
-(`launch.scaling_plots`).
+(`launch.scaling_plots`). `--runs`, the runs' workdirs and `--plots` may be `gs://` or
+`s3://` URLs (`pretrain.storage`).
 
 Below: the single power law of loss against compute per family that `launch.sweep`
 reports for a fixed tokens-per-parameter design.
@@ -38,10 +39,12 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import io
 import json
 import math
 import os
 import sys
+import tempfile
 import warnings
 from typing import Dict, List, Mapping, Optional, Sequence
 
@@ -51,7 +54,7 @@ from scipy import optimize
 
 from launch import scaling_laws
 from launch import scaling_plots
-from pretrain import cli
+from pretrain import cli, storage
 from pretrain.errors import UserError, usage_error
 
 FULL_FORM = "E + A*C^-alpha"
@@ -225,19 +228,18 @@ APPROACHES = ("1", "2", "3", "all")
 
 def _read_curve(workdir: str, tokens_per_step: float) -> Optional[tuple]:
   """(tokens, eval loss) of a run's metrics.jsonl evaluation rows, or None."""
-  path = os.path.join(workdir, "metrics.jsonl")
-  if not os.path.exists(path):
+  path = storage.join(workdir, "metrics.jsonl")
+  if not storage.exists(path):
     return None
   steps, losses = [], []
-  with open(path, encoding="utf-8") as f:
-    for line in f:
-      try:
-        row = json.loads(line)
-      except json.JSONDecodeError:
-        continue  # a line cut short by a kill
-      if row.get("eval_loss") is not None and row.get("step", 0) > 0:
-        steps.append(float(row["step"]))
-        losses.append(float(row["eval_loss"]))
+  for line in storage.read_text(path).splitlines():
+    try:
+      row = json.loads(line)
+    except json.JSONDecodeError:
+      continue  # a line cut short by a kill
+    if row.get("eval_loss") is not None and row.get("step", 0) > 0:
+      steps.append(float(row["step"]))
+      losses.append(float(row["eval_loss"]))
   if not steps:
     return None
   return np.asarray(steps) * tokens_per_step, np.asarray(losses)
@@ -249,18 +251,17 @@ def read_runs(path: str) -> Dict[str, scaling_laws.Runs]:
   Raises:
     UserError (exit code 2): a missing file or column, or a value that is not a number.
   """
-  study = os.path.isdir(path)
-  csv_path = os.path.join(path, "sweep.csv") if study else path
-  if not os.path.exists(csv_path):
+  study = storage.isdir(path)
+  csv_path = storage.join(path, "sweep.csv") if study else path
+  if not storage.exists(csv_path):
     raise usage_error(f"--runs: {csv_path} does not exist; pass a CSV with the columns "
                       "params,tokens,loss or a study directory holding sweep.csv")
-  with open(csv_path, newline="", encoding="utf-8") as f:
-    reader = csv.DictReader(f)
-    missing = [c for c in REQUIRED_COLUMNS if c not in (reader.fieldnames or [])]
-    if missing:
-      raise usage_error(f"--runs: {csv_path} has no column {', '.join(missing)}; it needs "
-                        "params, tokens and loss (flops, family, flop_budget optional)")
-    rows = [r for r in reader if (r.get("loss") or "").strip()]
+  reader = csv.DictReader(io.StringIO(storage.read_text(csv_path), newline=""))
+  missing = [c for c in REQUIRED_COLUMNS if c not in (reader.fieldnames or [])]
+  if missing:
+    raise usage_error(f"--runs: {csv_path} has no column {', '.join(missing)}; it needs "
+                      "params, tokens and loss (flops, family, flop_budget optional)")
+  rows = [r for r in reader if (r.get("loss") or "").strip()]
   grouped: Dict[str, List[dict]] = {}
   for row in rows:
     grouped.setdefault(row.get("family") or "all", []).append(row)
@@ -330,6 +331,22 @@ def results_markdown(family: str, results: Mapping[str, object], confidence: flo
   return "\n".join(lines)
 
 
+def write_plots(families: Mapping[str, scaling_laws.Runs],
+                isoflop: Mapping[str, scaling_laws.FrontierFit],
+                parametric: Mapping[str, scaling_laws.ParametricFit],
+                directory: str) -> Dict[str, str]:
+  """`scaling_plots.write_plots` into a directory or a `gs://` / `s3://` URL (matplotlib
+  writes local files: a URL's figures are drawn in a local staging directory and
+  uploaded); returns name -> path."""
+  if not storage.is_url(directory):
+    return scaling_plots.write_plots(families, isoflop, parametric, directory)
+  with tempfile.TemporaryDirectory(prefix="griffin_plots_") as staging:
+    paths = scaling_plots.write_plots(families, isoflop, parametric, staging)
+    storage.upload_tree(staging, directory)
+  return {name: storage.join(directory, os.path.basename(path))
+          for name, path in paths.items()}
+
+
 FLAGS = flags.FLAGS
 
 
@@ -341,7 +358,8 @@ def define_flags() -> None:
   flags.DEFINE_bool("json", False, "Print one JSON object instead of tables.")
   flags.DEFINE_float("target_flops", None, "Compute budget to answer for (default: the "
                      "largest in the data).", lower_bound=0.0)
-  flags.DEFINE_string("plots", None, "Directory for the PNG figures.")
+  flags.DEFINE_string("plots", None, "Directory (or gs:// / s3:// URL) for the PNG "
+                      "figures.")
   flags.DEFINE_integer("replicates", 200, "Bootstrap replicates per approach.",
                        lower_bound=10)
   flags.DEFINE_float("confidence", scaling_laws.DEFAULT_CONFIDENCE,
@@ -372,7 +390,7 @@ def main(argv: Sequence[str]) -> None:
     if not FLAGS.json:
       print(results_markdown(family, results, FLAGS.confidence) + "\n")
   if FLAGS.plots:
-    paths = scaling_plots.write_plots(families, isoflop, parametric, FLAGS.plots)
+    paths = write_plots(families, isoflop, parametric, FLAGS.plots)
     if not FLAGS.json:
       print("plots: " + ", ".join(sorted(paths.values())))
   if FLAGS.json:

@@ -19,14 +19,17 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from typing import Any, Callable, Mapping, Optional
 
 import jax
 
 from pretrain import flops as flops_lib
+from pretrain import storage
 from pretrain.checkpointing import Checkpointer
 from pretrain.errors import TrainingDivergedError
 from pretrain.metrics import MetricsWriter, StepTimer
@@ -211,12 +214,16 @@ class ProfileHook(Hook):
   The trace starts before step `first` is dispatched and stops once step `last` has
   finished on the device (the state is awaited), so the trace holds exactly those steps'
   device work; TensorBoard's profile plugin (or xprof) reads `logdir`. A run resumed
-  inside the window traces from its first step to `last`.
+  inside the window traces from its first step to `last`. JAX writes traces to local
+  disk only: for a `gs://` / `s3://` logdir the trace goes to a local staging directory
+  and is uploaded to `logdir` when it stops.
   """
   drains_metrics = False
 
   def __init__(self, logdir: str, first: int, last: int, start_step: int):
-    self._logdir = logdir
+    self._destination = logdir
+    self._logdir = tempfile.mkdtemp(prefix="griffin_profile_") if storage.is_url(logdir) \
+        else logdir
     self._first, self._last = first, last
     self._tracing = False
     if start_step + 1 >= first and start_step < last:
@@ -244,6 +251,9 @@ class ProfileHook(Hook):
   def _stop(self) -> None:
     jax.profiler.stop_trace()
     self._tracing = False
+    if self._logdir != self._destination:
+      storage.upload_tree(self._logdir, self._destination)
+      shutil.rmtree(self._logdir, ignore_errors=True)
 
 
 class PreemptionHook(Hook):

@@ -29,7 +29,10 @@ os.environ.setdefault("EPATH_USE_TF", "false")  # before epath resolves a backen
 import functools
 import hashlib
 import logging
+import socket
 import tempfile
+import time
+import urllib.parse
 import uuid
 from typing import Any, Callable, TypeVar
 
@@ -88,16 +91,21 @@ def makedirs(path: str) -> None:
   guarded(path, lambda: as_path(path).mkdir(parents=True, exist_ok=True))
 
 
+READ_ATTEMPTS = 6
+
+
 def read_bytes(path: str) -> bytes:
-  """The whole file; an object replaced while being read (a writer's new version) is
-  read again, up to 3 times."""
+  """The whole file; an object replaced while being read (a writer's new version, e.g.
+  metrics.jsonl of a live run, rewritten every logged step) is read again, up to
+  `READ_ATTEMPTS` times, 0.1 s apart."""
   def read():
-    for attempt in range(3):
+    for attempt in range(READ_ATTEMPTS):
       try:
         return as_path(path).read_bytes()
       except OSError as error:  # s3fs.utils.FileExpired: replaced while being read
-        if type(error).__name__ != "FileExpired" or attempt == 2:
+        if type(error).__name__ != "FileExpired" or attempt == READ_ATTEMPTS - 1:
           raise
+        time.sleep(0.1)
   return guarded(path, read)
 
 
@@ -150,6 +158,16 @@ def copy(source: str, destination: str) -> None:
   write_bytes(destination, read_bytes(source))
 
 
+def upload_tree(local_dir: str, destination: str) -> None:
+  """Copies every file under `local_dir` to the same relative path under `destination`
+  (a directory or a URL), for outputs that a library writes only to local disk."""
+  for parent, _, names in os.walk(local_dir):
+    relative = os.path.relpath(parent, local_dir)
+    parts = [] if relative == "." else relative.split(os.sep)
+    for name in names:
+      copy(os.path.join(parent, name), join(destination, *parts, name))
+
+
 def local_copy(path: str) -> str:
   """A local file with the content of `path`: the path itself when local; for a URL a
   download into a content-addressed cache (`$GRIFFIN_DOWNLOAD_CACHE`, default
@@ -172,6 +190,7 @@ def check_writable(directory: str, flag: str = "--workdir") -> None:
   if not is_url(directory) and os.path.exists(directory) and not os.path.isdir(directory):
     raise usage_error(f"{flag} {directory} is a file, not a directory; choose a "
                       "directory (it is created if missing)")
+  check_reachable(directory)
   try:
     if not is_url(directory):  # on S3, s3fs's makedirs would create a missing bucket
       makedirs(directory)
@@ -187,6 +206,32 @@ def check_writable(directory: str, flag: str = "--workdir") -> None:
   except OSError as error:
     raise UserError(f"{flag} {directory} is not writable: {error.strerror or error}. "
                     f"Choose another {flag} or fix its permissions.") from None
+
+
+def _gcs_endpoint() -> tuple[str, int]:
+  """(host, port) gcsfs talks to: `STORAGE_EMULATOR_HOST` (an emulator) or GCS itself."""
+  url = os.environ.get("STORAGE_EMULATOR_HOST") or "https://storage.googleapis.com"
+  parsed = urllib.parse.urlsplit(url if "://" in url else "http://" + url)
+  return parsed.hostname or "", parsed.port or (443 if parsed.scheme == "https" else 80)
+
+
+def check_reachable(url: str, timeout_s: float = 10) -> None:
+  """Fails fast, in one line, when nothing answers at a `gs://` URL's endpoint.
+
+  gcsfs retries a refused connection 6 times with exponential backoff (about 36 s before
+  the error) and offers no setting for it; one TCP connection to its endpoint tells the
+  same in milliseconds. Skipped behind an HTTP(S) proxy, which may be the only route to
+  the endpoint. s3fs/botocore take `AWS_MAX_ATTEMPTS` and need no probe.
+  """
+  proxies = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy")
+  if not str(url).startswith("gs://") or any(os.environ.get(name) for name in proxies):
+    return
+  host, port = _gcs_endpoint()
+  try:
+    socket.create_connection((host, port), timeout=timeout_s).close()
+  except OSError as error:
+    reason = ConnectionError(f"{host}:{port}: {error.strerror or error}")
+    raise UserError(describe_error(url, reason)) from None
 
 
 def describe_error(path: str, error: BaseException) -> str:

@@ -50,7 +50,7 @@ def corpus_lines(input_glob: str) -> Iterator[str]:
   """Non-empty lines of every document matching the glob (newlines stripped)."""
   for path in corpus_files.match_files(input_glob, flag="input_glob"):
     if path.endswith(".jsonl"):
-      texts = corpus_files.read_jsonl_texts(path)
+      texts = corpus_files.iter_jsonl_texts(path)
     else:
       with open(path, "rb") as f:
         texts = [f.read().decode("utf-8", errors="replace")]

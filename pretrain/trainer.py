@@ -11,7 +11,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import os
 import shlex
 import time
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -25,6 +24,7 @@ from pretrain import flops as flops_lib
 from pretrain import generation
 from pretrain import goodput
 from pretrain import hooks as hooks_lib
+from pretrain import storage
 from pretrain.checkpointing import Checkpointer
 from pretrain.errors import usage_error
 from pretrain.metadata import RunMetadata, vocabulary_spec
@@ -225,7 +225,7 @@ class Trainer:
     if cfg.sample_prompt:
       hooks.append(hooks_lib.SampleHook(self.sample, cfg.sample_prompt, self.writer))
     if cfg.profile_steps and (cfg.profile_all_processes or jax.process_index() == 0):
-      logdir = os.path.join(self.checkpointer.directory.parent, "profile")
+      logdir = storage.join(str(self.checkpointer.directory.parent), "profile")
       hooks.append(hooks_lib.ProfileHook(logdir, *cfg.profile_steps, start_step=start_step))
     return hooks
 

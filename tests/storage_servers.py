@@ -10,6 +10,7 @@ are session-scoped: a server starts once per test process and is stopped at its 
 """
 import contextlib
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -151,12 +152,30 @@ def _serve_gcs_emulator(port: int) -> None:
   make conditional writes (Orbax's OCDBT manifests); without it every read looks like
   generation 0 and the next conditional write fails as 'Malformed StorageGeneration'.
   The wrapper adds the object's generation headers to each successful download.
+
+  It also serves suffix byte ranges (`Range: bytes=-N`, the last N bytes), as GCS does
+  with HTTP 206 and a `Content-Range`: the emulator serves `bytes=A-B` and `bytes=A-` but
+  answers a suffix range with the whole object, and tensorstore reads the index at the
+  end of each zarr3 shard with one ("byte range [-132, ?) was ignored by server"). The
+  suffix is rewritten to the equivalent `bytes=A-` before the emulator sees it.
   """
   from gcp_storage_emulator import server as emulator  # pylint: disable=import-outside-toplevel
   from gcp_storage_emulator.handlers import objects  # pylint: disable=import-outside-toplevel
   plain_download = objects.download
 
+  def serve_suffix_range(request, store) -> None:
+    suffix = re.fullmatch(r"\s*bytes=-(\d+)\s*", request.get_header("range", "") or "")
+    if not suffix:
+      return
+    try:
+      size = len(store.get_file(request.params["bucket_name"], request.params["object_id"]))
+    except objects.NotFound:
+      return  # the emulator answers 404 itself
+    headers = request._request_handler.headers  # pylint: disable=protected-access
+    headers.replace_header("Range", f"bytes={max(0, size - int(suffix[1]))}-")
+
   def download(request, response, store, *args, **kwargs):
+    serve_suffix_range(request, store)
     plain_download(request, response, store, *args, **kwargs)
     if response.status in (200, 206):
       obj = store.get_file_obj(request.params["bucket_name"], request.params["object_id"])

@@ -10,7 +10,7 @@ import pytest
 import seqio
 import tensorflow as tf
 
-from pretrain.data import DataError, pipeline, tasks, token_store
+from pretrain.data import DataError, corpus_files, pipeline, sources, tasks, token_store
 from pretrain.data.packing import PackedRows
 from pretrain.data.vocabularies import get_vocabulary
 from pretrain.errors import UserError
@@ -214,6 +214,20 @@ def test_jsonl_documents(tmp_path):
   decoded = [t for t, _ in segments(
       data.vocabulary, data.batch(0))]
   assert all(t.startswith("<line") for t in decoded)
+
+  # JSONL is streamed line by line; the documents of each split and input shard are
+  # the ones a whole-file read gives: file and line order, every n-th for a shard.
+  source = sources.TextFilesDataSource(str(corpus / "*.jsonl"), validation_fraction=0.25)
+  keyed = [(f"{name}:{i}", json.loads(line)["text"])
+           for name, part in (("a.jsonl", lines[:25]), ("b.jsonl", lines[25:]))
+           for i, line in enumerate(part)]
+  flags = corpus_files.assign_validation([key for key, _ in keyed], 0.25)
+  for split, held_out in ((sources.TRAIN, False), (sources.VALIDATION, True)):
+    expected = [text for (_, text), flag in zip(keyed, flags) if flag == held_out]
+    for shard in (None, seqio.ShardInfo(0, 3), seqio.ShardInfo(2, 3)):
+      got = [example["text"].numpy().decode() for example in
+             source.get_dataset(split, shuffle=False, shard_info=shard)]
+      assert got == (expected if shard is None else expected[shard.index::3])
 
 
 def test_prefix_lm_task_weights_only_targets(tmp_path):

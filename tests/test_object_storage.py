@@ -1,10 +1,12 @@
 """Runs whose workdir is a bucket, on real local servers (a GCS emulator, moto's S3).
 
-Per server, one tiny run (the shared tiny config) trains into `<bucket>/runs/tiny`, is
+Per server, one tiny run (the shared tiny config, with a profiler trace of steps 2-3,
+uploaded to the bucket) trains into `<bucket>/runs/tiny`, is
 killed with SIGKILL mid-run (async saves in flight) and rerun with the same command;
 its losses must equal the uninterrupted local run's step for step. Then `evaluate`,
 `sample` and `pretrain.load` read that bucket workdir. Bad storage (an unreachable
-endpoint, a missing bucket, refused credentials) is one line and costs nothing saved.
+endpoint, a missing bucket, refused credentials) is one line and costs nothing saved; an
+unreachable GCS endpoint fails in seconds, not after gcsfs's ~36 s of retries.
 """
 import json
 import os
@@ -23,37 +25,14 @@ from pretrain.checkpointing import checkpoint_dir, complete_steps
 from pretrain.errors import UserError
 from pretrain.evaluate import text_file_metrics
 from pretrain.generation import sample_text
-from storage_servers import free_port, s3_environment, server
-from trainer_helpers import (REPO, assert_ok, train_losses,  # pylint: disable=unused-import
-                             trained_workdir, trainer_env)
+from storage_servers import environment, free_port, s3_environment, server
+from trainer_helpers import (REPO, assert_ok, bucket_rows,  # pylint: disable=unused-import
+                             storage_env, train_losses, trained_workdir, trainer_env)
 
 pytestmark = pytest.mark.slow
 
 STEPS = 24          # as in the shared tiny config (saves every 2 steps)
 KILL_AFTER = 10     # kill once this many steps are logged
-# Variables through which the fixtures point clients at their server.
-_STORAGE_PREFIXES = ("AWS_", "STORAGE_", "TENSORSTORE_", "GOOGLE_AUTH", "FSSPEC_",
-                     "GCSFS_", "GCE_", "NO_GCE")
-
-
-def bucket_rows(workdir: str) -> list[dict]:
-  """The per-step rows of the run's metrics.jsonl (training and evaluation)."""
-  path = storage.join(workdir, "metrics.jsonl")
-  if not storage.exists(path):
-    return []
-  rows = [json.loads(line) for line in storage.read_text(path).splitlines(True)
-          if line.endswith("\n")]
-  return [row for row in rows if "kind" not in row]  # step rows, not goodput records
-
-
-def storage_env(trainer_env, **overrides) -> dict:
-  """The subprocess environment: the tiny runs' plus the active storage server's."""
-  env = dict(trainer_env.env)
-  env.update({k: v for k, v in os.environ.items() if k.startswith(_STORAGE_PREFIXES)})
-  env.update(overrides)
-  return env
-
-
 def run(trainer_env, command, env, timeout=300):
   return subprocess.run(command, env=env, cwd=REPO, capture_output=True,
                         text=True, timeout=timeout)
@@ -63,8 +42,8 @@ def run(trainer_env, command, env, timeout=300):
 def bucket_run(request, trainer_env):
   """(workdir URL, stdout of the rerun, resumed step) of a killed-and-rerun bucket run."""
   workdir = request.getfixturevalue(f"{request.param}_bucket") + "/runs/tiny"
-  env = storage_env(trainer_env)
-  command = trainer_env.train_command(workdir)
+  env = storage_env(trainer_env.env)
+  command = trainer_env.train_command(workdir, "TrainConfig.profile_steps=(2, 3)")
   process = subprocess.Popen(command, env=env, cwd=REPO,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   deadline = time.time() + 240
@@ -95,6 +74,9 @@ def test_killed_bucket_run_reruns_to_the_uninterrupted_losses(bucket_run, traine
   assert "TRAIN_STEPS = 24" in storage.read_text(storage.join(workdir, "config.gin"))
   events = storage.listdir(storage.join(workdir, "tensorboard"))
   assert events and all(name.startswith("events.out.tfevents") for name in events)
+  # JAX traces to local disk only; the trace of steps 2-3 was uploaded when it stopped.
+  assert list(storage.as_path(storage.join(workdir, "profile")).glob(
+      "plugins/profile/*/*.xplane.pb"))
 
 
 def test_evaluate_sample_and_load_read_the_bucket(bucket_run, trainer_env, trained_workdir):
@@ -102,7 +84,7 @@ def test_evaluate_sample_and_load_read_the_bucket(bucket_run, trainer_env, train
   output = storage.join(workdir, "eval.json")
   result = run(trainer_env, trainer_env.command(
       "pretrain.evaluate", f"--workdir={workdir}", f"--output={output}"),
-      storage_env(trainer_env))
+      storage_env(trainer_env.env))
   assert_ok(result)
   evaluated = json.loads(result.stdout.strip().splitlines()[-1])
   assert evaluated == json.loads(storage.read_text(output))
@@ -148,18 +130,27 @@ def test_bad_storage_is_one_line_and_keeps_the_saved_run(bucket_run, trainer_env
   with pytest.raises(UserError, match="does bucket 'no-such-bucket' exist"):
     cli.prepare_workdir(missing)
 
+  if workdir.startswith("gs://"):
+    # Nothing listening at the endpoint: gcsfs alone would retry for ~36 s.
+    started = time.monotonic()
+    with environment(STORAGE_EMULATOR_HOST=f"http://127.0.0.1:{free_port()}"):
+      with pytest.raises(UserError, match="cannot reach the storage of gs://.*"
+                         "STORAGE_EMULATOR_HOST") as raised:
+        cli.prepare_workdir(workdir)
+    assert time.monotonic() - started < 5 and "\n" not in str(raised.value)
+
   if workdir.startswith("s3://"):
     # Nothing listening at the endpoint.
     dead = f"http://127.0.0.1:{free_port()}"
     _one_line_error(run(trainer_env, command, storage_env(
-        trainer_env, AWS_ENDPOINT_URL=dead)), "cannot reach the storage", workdir)
+        trainer_env.env, AWS_ENDPOINT_URL=dead)), "cannot reach the storage", workdir)
     # A server that refuses the credentials (moto with authentication on).
     port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
     refusing = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
     with server(refusing, endpoint, env=dict(os.environ, INITIAL_NO_AUTH_ACTION_COUNT="0")):
       _one_line_error(run(trainer_env, command, storage_env(
-          trainer_env, **s3_environment(endpoint))), "permission denied", workdir)
+          trainer_env.env, **s3_environment(endpoint))), "permission denied", workdir)
 
   assert complete_steps(checkpoint_dir(workdir)) == saved
   assert storage.read_text(storage.join(workdir, "metrics.jsonl")) == metrics

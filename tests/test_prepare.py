@@ -123,8 +123,9 @@ def test_two_workers_write_the_trainers_own_stores_into_a_bucket(config, s3_buck
   """Two Beam workers (threads here; the README test runs worker processes) pack and
   write their own shards concurrently into a bucket on a local moto S3 server. The
   stores hold exactly the rows of the trainer's own local build, and the trainer reads
-  them from the bucket, batch for batch. (Not the GCS emulator: it ignores the byte
-  ranges that reading sharded zarr3 arrays needs.)"""
+  them from the bucket, batch for batch. (On the GCS emulator, two workers prepare the
+  C4 config's stores that the README's TPU example then trains on:
+  tests/test_readme.py::test_tpu_example_trains_against_the_emulated_bucket.)"""
   output = f"{s3_bucket}/tokens-{tmp_path.name}"
   prepared = prepare.prepare(output, [config], [], ("--direct_running_mode=multi_threading",
                                                     "--direct_num_workers=2"))

@@ -12,6 +12,7 @@ import pytest
 
 from launch import scaling_fit
 from launch import scaling_laws
+from pretrain import storage
 
 
 def synthetic_points(e, a, alpha, n=7, noise=0.0, seed=0):
@@ -149,15 +150,16 @@ def test_cli_bad_csv_is_one_line_and_exit_code_2(tmp_path, content, fragment):
   assert len(errors) == 1 and fragment in errors[0], result.stderr
 
 
-def test_study_directory_gives_approach_1_the_training_curves(tmp_path):
-  """sweep.csv plus each run's metrics.jsonl: every eval row becomes a curve point."""
+def _write_study(root, workdir_base):
+  """sweep.csv and each run's metrics.jsonl under `root`; the CSV names each run's
+  workdir under `workdir_base` (where the study will be read from)."""
   sizes = np.geomspace(1e6, 1e8, 8)
-  with open(tmp_path / "sweep.csv", "w", newline="") as f:
+  with open(root / "sweep.csv", "w", newline="") as f:
     writer = csv.writer(f)
     writer.writerow(["run", "family", "params", "tokens", "flops", "loss", "train_steps",
                      "workdir"])
     for i, n in enumerate(sizes):
-      run_dir = tmp_path / "runs" / f"hawk_{i}"
+      run_dir = root / "runs" / f"hawk_{i}"
       run_dir.mkdir(parents=True)
       steps, tokens_per_step = 100, 200 * n / 100
       with open(run_dir / "metrics.jsonl", "w") as metrics:
@@ -169,7 +171,13 @@ def test_study_directory_gives_approach_1_the_training_curves(tmp_path):
         metrics.write('{"step": 101, "eval')          # cut short by a kill
       d = steps * tokens_per_step
       writer.writerow([f"hawk_{i}", "hawk", n, d, 6 * n * d,
-                       1.8 + 400 / n ** 0.34 + 410 / d ** 0.28, steps, str(run_dir)])
+                       1.8 + 400 / n ** 0.34 + 410 / d ** 0.28, steps,
+                       f"{workdir_base}/runs/hawk_{i}"])
+
+
+def test_study_directory_gives_approach_1_the_training_curves(tmp_path):
+  """sweep.csv plus each run's metrics.jsonl: every eval row becomes a curve point."""
+  _write_study(tmp_path, str(tmp_path))
   families = scaling_fit.read_runs(str(tmp_path))
   runs = families["hawk"]
   assert runs.curves is not None and all(len(c[0]) == 10 for c in runs.curves)
@@ -177,3 +185,19 @@ def test_study_directory_gives_approach_1_the_training_curves(tmp_path):
   fit = scaling_laws.fit_envelope(runs, 1e20, replicates=20)
   assert len(fit.details["envelope"]) >= 5           # curves, not 8 final points
   assert fit.a.value == pytest.approx(0.28 / 0.62, abs=0.08)   # beta / (alpha + beta)
+
+
+def test_study_and_plots_in_a_bucket(tmp_path, s3_bucket):
+  """A study whose sweep.csv and run workdirs are in a bucket reads as the local one,
+  and the figures are uploaded to a bucket `--plots` directory."""
+  bucket = f"{s3_bucket}/study-{tmp_path.name}"
+  local = tmp_path / "local"
+  local.mkdir()
+  _write_study(local, bucket)
+  storage.upload_tree(str(local), bucket)
+  runs = scaling_fit.read_runs(bucket)["hawk"]
+  assert runs.curves is not None and all(len(c[0]) == 10 for c in runs.curves)
+  np.testing.assert_allclose(runs.curves[0][0][-1], runs.tokens[0])
+  paths = scaling_fit.write_plots({"hawk": runs}, {}, {}, f"{bucket}/plots")
+  assert paths == {"loss_vs_compute": f"{bucket}/plots/loss_vs_compute.png"}
+  assert storage.read_bytes(paths["loss_vs_compute"])[:8] == b"\x89PNG\r\n\x1a\n"

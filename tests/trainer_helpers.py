@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from pretrain import storage
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = ("def", "return", "class", "self", "import", "for", "in", "if", "else", "print",
          "value", "items", "(", ")", ":", "=", "+", "\n", "    ")
@@ -164,3 +166,26 @@ def trained_workdir(trainer_env):
   with open(finished, encoding="utf-8") as f:
     outputs = json.load(f)
   return workdir, subprocess.CompletedProcess([], 0, outputs["stdout"], outputs["stderr"])
+
+
+# Variables through which the fixtures point clients at their server.
+_STORAGE_PREFIXES = ("AWS_", "STORAGE_", "TENSORSTORE_", "GOOGLE_AUTH", "FSSPEC_",
+                     "GCSFS_", "GCE_", "NO_GCE")
+
+
+def bucket_rows(workdir: str) -> list[dict]:
+  """The per-step rows of the run's metrics.jsonl (training and evaluation)."""
+  path = storage.join(workdir, "metrics.jsonl")
+  if not storage.exists(path):
+    return []
+  rows = [json.loads(line) for line in storage.read_text(path).splitlines(True)
+          if line.endswith("\n")]
+  return [row for row in rows if "kind" not in row]  # step rows, not goodput records
+
+
+def storage_env(base: dict, **overrides) -> dict:
+  """A subprocess environment: `base` plus the variables of the active storage server."""
+  env = dict(base)
+  env.update({k: v for k, v in os.environ.items() if k.startswith(_STORAGE_PREFIXES)})
+  env.update(overrides)
+  return env

@@ -13,7 +13,7 @@ import hashlib
 import json
 import os
 import sysconfig
-from typing import List, Sequence
+from typing import Iterator, List, Sequence
 
 from pretrain.data.errors import DataError
 
@@ -89,9 +89,9 @@ def assign_validation(keys: Sequence[str], fraction: float) -> List[bool]:
   return is_validation
 
 
-def read_jsonl_texts(path: str) -> List[str]:
-  """The `text` field of every non-blank line of a JSONL file."""
-  texts = []
+def iter_jsonl_texts(path: str) -> Iterator[str]:
+  """The `text` field of every non-blank line of a JSONL file, one line in memory at a
+  time (a corpus file may be many gigabytes)."""
   with open(path, "r", encoding="utf-8") as f:
     for line_number, line in enumerate(f, start=1):
       if not line.strip():
@@ -106,7 +106,6 @@ def read_jsonl_texts(path: str) -> List[str]:
         raise DataError(
             f"{path}:{line_number} has no string 'text' field; every line of a "
             ".jsonl file must look like {\"text\": \"...\"}")
-      texts.append(record["text"])
-  return texts
+      yield record["text"]
 
 

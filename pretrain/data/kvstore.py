@@ -38,10 +38,11 @@ def list_names(directory: str, prefix: str) -> List[str]:
 
 def delete_prefix(directory: str, prefix: str) -> None:
   """Deletes every key under `directory` that starts with `prefix` (not empty), one by
-  one: a ranged delete is not honoured by every GCS emulator."""
+  one: tensorstore's gcs driver deletes a key range by listing it, and a GCS emulator
+  that ignores the listing range would have it delete the whole directory (the store's
+  manifest and arrays included); a single-key delete is one DELETE of that object."""
   store = _open(directory)
-  for future in [store.delete_range(ts.KvStore.KeyRange(key, key + "\0"))
-                 for key in list_names(directory, prefix)]:
+  for future in [store.write(key, None) for key in list_names(directory, prefix)]:
     future.result()
 
 

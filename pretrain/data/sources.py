@@ -11,14 +11,16 @@ import dataclasses
 import hashlib
 import json
 import os
-from typing import Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
 
 import seqio
 import tensorflow as tf
 
 from pretrain.data.corpus_files import (DEFAULT_EXCLUDE, DEFAULT_SHARD_BYTES,
                                         assign_validation, expand_pattern, glob_root,
-                                        match_files, read_jsonl_texts)
+                                        iter_jsonl_texts, match_files)
 from pretrain.data.errors import DataError
 
 TRAIN = "train"
@@ -37,9 +39,11 @@ class TextFilesDataSource(seqio.DataSource):
   """Documents from files matching a glob, split into train and validation.
 
   Yields examples `{"text": tf.string}`. Plain files are read whole by TensorFlow (no
-  per-document Python work); `.jsonl` files are parsed in Python so a bad line gets
-  an error naming the file and line.
+  per-document Python work); `.jsonl` files are streamed and parsed in Python, line by
+  line, so a bad line gets an error naming the file and line and a corpus of any size
+  is never held in memory: what is kept per JSONL document is one split flag (a byte).
   """
+  SHUFFLE_BUFFER = 10_000  # JSONL documents shuffled together when `shuffle` is set
 
   def __init__(self, pattern: str, validation_fraction: float = 0.02,
                exclude: Sequence[str] = DEFAULT_EXCLUDE,
@@ -90,23 +94,46 @@ class TextFilesDataSource(seqio.DataSource):
     return None
 
   def _documents_by_split(self):
-    """{split: (whole-file paths, JSONL texts)}, assigned over all documents at once."""
+    """{split: (whole-file paths, [(JSONL path, which of its documents)])}, assigned
+    over all documents at once (keys are held only while assigning)."""
     if self._by_split is None:
       keys, documents = [], []
       for f in self._files:
         if f.path.endswith(".jsonl"):
-          for i, text in enumerate(read_jsonl_texts(f.path)):
-            keys.append(f"{f.key}:{i}")
-            documents.append(("text", text))
+          count = sum(1 for _ in iter_jsonl_texts(f.path))  # validates every line
+          keys += [f"{f.key}:{i}" for i in range(count)]
+          documents.append(("jsonl", f.path, count))
         else:
           keys.append(f.key)
-          documents.append(("path", f.path))
-      flags = assign_validation(keys, self._fraction)
+          documents.append(("path", f.path, 1))
+      flags = np.asarray(assign_validation(keys, self._fraction), bool)
+      del keys
       self._by_split = {TRAIN: ([], []), VALIDATION: ([], [])}
-      for (kind, value), is_validation in zip(documents, flags):
-        paths, texts = self._by_split[VALIDATION if is_validation else TRAIN]
-        (paths if kind == "path" else texts).append(value)
+      start = 0
+      for kind, path, count in documents:
+        in_validation = flags[start:start + count]
+        start += count
+        if kind == "path":
+          self._by_split[VALIDATION if in_validation[0] else TRAIN][0].append(path)
+          continue
+        for split, selected in ((TRAIN, ~in_validation), (VALIDATION, in_validation)):
+          if selected.any():
+            self._by_split[split][1].append((path, selected))
     return self._by_split
+
+  @staticmethod
+  def _jsonl_texts(selections: List[Tuple[str, np.ndarray]],
+                   shard_info: Optional[seqio.ShardInfo]) -> Iterator[str]:
+    """The split's JSONL documents in file and line order, streamed; with `shard_info`
+    every num_shards-th of them, starting at the shard's index."""
+    position = 0
+    for path, selected in selections:
+      for text, wanted in zip(iter_jsonl_texts(path), selected):
+        if not wanted:
+          continue
+        if shard_info is None or position % shard_info.num_shards == shard_info.index:
+          yield text
+        position += 1
 
   def get_dataset(self, split: str = TRAIN, shuffle: bool = True,
                   seed: Optional[int] = None,
@@ -115,18 +142,18 @@ class TextFilesDataSource(seqio.DataSource):
       raise DataError(
           f"text files task has no split '{split}' (splits: {self.splits}); "
           "set text_files_task.validation_fraction > 0 for a validation split")
-    paths, texts = self._documents_by_split()[split]
+    paths, selections = self._documents_by_split()[split]
     if shard_info is not None:
       paths = paths[shard_info.index::shard_info.num_shards]
-      texts = texts[shard_info.index::shard_info.num_shards]
     file_ds = tf.data.Dataset.from_tensor_slices(tf.constant(paths, tf.string))
     if shuffle:
       file_ds = file_ds.shuffle(max(len(paths), 1), seed=seed)
     file_ds = file_ds.map(
         lambda p: {"text": tf.io.read_file(p)},
         num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-    text_ds = tf.data.Dataset.from_tensor_slices(
-        {"text": tf.constant(texts, tf.string)})
+    text_ds = tf.data.Dataset.from_generator(
+        lambda: ({"text": text} for text in self._jsonl_texts(selections, shard_info)),
+        output_signature={"text": tf.TensorSpec((), tf.string)})
     if shuffle:
-      text_ds = text_ds.shuffle(max(len(texts), 1), seed=seed)
+      text_ds = text_ds.shuffle(self.SHUFFLE_BUFFER, seed=seed)
     return file_ds.concatenate(text_ds)
