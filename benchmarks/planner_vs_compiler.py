@@ -87,7 +87,6 @@ def record(path: str, result: dict[str, Any]) -> None:
 def main(argv: Sequence[str]) -> None:
   cli.reject_extra_arguments(argv)
   jax.config.update("jax_platforms", "cpu")  # compile only: no TPU runtime here
-  jax.config.update("jax_enable_compilation_cache", False)  # as pretrain.compile.main
   result = compare(FLAGS.topology, FLAGS.gin_file, FLAGS.gin_param, FLAGS.mesh)
   if FLAGS.record:
     kept = {k: v for k, v in result.items() if not k.endswith(("_gib", "_ratio"))}

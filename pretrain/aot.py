@@ -7,9 +7,12 @@ and no TPU attached. The report holds XLA's own per-device memory and cost figur
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
+
+import jax
 
 from model.config import ModelConfig
 from pretrain import flops as flops_lib
@@ -83,6 +86,20 @@ def target_runtime(config: ModelConfig, mesh_config: MeshConfig, devices: list[A
                  replication_check)
 
 
+@contextlib.contextmanager
+def _without_persistent_cache() -> Iterator[None]:
+  """Keeps JAX's persistent compilation cache (on by default for the trainer) out of an
+  ahead-of-time compile: an executable compiled against TPU descriptions cannot be
+  loaded back without a TPU client (JAX warns and compiles again), and a hit would fake
+  the compile time reported."""
+  enabled = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_compilation_cache", enabled)
+
+
 def compile_train_step(runtime: Runtime, train_config: TrainConfig,
                        optimizer_config: OptimizerConfig) -> tuple[Any, float, float]:
   """(the compiled train step, wall seconds, CPU seconds of this process): the
@@ -95,7 +112,7 @@ def compile_train_step(runtime: Runtime, train_config: TrainConfig,
                            train_config.loss_chunks)
   batch = abstract_batch(runtime, train_config.batch_size, train_config.sequence_length)
   start, cpu_start = time.perf_counter(), time.process_time()
-  with runtime.activation_context():
+  with runtime.activation_context(), _without_persistent_cache():
     compiled = program.step.lower(program.abstract_state, batch).compile()
   return compiled, time.perf_counter() - start, time.process_time() - cpu_start
 

@@ -118,10 +118,6 @@ def main(argv: Sequence[str]) -> int:
     # Compiling needs only libtpu's chip descriptions; this host's own runtime stays CPU
     # (on a machine with libtpu but no TPU, starting one would fail or wait).
     jax.config.update("jax_platforms", "cpu")
-  # A JAX_COMPILATION_CACHE_DIR the user trains with must not serve this process: an
-  # executable compiled against TPU descriptions cannot be loaded without a TPU client
-  # (JAX warns and compiles anyway), and a hit would fake the compile time reported.
-  jax.config.update("jax_enable_compilation_cache", False)
   report, compiled = compile_from_gin(FLAGS.topology, FLAGS.num_slices, FLAGS.gin_file,
                                       FLAGS.gin_param, FLAGS.mesh)
   if FLAGS.save:
