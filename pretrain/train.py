@@ -57,7 +57,9 @@ def use_compilation_cache(directory: str) -> None:
   if not directory:
     jax.config.update("jax_enable_compilation_cache", False)
     return
-  jax.config.update("jax_compilation_cache_dir", os.path.expanduser(directory))
+  directory = os.path.expanduser(directory)
+  storage.check_writable(directory, flag="--compilation_cache_dir")
+  jax.config.update("jax_compilation_cache_dir", directory)
   # Eviction locks the directory with a lock file, which only a local disk can hold; a
   # bucket keeps everything (its lifecycle rules can age entries out).
   if "JAX_COMPILATION_CACHE_MAX_SIZE" not in os.environ and not storage.is_url(directory):

@@ -32,3 +32,17 @@ def test_cache_directory_receives_compiled_programs_and_is_size_bounded(tmp_path
 
 def test_empty_directory_turns_the_cache_off():
   assert _run("")[0] == "False"
+
+
+def test_unusable_directory_is_one_line_before_any_work(tmp_path):
+  blocker = tmp_path / "a_file"
+  blocker.write_text("")
+  workdir = tmp_path / "run"
+  result = subprocess.run(
+      [sys.executable, "-m", "pretrain.train", "--gin_file=configs/quickstart.gin",
+       f"--compilation_cache_dir={blocker}/cache", f"--workdir={workdir}"],
+      cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert result.returncode != 0
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and "--compilation_cache_dir" in lines[0], result.stderr
+  assert not workdir.exists()
