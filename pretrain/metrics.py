@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import sys
 import tempfile
@@ -141,8 +140,7 @@ class _UploadedTensorBoard:
 
   def _upload(self) -> None:
     self._writer.flush()
-    for name in sorted(os.listdir(self._staging)):
-      storage.copy(os.path.join(self._staging, name), storage.join(self._destination, name))
+    storage.upload_tree(self._staging, self._destination)
     self._uploaded_at = time.monotonic()
 
   def flush(self) -> None:

@@ -14,7 +14,6 @@ import os
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
-
 import seqio
 import tensorflow as tf
 
