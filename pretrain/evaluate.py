@@ -1,30 +1,38 @@
-r"""Mean next-token negative log-likelihood (nats/token) of a checkpoint.
+r"""Scores a checkpoint: next-token loss, or lm-evaluation-harness tasks.
 
   python -m pretrain.evaluate --workdir=DIR [--step=N] [--text_file=PATH] [--output=JSON]
+  python -m pretrain.evaluate --workdir=DIR --tasks=hellaswag,arc_easy \
+      [--include_path=DIR] [--num_fewshot=K] [--limit=N] [--batch_size=B] [--output=JSON]
 
-Without --text_file it reads the run's validation split, as configured by
-`DIR/config.gin` (the operative config the trainer wrote). With --text_file the file is
-one document, scored exactly as in training through the decoding caches
-(`pretrain.evaluation.text_loss`). Prints and writes {"step", "loss", "tokens"}; for a
-run trained on a synthetic task (`pretrain.data.synthetic`) the validation loss counts
-the answer positions only and the result adds their arg-max "accuracy".
+Without --tasks: the mean next-token negative log-likelihood (nats/token). Without
+--text_file it reads the run's validation split, as configured by `DIR/config.gin` (the
+operative config the trainer wrote). With --text_file the file is one document, scored
+exactly as in training through the decoding caches (`pretrain.evaluation.text_loss`).
+Prints and writes {"step", "loss", "tokens"}; for a run trained on a synthetic task
+(`pretrain.data.synthetic`) the validation loss counts the answer positions only and the
+result adds their arg-max "accuracy".
+
+With --tasks: `lm_eval.simple_evaluate` on the tasks with this model as its backend
+(`pretrain.downstream`, `pretrain.lm_eval_backend`; needs the `eval` extra); prints
+lm_eval's results table, and --output writes lm_eval's results JSON.
 """
 from __future__ import annotations
 
 from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
 import json
-from typing import Sequence
+from typing import Any, Sequence
 
 from absl import flags
 from etils import epy
 
 from pretrain import cli
+from pretrain import downstream
 from pretrain import evaluation
 from pretrain import gin_config
 from pretrain import metrics as metrics_lib
 from pretrain import storage
 from pretrain.data import synthetic
-from pretrain.errors import UserError
+from pretrain.errors import UserError, usage_error
 from pretrain.load import LoadedModel, load
 from pretrain.trainer import TrainConfig
 
@@ -42,7 +50,19 @@ def define_flags() -> None:
   flags.DEFINE_string("text_file", None, "Score this text file instead of the validation "
                       "split.")
   flags.DEFINE_string("output", None, "Also write the result as JSON to this path.")
+  flags.DEFINE_list("tasks", [], "lm-evaluation-harness tasks or groups to run instead "
+                    "of the loss, comma-separated (e.g. hellaswag,arc_easy).")
+  flags.DEFINE_string("include_path", None, "With --tasks: a directory of lm_eval YAML "
+                      "tasks, as lm_eval's --include_path.")
+  flags.DEFINE_integer("num_fewshot", None, "With --tasks: few-shot examples per "
+                       "question (default: each task's own).", lower_bound=0)
+  flags.DEFINE_integer("limit", None, "With --tasks: score at most this many examples "
+                       "of each task.", lower_bound=1)
+  flags.DEFINE_integer("batch_size", 16, "With --tasks: sequences per batch.",
+                       lower_bound=1)
   flags.mark_flag_as_required("workdir")
+
+_TASK_FLAGS = ("include_path", "num_fewshot", "limit", "batch_size")
 
 
 def text_file_metrics(model: LoadedModel, path: str) -> dict[str, float]:
@@ -82,8 +102,31 @@ def validation_metrics(model: LoadedModel, workdir: str) -> dict[str, float]:
   return {"loss": loss, "tokens": tokens}
 
 
+def task_results(model: LoadedModel, tasks: Sequence[str], manager: Any
+                 ) -> dict[str, Any]:
+  """lm_eval's results of the model on `tasks` (flags --num_fewshot, --limit,
+  --batch_size)."""
+  lm = downstream.backend(model.runtime, model.params, model.vocabulary,
+                          max_length=model.sequence_length, batch_size=FLAGS.batch_size,
+                          progress=True)
+  return downstream.simple_evaluate(lm, tasks, manager, num_fewshot=FLAGS.num_fewshot,
+                                    limit=FLAGS.limit)
+
+
 def main(argv: Sequence[str]) -> None:
   cli.reject_extra_arguments(argv)
+  if FLAGS.tasks:
+    if FLAGS.text_file:
+      raise usage_error("--tasks and --text_file are two kinds of evaluation: give one")
+    manager = downstream.task_manager(FLAGS.tasks, FLAGS.include_path)
+    results = task_results(load(FLAGS.workdir, FLAGS.step), FLAGS.tasks, manager)
+    print(downstream.results_table(results))
+    if FLAGS.output:
+      storage.write_text(FLAGS.output, downstream.results_json(results))
+    return
+  given = [f"--{name}" for name in _TASK_FLAGS if FLAGS[name].present]
+  if given:
+    raise usage_error(f"{', '.join(given)} only apply with --tasks")
   model = load(FLAGS.workdir, FLAGS.step)
   if FLAGS.text_file:
     metrics = text_file_metrics(model, FLAGS.text_file)

@@ -208,6 +208,31 @@ class EvalHook(Hook):
       self._run(step, state.params)
 
 
+class DownstreamHook(Hook):
+  """Scores the live parameters on downstream tasks every `every` steps and, unless
+  preempted, once after the last step; `downstream/<task>/<metric>` rows."""
+  goodput_category = "eval"
+
+  def __init__(self, evaluate: Callable[[Any], Mapping[str, float]], writer: MetricsWriter,
+               *, every: int, final_eval: bool, train_steps: int):
+    self.every = every
+    self._evaluate = evaluate
+    self._writer = writer
+    self._final_eval = final_eval
+    self._train_steps = train_steps
+
+  def _run(self, step: int, params: Any) -> None:
+    self._writer.log_downstream(step, self._evaluate(params))
+
+  def on_step(self, step: int, state: TrainState) -> None:
+    if not (self._final_eval and step == self._train_steps):  # on_end evaluates it
+      self._run(step, state.params)
+
+  def on_end(self, step: int, state: TrainState, preempted: bool) -> None:
+    if self._final_eval and not preempted:
+      self._run(step, state.params)
+
+
 class ProfileHook(Hook):
   """Captures a JAX profiler trace of optimizer steps `first`..`last` into `logdir`.
 

@@ -28,6 +28,8 @@ with epy.lazy_imports():
   from clu import metric_writers
 
 T = TypeVar("T")
+# Names of downstream task metrics start with this (`pretrain.downstream`).
+DOWNSTREAM_PREFIX = "downstream/"
 
 
 def format_duration(seconds: float) -> str:
@@ -173,6 +175,7 @@ class MetricsWriter:
     self._jsonl = None
     self._summary = None
     self._eval_steps: set[int] = set()
+    self._downstream_steps: set[int] = set()
     if not self._enabled:
       return
     path = storage.join(workdir, "metrics.jsonl")
@@ -206,6 +209,7 @@ class MetricsWriter:
       (kept if "kind" in row or row["step"] <= step else dropped).append((line, row))
     self._jsonl.replace([line for line, _ in kept])
     self._eval_steps = {row["step"] for _, row in kept if "eval_loss" in row}
+    self._downstream_steps = {row["step"] for _, row in kept if _is_downstream(row)}
     return [row for _, row in dropped]
 
   def read_rows(self) -> list[dict]:
@@ -236,6 +240,18 @@ class MetricsWriter:
     print(f"step {step}/{self._total_steps} | eval_loss {eval_loss:.4f} "
           f"({tokens:,} tokens)", file=self._stream, flush=True)
 
+  def log_downstream(self, step: int, values: Mapping[str, float]) -> None:
+    """Downstream task metrics (`downstream/<task>/<metric>`, `pretrain.downstream`):
+    one row per step, like evaluations."""
+    if not self._enabled:
+      return
+    if step not in self._downstream_steps:
+      self._write(step, values)
+      self._downstream_steps.add(step)
+    scores = ", ".join(f"{name.split('/', 1)[-1]} {value:.4f}"
+                       for name, value in values.items())
+    print(f"step {step}/{self._total_steps} | {scores}", file=self._stream, flush=True)
+
   def info(self, message: str) -> None:
     if self._enabled:
       print(message, file=self._stream, flush=True)
@@ -246,6 +262,10 @@ class MetricsWriter:
     if self._summary is not None:
       self._summary.flush()
       self._summary.close()
+
+
+def _is_downstream(row: Mapping[str, object]) -> bool:
+  return any(name.startswith(DOWNSTREAM_PREFIX) for name in row)
 
 
 class StepTimer:

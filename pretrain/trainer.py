@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from model import counting
+from pretrain import downstream
 from pretrain import evaluation
 from pretrain import flops as flops_lib
 from pretrain import generation
@@ -63,6 +64,14 @@ class TrainConfig:
     profile_steps: (first, last) optimizer steps to capture in a JAX profiler trace
       under `<workdir>/profile` (TensorBoard's profile plugin reads it); None: none.
     profile_all_processes: trace every process, not only process 0.
+    downstream_tasks: lm-evaluation-harness tasks (or groups) to score the live
+      parameters on (`pretrain.downstream`; needs the `eval` extra), written as
+      `downstream/<task>/<metric>` metrics; () for none.
+    downstream_every: run them every this many steps; 0: only after the last step
+      (with `final_eval`).
+    downstream_include_path: a directory of lm_eval YAML tasks, as lm_eval's
+      `--include_path`.
+    downstream_limit: score at most this many examples of each task (None: all).
   """
   train_steps: int = 1000
   batch_size: int = 8
@@ -81,6 +90,10 @@ class TrainConfig:
   print_sharding: bool = False
   profile_steps: Optional[tuple[int, int]] = None
   profile_all_processes: bool = False
+  downstream_tasks: tuple[str, ...] = ()
+  downstream_every: int = 0
+  downstream_include_path: Optional[str] = None
+  downstream_limit: Optional[int] = None
 
   def __post_init__(self):
     for name in ("train_steps", "batch_size", "sequence_length", "checkpoint_every",
@@ -104,6 +117,18 @@ class TrainConfig:
           1 <= steps[0] <= steps[1]):
         raise ValueError(f"TrainConfig.profile_steps must be (first, last) steps with "
                          f"1 <= first <= last, got {self.profile_steps!r}")
+    tasks = self.downstream_tasks
+    if not isinstance(tasks, (tuple, list)) or not all(isinstance(t, str) and t
+                                                       for t in tasks):
+      raise ValueError("TrainConfig.downstream_tasks must be a tuple of lm_eval task "
+                       f"names, e.g. ('hellaswag', 'arc_easy'), got {tasks!r}")
+    object.__setattr__(self, "downstream_tasks", tuple(tasks))
+    if self.downstream_every < 0:
+      raise ValueError(f"TrainConfig.downstream_every must be >= 0, got "
+                       f"{self.downstream_every}")
+    if self.downstream_limit is not None and self.downstream_limit < 1:
+      raise ValueError(f"TrainConfig.downstream_limit must be None or >= 1, got "
+                       f"{self.downstream_limit}")
 
 
 @dataclasses.dataclass
@@ -172,6 +197,12 @@ class Trainer:
                                                               config.sequence_length)
     self.train_step = program.step
     self._eval_step = evaluation.jit_eval_step(runtime)
+    # Loads the tasks now, so that an unknown one stops the run before its first step.
+    self.downstream = downstream.DownstreamEvaluation(
+        config.downstream_tasks, runtime, pipeline.vocabulary,
+        max_length=config.sequence_length, batch_size=config.batch_size,
+        include_path=config.downstream_include_path,
+        limit=config.downstream_limit) if config.downstream_tasks else None
 
   def initial_state(self) -> tuple[TrainState, jax.Array, Optional[str]]:
     """The newest complete checkpoint's state and RNG (of either tier), or a fresh
@@ -201,7 +232,8 @@ class Trainer:
                       opt_state)
 
   def default_hooks(self, start_step: int, rng: jax.Array) -> list[hooks_lib.Hook]:
-    """Divergence check, logging, preemption, checkpoints, evaluation and sampling."""
+    """Divergence check, logging, preemption, checkpoints, evaluation, downstream
+    tasks and sampling."""
     cfg = self.config
     workdir = str(self.checkpointer.directory.parent)
     metadata = RunMetadata(self.runtime.config,
@@ -222,6 +254,10 @@ class Trainer:
         hooks_lib.EvalHook(self.evaluate, self.writer, every=cfg.eval_every,
                            final_eval=cfg.final_eval, train_steps=cfg.train_steps),
     ]
+    if self.downstream is not None:
+      hooks.append(hooks_lib.DownstreamHook(
+          self.downstream, self.writer, every=cfg.downstream_every,
+          final_eval=cfg.final_eval, train_steps=cfg.train_steps))
     if cfg.sample_prompt:
       hooks.append(hooks_lib.SampleHook(self.sample, cfg.sample_prompt, self.writer))
     if cfg.profile_steps and (cfg.profile_all_processes or jax.process_index() == 0):

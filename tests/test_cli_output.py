@@ -70,7 +70,8 @@ def test_bad_flags_are_one_line_and_exit_2_before_heavy_work(args, fragment):
 
 COMMANDS = {
     "pretrain.train": GIN_FLAGS + ("--workdir",),
-    "pretrain.evaluate": ("--workdir", "--step", "--text_file", "--output"),
+    "pretrain.evaluate": ("--workdir", "--step", "--text_file", "--output", "--tasks",
+                          "--include_path"),
     "pretrain.sample": ("--workdir", "--prompt", "--max_new_tokens", "--temperature"),
     "pretrain.convert": ("--checkpoint", "--workdir", "--preset", "--vocab"),
     "pretrain.tokenizer": ("--input_glob", "--vocab_size", "--output"),

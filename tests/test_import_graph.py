@@ -11,9 +11,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("pretrain", "model/scan")
 # Imports that may stay inside functions: optional dependencies a command can run without.
 # The Pallas kernels and backends load only when a scan runs on impl="pallas" (a backend
-# may be missing from a JAX build); plotting only where a plot is written.
+# may be missing from a JAX build); plotting only where a plot is written; lm_eval (the
+# eval extra, with the backend that subclasses its LM) only where downstream tasks run.
 OPTIONAL_INSIDE_FUNCTIONS = {"matplotlib", "matplotlib.pyplot", "jax.experimental.pallas",
-                             "model.scan", "model.scan.pallas_scan"}
+                             "model.scan", "model.scan.pallas_scan", "lm_eval",
+                             "lm_eval.tasks", "pretrain.lm_eval_backend"}
 
 
 def _modules(package):
@@ -114,13 +116,15 @@ def test_imports_at_module_top(package):
 
 def test_entry_points_load_tensorflow_only_when_data_is_read():
   """SeqIO and TensorFlow cost about 6 s to import; parsing configs, `--help`, memory
-  planning, compiling for TPU and launching must not pay it."""
+  planning, compiling for TPU and launching must not pay it. Nor lm_eval, which loads
+  only where downstream tasks run."""
   entry_points = ["pretrain.train", "pretrain.evaluate", "pretrain.sample",
                   "pretrain.convert", "pretrain.compile", "pretrain.extrapolation",
                   "model.summary", "launch.sweep", "launch.local"]
   script = ("import importlib, sys\n"
             f"for name in {entry_points!r}: importlib.import_module(name)\n"
-            "print(sorted(m for m in ('seqio', 'tensorflow') if m in sys.modules))\n")
+            "print(sorted(m for m in ('seqio', 'tensorflow', 'lm_eval') "
+            "if m in sys.modules))\n")
   result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
   assert result.returncode == 0, result.stderr

@@ -1,7 +1,9 @@
 """MetricsWriter: a resumed or rerun run never leaves two rows of one kind for a step."""
 import json
 
+from pretrain import hooks
 from pretrain.metrics import MetricsWriter
+from pretrain.steps import TrainState
 
 
 def _rows(path):
@@ -45,3 +47,27 @@ def test_rewind_to_zero_starts_the_file_again(tmp_path):
   writer.log_train(1, _train_row(2.0))
   writer.close()
   assert [r["loss"] for r in _rows(tmp_path / "metrics.jsonl")] == [2.0]
+
+
+def test_downstream_hook_writes_one_row_per_step_also_when_rerun(tmp_path):
+  scored = []
+
+  def evaluate(params):
+    scored.append(params)
+    return {"downstream/tiny_mc/acc": 0.5 + len(scored) / 10}
+
+  def run():
+    writer = MetricsWriter(str(tmp_path), 4, tensorboard=False)
+    writer.rewind(4)
+    hook = hooks.DownstreamHook(evaluate, writer, every=2, final_eval=True, train_steps=4)
+    for step in (1, 2, 3, 4):
+      if hook.is_due(step):
+        hook.on_step(step, TrainState(step, f"params{step}", None))
+    hook.on_end(4, TrainState(4, "params4", None), False)
+    writer.close()
+
+  run()          # step 2 periodically; step 4 once, after the last step
+  assert scored == ["params2", "params4"]
+  run()          # a rerun of the finished run evaluates again but writes no second row
+  rows = _rows(tmp_path / "metrics.jsonl")
+  assert [(r["step"], r["downstream/tiny_mc/acc"]) for r in rows] == [(2, 0.6), (4, 0.7)]

@@ -10,8 +10,8 @@ import pytest
 from pretrain import goodput
 from pretrain import report
 from pretrain.checkpointing import complete_steps
-from trainer_helpers import (assert_ok, read_metrics, train_losses,  # pylint: disable=unused-import
-                             trained_workdir, trainer_env)
+from trainer_helpers import (HAS_LM_EVAL, assert_ok, read_metrics,  # pylint: disable=unused-import
+                             train_losses, trained_workdir, trainer_env)
 
 
 @pytest.mark.slow
@@ -37,6 +37,13 @@ def test_run_writes_config_checkpoints_metrics_and_tensorboard(trained_workdir):
   eval_rows = [r for r in rows if "eval_loss" in r]
   assert [r["step"] for r in eval_rows] == [12, 24]
   assert all(r["eval_loss"] > 0 and r["eval_tokens"] > 0 for r in eval_rows)
+  if HAS_LM_EVAL:  # lm_eval's tiny_mc task on the live parameters, every 12 steps
+    downstream_rows = [r for r in rows if "downstream/tiny_mc/acc" in r]
+    assert [r["step"] for r in downstream_rows] == [12, 24]
+    for row in downstream_rows:
+      assert set(row) == {"step", "downstream/tiny_mc/acc", "downstream/tiny_mc/acc_norm"}
+      assert all(0 <= row[k] <= 1 for k in row if k != "step")
+    assert "step 24/24 | tiny_mc/acc " in result.stdout
 
   out = result.stdout
   assert "step 24/24 | loss" in out and "MFU n/a" in out and "ETA" in out and "tok/s" in out
