@@ -30,6 +30,7 @@ from typing import Any, Optional, Sequence
 
 from absl import flags
 import jax
+import ml_dtypes
 import numpy as np
 
 from model import hf_params
@@ -58,7 +59,6 @@ def define_flags() -> None:
 def _cast(state: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
   if dtype == "float32":
     return state
-  import ml_dtypes  # pylint: disable=import-outside-toplevel  # a JAX dependency
   return {name: value.astype(ml_dtypes.bfloat16) for name, value in state.items()}
 
 

@@ -16,9 +16,16 @@ score every context with a stray EOS and cut the continuation's first byte.
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
+from etils import epy
+
 from pretrain.errors import UserError
+
+# SeqIO and TensorFlow load on first use (about 6 s).
+with epy.lazy_imports():
+  import seqio
 
 DOCUMENT_START = "<pad>"   # id 0: what every document's first input is
 SPECIAL = {"pad_token": "<pad>", "eos_token": "</s>", "unk_token": "<unk>",
@@ -83,7 +90,6 @@ def _sentencepiece_tokenizer(model_proto: bytes) -> Any:
 def build(vocabulary: Any, model_max_length: int) -> Any:
   """A `PreTrainedTokenizerFast` for a seqio byte or SentencePiece vocabulary, or None
   for vocabularies without text (the pass-through ids of synthetic tasks)."""
-  import seqio  # pylint: disable=import-outside-toplevel
   from tokenizers import processors  # pylint: disable=import-outside-toplevel
   from transformers import PreTrainedTokenizerFast  # pylint: disable=import-outside-toplevel
   if isinstance(vocabulary, seqio.SentencePieceVocabulary):
@@ -100,9 +106,16 @@ def build(vocabulary: Any, model_max_length: int) -> Any:
 
 
 def save(vocabulary: Any, directory: str, model_max_length: int) -> bool:
-  """Writes the tokenizer files into `directory`; False when the vocabulary has no text."""
+  """Writes the tokenizer files into `directory`; False when the vocabulary has no text.
+
+  A SentencePiece vocabulary also leaves its model as `tokenizer.model`, which
+  `pretrain.convert hf` reads back (and which SentencePiece users expect there).
+  """
   tokenizer = build(vocabulary, model_max_length)
   if tokenizer is None:
     return False
   tokenizer.save_pretrained(directory)
+  if isinstance(vocabulary, seqio.SentencePieceVocabulary):
+    with open(os.path.join(directory, "tokenizer.model"), "wb") as f:
+      f.write(vocabulary.sp_model)
   return True

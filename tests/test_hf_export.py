@@ -21,7 +21,10 @@ import transformers
 import pretrain
 from model import lm
 from model.config import ModelConfig
+import seqio
+
 from pretrain import convert, export, generation, hf_import
+from pretrain import tokenizer as tokenizer_lib
 from pretrain.errors import UserError
 from pretrain.metadata import make_vocabulary
 from trainer_helpers import (REPO, assert_ok, storage_env,  # pylint: disable=unused-import
@@ -209,3 +212,25 @@ def test_export_command_from_a_bucket_workdir(gcs_bucket, trainer_env, tmp_path)
   assert ids[0, 0] == 0   # the document-start input
   generated = model.generate(ids, max_new_tokens=8, do_sample=False)
   assert generated.shape == (1, ids.shape[1] + 8)
+
+
+def test_sentencepiece_vocabulary_exports_id_for_id(tmp_path):
+  """A run's own SentencePiece model becomes a fast tokenizer with the same ids (after
+  the document-start 0) and decodings, and comes back on import."""
+  corpus = tmp_path / "corpus"
+  corpus.mkdir()
+  (corpus / "a.txt").write_text(TEXT * 20 + "import os\nprint(1234, 'héllo ✓')\n" * 10)
+  model_file = tokenizer_lib.train_sentencepiece(str(corpus / "*.txt"), 300,
+                                                 str(tmp_path / "spm"))
+  vocabulary = seqio.SentencePieceVocabulary(model_file)
+  config = CONFIGS["hawk"].replace(vocab_size=320)
+  workdir = str(tmp_path / "run")
+  convert.write_step0(workdir, config, perturbed_params(config), vocabulary, 64)
+  export.export(workdir, str(tmp_path / "hf"))
+  tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+  for text in (TEXT, "  two  spaces\n\n\tand tabs 12345 ✓ 日本", "x"):
+    ids = list(vocabulary.encode(text))
+    assert tokenizer(text).input_ids == [0] + ids
+    assert tokenizer.decode([0] + ids, skip_special_tokens=True) == vocabulary.decode(ids)
+  convert.convert_hf(str(tmp_path / "hf"), str(tmp_path / "back"))
+  assert pretrain.load(str(tmp_path / "back")).vocabulary_spec.startswith("sentencepiece:")
