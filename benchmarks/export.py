@@ -1,9 +1,10 @@
 """Hugging Face export of a preset's weights: time and size of `pretrain.export`.
 
 Writes a step-0 checkpoint of randomly initialised weights of a model preset (the
-export does not care whether they were trained), then times `pretrain.export.export`
-(checkpoint restore, mapping, safetensors and tokenizer writing) at float32 and
-bfloat16, and reports each output's size. One JSON line.
+export does not care whether they were trained), then runs the export command
+(`python -m pretrain.export`: start-up, checkpoint restore, mapping, safetensors and
+tokenizer writing) at float32 and bfloat16, each in its own process, and reports its
+wall time, its peak resident memory and the output's size. One JSON line.
 
   nice -n 19 python benchmarks/export.py --preset=griffin_1_3b --workdir=/tmp/export-bench
 """
@@ -12,7 +13,10 @@ from __future__ import annotations
 from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
 import json
 import os
+import resource
 import shutil
+import subprocess
+import sys
 import time
 from typing import Sequence
 
@@ -47,11 +51,16 @@ def main(argv: Sequence[str]) -> None:
   convert.write_step0(run, config, params, make_vocabulary("byte"), 2048)
   del params
   result = {"preset": FLAGS.preset, "parameters": int(count)}
-  for dtype in export.DTYPES:
+  for dtype in reversed(export.DTYPES):   # bfloat16 first: the peak is a running maximum
     output = os.path.join(FLAGS.workdir, f"hf-{dtype}")
     start = time.perf_counter()
-    export.export(run, output, dtype=dtype)
+    subprocess.run([sys.executable, "-m", "pretrain.export", f"--workdir={run}",
+                    f"--output={output}", f"--dtype={dtype}"], check=True,
+                   cwd=gin_config.REPO_ROOT, stdout=subprocess.DEVNULL)
     result[f"{dtype}_seconds"] = round(time.perf_counter() - start, 1)
+    # ru_maxrss of the children is the largest of them so far (KiB on Linux).
+    result[f"{dtype}_peak_rss_gib"] = round(
+        resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2 ** 20, 2)
     result[f"{dtype}_bytes"] = directory_bytes(output)
   print(json.dumps(result))
 
