@@ -1,19 +1,22 @@
 r"""Scaling-law analysis of a study or of any runs: `python -m launch.scaling_fit`.
 
   python -m launch.scaling_fit --runs=FILE.csv|STUDY_DIR [--approach=1|2|3|all] [--json]
-      [--target_flops=1e21] [--plots=DIR] [--replicates=200] [--confidence=0.95]
+      [--metric=loss|bits_per_byte] [--target_flops=1e21] [--plots=DIR]
+      [--replicates=200] [--confidence=0.95]
 
-`--runs` is a CSV with at least the columns `params`, `tokens` and `loss` (and `flops`
-where known, otherwise 6·N·D; `family` to fit families separately; `flop_budget` to
-name a run's isoFLOP budget, otherwise runs within 10% of each other's compute share
-one; rows with an empty loss are unfinished and skipped), or a study directory written
-by `launch.sweep`, whose `sweep.csv` is read and whose runs' `metrics.jsonl` evaluation
-rows give approach 1 its training curves. It prints, per family, the fits of the three
-Chinchilla approaches (`launch.scaling_laws`) with bootstrap intervals and the
-compute-optimal N and D at `--target_flops` (default: the largest compute in the data),
-as tables or, with `--json`, as one JSON object; `--plots` writes the figures
-(`launch.scaling_plots`). `--runs`, the runs' workdirs and `--plots` may be `gs://` or
-`s3://` URLs (`pretrain.storage`).
+`--runs` is a CSV with at least the columns `params`, `tokens` and the metric's (`loss`,
+or `bits_per_byte` with `--metric=bits_per_byte`; and `flops` where known, otherwise
+6·N·D; `family` to fit families separately; `flop_budget` to name a run's isoFLOP
+budget, otherwise runs within 10% of each other's compute share one; rows with an empty
+metric are unfinished and skipped), or a study directory written by `launch.sweep`,
+whose `sweep.csv` is read and whose runs' `metrics.jsonl` evaluation rows (`eval_loss`
+or `eval_bits_per_byte`) give approach 1 its training curves. Bits per byte compare runs
+whose vocabularies differ; the fits treat either metric as "the loss". It prints, per
+family, the fits of the three Chinchilla approaches (`launch.scaling_laws`) with
+bootstrap intervals and the compute-optimal N and D at `--target_flops` (default: the
+largest compute in the data), as tables or, with `--json`, as one JSON object; `--plots`
+writes the figures (`launch.scaling_plots`). `--runs`, the runs' workdirs and `--plots`
+may be `gs://` or `s3://` URLs (`pretrain.storage`).
 
 Below: the single power law of loss against compute per family that `launch.sweep`
 reports for a fixed tokens-per-parameter design.
@@ -222,12 +225,15 @@ def plot_scaling(points: Mapping[str, tuple[Sequence[float], Sequence[float]]],
 
 
 # -- The three approaches from the command line ----------------------------------------------
-REQUIRED_COLUMNS = ("params", "tokens", "loss")
+REQUIRED_COLUMNS = ("params", "tokens")
 APPROACHES = ("1", "2", "3", "all")
+# --metric: sweep.csv column -> (its metrics.jsonl evaluation field, the figures' axis).
+METRICS = {"loss": ("eval_loss", "final evaluation loss (nats/token)"),
+           "bits_per_byte": ("eval_bits_per_byte", "final evaluation bits per byte")}
 
 
-def _read_curve(workdir: str, tokens_per_step: float) -> Optional[tuple]:
-  """(tokens, eval loss) of a run's metrics.jsonl evaluation rows, or None."""
+def _read_curve(workdir: str, tokens_per_step: float, field: str) -> Optional[tuple]:
+  """(tokens, `field`) of a run's metrics.jsonl evaluation rows, or None."""
   path = storage.join(workdir, "metrics.jsonl")
   if not storage.exists(path):
     return None
@@ -237,36 +243,38 @@ def _read_curve(workdir: str, tokens_per_step: float) -> Optional[tuple]:
       row = json.loads(line)
     except json.JSONDecodeError:
       continue  # a line cut short by a kill
-    if row.get("eval_loss") is not None and row.get("step", 0) > 0:
+    if row.get(field) is not None and row.get("step", 0) > 0:
       steps.append(float(row["step"]))
-      losses.append(float(row["eval_loss"]))
+      losses.append(float(row[field]))
   if not steps:
     return None
   return np.asarray(steps) * tokens_per_step, np.asarray(losses)
 
 
-def read_runs(path: str) -> Dict[str, scaling_laws.Runs]:
-  """Runs per family from a CSV file or a study directory (module docstring).
+def read_runs(path: str, metric: str = "loss") -> Dict[str, scaling_laws.Runs]:
+  """Runs per family from a CSV file or a study directory (module docstring), `metric`
+  (a `METRICS` column) as their loss.
 
   Raises:
-    UserError (exit code 2): a missing file or column, or a value that is not a number.
+    UserError (exit code 2): a missing file or column (e.g. `bits_per_byte` in a
+      sweep.csv written before it was recorded), or a value that is not a number.
   """
   study = storage.isdir(path)
   csv_path = storage.join(path, "sweep.csv") if study else path
   if not storage.exists(csv_path):
     raise usage_error(f"--runs: {csv_path} does not exist; pass a CSV with the columns "
-                      "params,tokens,loss or a study directory holding sweep.csv")
+                      f"params,tokens,{metric} or a study directory holding sweep.csv")
   reader = csv.DictReader(io.StringIO(storage.read_text(csv_path), newline=""))
-  missing = [c for c in REQUIRED_COLUMNS if c not in (reader.fieldnames or [])]
+  missing = [c for c in REQUIRED_COLUMNS + (metric,) if c not in (reader.fieldnames or [])]
   if missing:
     raise usage_error(f"--runs: {csv_path} has no column {', '.join(missing)}; it needs "
-                      "params, tokens and loss (flops, family, flop_budget optional)")
-  rows = [r for r in reader if (r.get("loss") or "").strip()]
+                      f"params, tokens and {metric} (flops, family, flop_budget optional)")
+  rows = [r for r in reader if (r.get(metric) or "").strip()]
   grouped: Dict[str, List[dict]] = {}
   for row in rows:
     grouped.setdefault(row.get("family") or "all", []).append(row)
   if not grouped:
-    raise usage_error(f"--runs: {csv_path} has no finished run (no row with a loss)")
+    raise usage_error(f"--runs: {csv_path} has no finished run (no row with a {metric})")
   families = {}
   for family, members in grouped.items():
     try:
@@ -276,10 +284,10 @@ def read_runs(path: str) -> Dict[str, scaling_laws.Runs]:
                                              for r in members) else None)
       curves = None
       if study and all(r.get("workdir") and r.get("train_steps") for r in members):
-        curves = [_read_curve(r["workdir"], float(r["tokens"]) / float(r["train_steps"]))
-                  for r in members]
+        curves = [_read_curve(r["workdir"], float(r["tokens"]) / float(r["train_steps"]),
+                              METRICS[metric][0]) for r in members]
       families[family] = scaling_laws.Runs.from_columns(
-          number("params"), number("tokens"), number("loss"), flops, budget, curves)
+          number("params"), number("tokens"), number(metric), flops, budget, curves)
     except ValueError as error:
       raise usage_error(f"--runs: {csv_path}, family {family}: {error}") from None
   return families
@@ -334,14 +342,15 @@ def results_markdown(family: str, results: Mapping[str, object], confidence: flo
 def write_plots(families: Mapping[str, scaling_laws.Runs],
                 isoflop: Mapping[str, scaling_laws.FrontierFit],
                 parametric: Mapping[str, scaling_laws.ParametricFit],
-                directory: str) -> Dict[str, str]:
+                directory: str, metric: str = "loss") -> Dict[str, str]:
   """`scaling_plots.write_plots` into a directory or a `gs://` / `s3://` URL (matplotlib
   writes local files: a URL's figures are drawn in a local staging directory and
-  uploaded); returns name -> path."""
+  uploaded), the axis named after `metric`; returns name -> path."""
+  label = METRICS[metric][1]
   if not storage.is_url(directory):
-    return scaling_plots.write_plots(families, isoflop, parametric, directory)
+    return scaling_plots.write_plots(families, isoflop, parametric, directory, label)
   with tempfile.TemporaryDirectory(prefix="griffin_plots_") as staging:
-    paths = scaling_plots.write_plots(families, isoflop, parametric, staging)
+    paths = scaling_plots.write_plots(families, isoflop, parametric, staging, label)
     storage.upload_tree(staging, directory)
   return {name: storage.join(directory, os.path.basename(path))
           for name, path in paths.items()}
@@ -352,9 +361,11 @@ FLAGS = flags.FLAGS
 
 def define_flags() -> None:
   """Command-line flags, defined only when run as a program."""
-  flags.DEFINE_string("runs", None, "CSV (params,tokens,loss[,flops,family,flop_budget]) "
-                      "or a launch.sweep study directory.")
+  flags.DEFINE_string("runs", None, "CSV (params,tokens,loss[,bits_per_byte,flops,family,"
+                      "flop_budget]) or a launch.sweep study directory.")
   flags.DEFINE_enum("approach", "all", APPROACHES, "Chinchilla approach(es) to fit.")
+  flags.DEFINE_enum("metric", "loss", tuple(METRICS), "What to fit: the final evaluation "
+                    "loss (nats/token) or bits per byte (comparable across vocabularies).")
   flags.DEFINE_bool("json", False, "Print one JSON object instead of tables.")
   flags.DEFINE_float("target_flops", None, "Compute budget to answer for (default: the "
                      "largest in the data).", lower_bound=0.0)
@@ -370,7 +381,7 @@ def define_flags() -> None:
 
 def main(argv: Sequence[str]) -> None:
   cli.reject_extra_arguments(argv)
-  families = read_runs(FLAGS.runs)
+  families = read_runs(FLAGS.runs, FLAGS.metric)
   approaches = ("1", "2", "3") if FLAGS.approach == "all" else (FLAGS.approach,)
   out, isoflop, parametric = {}, {}, {}
   for family, runs in families.items():
@@ -390,7 +401,7 @@ def main(argv: Sequence[str]) -> None:
     if not FLAGS.json:
       print(results_markdown(family, results, FLAGS.confidence) + "\n")
   if FLAGS.plots:
-    paths = write_plots(families, isoflop, parametric, FLAGS.plots)
+    paths = write_plots(families, isoflop, parametric, FLAGS.plots, FLAGS.metric)
     if not FLAGS.json:
       print("plots: " + ", ".join(sorted(paths.values())))
   if FLAGS.json:

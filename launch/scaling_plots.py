@@ -30,7 +30,7 @@ def _save(fig, path: str) -> str:
 
 
 def plot_isoflop(runs: scaling_laws.Runs, fit: Optional[scaling_laws.FrontierFit],
-                 path: str, title: str) -> str:
+                 path: str, title: str, ylabel: str) -> str:
   """Loss against N for each budget, the fitted parabolas and their minima."""
   plt = _pyplot()
   fig, ax = plt.subplots(figsize=(6.4, 4.6))
@@ -51,7 +51,7 @@ def plot_isoflop(runs: scaling_laws.Runs, fit: Optional[scaling_laws.FrontierFit
                   markeredgecolor="black", zorder=4)
   ax.set_xscale("log")
   ax.set_xlabel("parameters N")
-  ax.set_ylabel("final evaluation loss")
+  ax.set_ylabel(ylabel)
   ax.set_title(title + (f" (N_opt ∝ C^{fit.a.value:.3f})" if fit else ""))
   ax.grid(True, which="both", alpha=0.3)
   ax.legend(fontsize=7)
@@ -60,7 +60,7 @@ def plot_isoflop(runs: scaling_laws.Runs, fit: Optional[scaling_laws.FrontierFit
 
 def plot_loss_vs_compute(families: Mapping[str, scaling_laws.Runs],
                          parametric: Mapping[str, scaling_laws.ParametricFit],
-                         path: str) -> str:
+                         path: str, ylabel: str) -> str:
   """Every run's loss against its compute, and each family's fitted frontier L*(C)."""
   plt = _pyplot()
   fig, ax = plt.subplots(figsize=(6.4, 4.6))
@@ -78,7 +78,7 @@ def plot_loss_vs_compute(families: Mapping[str, scaling_laws.Runs],
   ax.set_xscale("log")
   ax.set_yscale("log")
   ax.set_xlabel("training FLOPs C")
-  ax.set_ylabel("final evaluation loss")
+  ax.set_ylabel(ylabel)
   ax.set_title("Loss against compute, with the fitted frontier")
   ax.grid(True, which="both", alpha=0.3)
   ax.legend(fontsize=7)
@@ -115,16 +115,17 @@ def plot_contours(runs: scaling_laws.Runs, fit: scaling_laws.ParametricFit, path
 def write_plots(families: Mapping[str, scaling_laws.Runs],
                 isoflop: Mapping[str, scaling_laws.FrontierFit],
                 parametric: Mapping[str, scaling_laws.ParametricFit],
-                directory: str) -> Dict[str, str]:
-  """All figures of a study into `directory`; returns name -> path."""
+                directory: str, ylabel: str) -> Dict[str, str]:
+  """All figures of a study into `directory`, the fitted metric named `ylabel`;
+  returns name -> path."""
   os.makedirs(directory, exist_ok=True)
   paths = {"loss_vs_compute": plot_loss_vs_compute(
-      families, parametric, os.path.join(directory, "loss_vs_compute.png"))}
+      families, parametric, os.path.join(directory, "loss_vs_compute.png"), ylabel)}
   for family, runs in families.items():
     if len(np.unique(runs.budget)) < len(runs.budget):
       paths[f"isoflop_{family}"] = plot_isoflop(
           runs, isoflop.get(family), os.path.join(directory, f"isoflop_{family}.png"),
-          f"{family}: isoFLOP profiles")
+          f"{family}: isoFLOP profiles", ylabel)
     if family in parametric:
       paths[f"contours_{family}"] = plot_contours(
           runs, parametric[family], os.path.join(directory, f"contours_{family}.png"),

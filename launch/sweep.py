@@ -23,7 +23,8 @@ stderr as runs start and end (`launch.sweep_progress`). What a run needs is read
 its directory (finished, running, interrupted, failed, pending), so running the same
 command again resumes a study, retries failed runs up to `--max_retries`, and never
 redoes finished work. Once every run is finished the sweep writes `sweep.csv` (what
-`launch.scaling_fit` reads: `params`, `tokens`, `flops`, `flop_budget`, `loss`, ...),
+`launch.scaling_fit` reads: `params`, `tokens`, `flops`, `flop_budget`, `loss`,
+`bits_per_byte` (empty where the vocabulary has no text), ...),
 `fit.json`, `scaling.png` and `scaling.md` (L(C) = E + A·C^(-α) per family) in DIR; the
 three Chinchilla approaches are `python -m launch.scaling_fit --runs=DIR`
 (docs/scaling.md).
@@ -89,11 +90,11 @@ WIDTH_STEP = 32
 MAX_WIDTH = 16384
 MLP_EXPANSION = 3
 ORPHAN_POLL_S = 2.0
-# `params` (non-embedding), `tokens`, `loss`, `flops` and `flop_budget` are what
-# `launch.scaling_fit` reads.
+# `params` (non-embedding), `tokens`, `loss` or `bits_per_byte`, `flops` and
+# `flop_budget` are what `launch.scaling_fit` reads.
 CSV_FIELDS = ("run", "family", "size", "target_params", "params", "total_params",
               "width", "depth", "rnn_width", "num_heads", "train_steps", "tokens",
-              "flops_per_token", "flops", "flop_budget", "loss", "workdir")
+              "flops_per_token", "flops", "flop_budget", "loss", "bits_per_byte", "workdir")
 
 
 def parse_size(text: str) -> int:
@@ -167,6 +168,7 @@ class Run:
   peak_learning_rate: Optional[float] = None
   flop_budget: Optional[float] = None     # isoFLOP design: the budget this run spends
   eval_loss: Optional[float] = None
+  eval_bits_per_byte: Optional[float] = None   # None too where the vocabulary has no text
 
   @property
   def name(self) -> str:
@@ -197,6 +199,8 @@ class Run:
             "flops_per_token": f"{self.flops_per_token:.6g}", "flops": f"{self.flops:.6g}",
             "flop_budget": "" if self.flop_budget is None else f"{self.flop_budget:.6g}",
             "loss": "" if self.eval_loss is None else f"{self.eval_loss:.6f}",
+            "bits_per_byte": ("" if self.eval_bits_per_byte is None
+                              else f"{self.eval_bits_per_byte:.6f}"),
             "workdir": self.workdir}
 
 
@@ -327,12 +331,13 @@ def command(run: Run, gin_files: Sequence[str], gin_params: Sequence[str],
   return args
 
 
-def final_eval_loss(run: Run) -> Optional[float]:
-  """The evaluation loss logged at the run's last step, or None if it is not finished."""
+def final_eval(run: Run) -> Optional[dict]:
+  """The evaluation row logged at the run's last step (`eval_loss` and, where the
+  vocabulary has text, `eval_bits_per_byte`), or None if the run is not finished."""
   path = storage.join(run.workdir, "metrics.jsonl")
   if not storage.exists(path):
     return None
-  loss = None
+  final = None
   for line in storage.read_text(path).splitlines():
     line = line.strip()
     if not line:
@@ -342,20 +347,28 @@ def final_eval_loss(run: Run) -> Optional[float]:
     except json.JSONDecodeError:
       continue  # a line cut short by a kill
     if row.get("step") == run.train_steps and row.get("eval_loss") is not None:
-      loss = float(row["eval_loss"])
-  return loss
+      final = row
+  return final
+
+
+def collect(run: Run) -> bool:
+  """Sets the run's final `eval_loss` and `eval_bits_per_byte` from its metrics (None
+  while unfinished); returns whether it finished."""
+  row = final_eval(run) or {}
+  run.eval_loss = row.get("eval_loss")
+  run.eval_bits_per_byte = row.get("eval_bits_per_byte")
+  return run.eval_loss is not None
 
 
 def execute(runs: Sequence[Run], gin_files: Sequence[str], gin_params: Sequence[str], *,
             backend: str = "local", parallel: int = 1, max_retries: int = 1,
             cluster: Optional[sweep_dispatch.ClusterOptions] = None, study_dir: str = "",
             dry_run: bool = False, log=print) -> Dict[str, str]:
-  """Starts every run that is not finished or running (sweep_dispatch); fills in
-  `eval_loss` of the finished ones. Returns each run's state."""
+  """Starts every run that is not finished or running (sweep_dispatch); fills in the
+  final evaluation of the finished ones (`collect`). Returns each run's state."""
   todo, states, given_up_before = [], {}, 0
   for run in runs:
-    run.eval_loss = final_eval_loss(run)
-    state, failures = sweep_dispatch.run_state(run.workdir, run.eval_loss is not None)
+    state, failures = sweep_dispatch.run_state(run.workdir, collect(run))
     states[run.name] = state
     if state == sweep_dispatch.FAILED and failures > max_retries:
       log(f"[sweep] {run.name}: failed {failures} times (more than --max_retries="
@@ -385,11 +398,10 @@ def execute(runs: Sequence[Run], gin_files: Sequence[str], gin_params: Sequence[
         running=sum(s == sweep_dispatch.RUNNING for s in states.values()),
         failed=given_up_before)
     given_up = sweep_dispatch.run_local(
-        todo, parallel, max_retries, lambda job: final_eval_loss(by_name[job.name]) is not None,
+        todo, parallel, max_retries, lambda job: final_eval(by_name[job.name]) is not None,
         log, progress)
     for run in runs:
-      run.eval_loss = final_eval_loss(run)
-      states[run.name] = sweep_dispatch.run_state(run.workdir, run.eval_loss is not None)[0]
+      states[run.name] = sweep_dispatch.run_state(run.workdir, collect(run))[0]
     if given_up:
       write_results(runs, study_dir, log=log)
       raise UserError(f"runs {given_up} failed more than --max_retries={max_retries} times; "
@@ -433,13 +445,14 @@ def write_results(runs: Sequence[Run], workdir: str, log=print) -> Dict[str, obj
 
 def runs_table_markdown(runs: Sequence[Run]) -> str:
   rows = ["| family | size | non-embedding params | D | depth | heads | steps | tokens | "
-          "FLOPs | eval loss |",
-          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+          "FLOPs | eval loss | bits/byte |",
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   for r in runs:
     loss = "—" if r.eval_loss is None else f"{r.eval_loss:.4f}"
+    per_byte = "—" if r.eval_bits_per_byte is None else f"{r.eval_bits_per_byte:.4f}"
     rows.append(f"| {r.family} | {r.size} | {non_embedding_params(r.config):,} | "
                 f"{r.config.width} | {r.config.depth} | {r.config.num_heads} | "
-                f"{r.train_steps} | {r.tokens:,} | {r.flops:.3g} | {loss} |")
+                f"{r.train_steps} | {r.tokens:,} | {r.flops:.3g} | {loss} | {per_byte} |")
   return "\n".join(rows)
 
 

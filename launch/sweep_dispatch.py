@@ -4,7 +4,7 @@ queued resource per run).
 
 A run's state is read from its directory, never from the dispatcher's memory, so that a
 study can be stopped and resumed, or submitted twice, without redoing work:
-  finished     its metrics hold the final evaluation (launch.sweep.final_eval_loss);
+  finished     its metrics hold the final evaluation (launch.sweep.final_eval);
   running      `sweep_status.json` (launch.sweep_job) says running, or submitted to a
                cluster; on this host a running status whose process is gone counts as
                interrupted instead;

@@ -77,7 +77,8 @@ def _unwrap(tree: Mapping[str, Any]) -> Mapping[str, Any]:
   return tree["params"] if "params" in tree else tree
 
 
-def _get(tree: Mapping[str, Any], path: Sequence[str], where: str) -> Any:
+def get_path(tree: Mapping[str, Any], path: Sequence[str], where: str) -> Any:
+  """The leaf at `path`; a ValueError names the first missing key (`where` says whose tree)."""
   node = tree
   for i, key in enumerate(path):
     if not isinstance(node, Mapping) or key not in node:
@@ -87,7 +88,8 @@ def _get(tree: Mapping[str, Any], path: Sequence[str], where: str) -> Any:
   return node
 
 
-def _set(tree: dict, path: Sequence[str], value: Any) -> None:
+def set_path(tree: dict, path: Sequence[str], value: Any) -> None:
+  """Puts `value` at `path`, creating the dicts on the way."""
   for key in path[:-1]:
     tree = tree.setdefault(key, {})
   tree[path[-1]] = value
@@ -140,8 +142,8 @@ def config_from_recurrentgemma_params(
   """
   params = _unwrap(params)
   types = _block_types(params)
-  vocab_size, width = _get(params, ("embedder", "input_embedding"), "RecurrentGemma").shape
-  ffw_up = _get(params, ("blocks.0", "mlp_block", "ffw_up", "w"), "RecurrentGemma").shape
+  vocab_size, width = get_path(params, ("embedder", "input_embedding"), "RecurrentGemma").shape
+  ffw_up = get_path(params, ("blocks.0", "mlp_block", "ffw_up", "w"), "RecurrentGemma").shape
   if ffw_up[2] % width:
     raise ValueError(f"RecurrentGemma MLP width {ffw_up[2]} is not a multiple of the model "
                      f"width {width}; ModelConfig.mlp_expansion must be an integer")
@@ -154,13 +156,13 @@ def config_from_recurrentgemma_params(
   if BlockType.RECURRENT.value in types:
     l = types.index(BlockType.RECURRENT.value)
     block = f"blocks.{l}"
-    gate_blocks, block_width, _ = _get(
+    gate_blocks, block_width, _ = get_path(
         params, (block, "recurrent_block", "rg_lru", "a_gate", "w"), "RecurrentGemma").shape
-    conv = _get(params, (block, "recurrent_block", "conv_1d", "w"), "RecurrentGemma").shape
+    conv = get_path(params, (block, "recurrent_block", "conv_1d", "w"), "RecurrentGemma").shape
     fields.update(rnn_width=int(gate_blocks * block_width), conv_width=int(conv[0]))
   if BlockType.ATTENTION.value in types:
     l = types.index(BlockType.ATTENTION.value)
-    head_dim = _get(params, (f"blocks.{l}", "attention_block", "proj_k", "kernel"),
+    head_dim = get_path(params, (f"blocks.{l}", "attention_block", "proj_k", "kernel"),
                     "RecurrentGemma").shape[1]
     num_heads = int(width // head_dim)
   # RecurrentGemma uses one gate block per head; a Hawk tree only shows the gate blocks.
@@ -202,47 +204,47 @@ def recurrentgemma_to_ours(params: Mapping[str, Any], config: ModelConfig) -> di
   theirs = _unwrap(params)
   _check_depth(config, _block_types(theirs))
   ours: dict = {}
-  _set(ours, ("embedder", "embedding"),
-       np.asarray(_get(theirs, ("embedder", "input_embedding"), "RecurrentGemma")))
-  _set(ours, ("final_norm", "scale"),
-       np.asarray(_get(theirs, ("final_norm", "scale"), "RecurrentGemma")))
+  set_path(ours, ("embedder", "embedding"),
+       np.asarray(get_path(theirs, ("embedder", "input_embedding"), "RecurrentGemma")))
+  set_path(ours, ("final_norm", "scale"),
+       np.asarray(get_path(theirs, ("final_norm", "scale"), "RecurrentGemma")))
   stacks: dict = {}
   for l, j, u in _layer_locations(config):
     block = f"blocks.{l}"
     for our_path, their_path, index in _their_leaves(config.block_types[l]):
-      value = np.asarray(_get(theirs, (block,) + their_path, "RecurrentGemma"))
+      value = np.asarray(get_path(theirs, (block,) + their_path, "RecurrentGemma"))
       if index is not None:
         value = value[index]
       if u is None:
-        _set(ours, (f"remainder_{j}",) + our_path, value)
+        set_path(ours, (f"remainder_{j}",) + our_path, value)
       else:
         stacks.setdefault((f"block_{j}",) + our_path, []).append(value)
   for path, values in stacks.items():
-    _set(ours, ("blocks",) + path, np.stack(values))
+    set_path(ours, ("blocks",) + path, np.stack(values))
   return ours
 
 
 def ours_to_recurrentgemma(params: Mapping[str, Any], config: ModelConfig) -> dict:
   """The RecurrentGemma tree (numpy, without the "params" wrapper) of our parameters."""
   theirs: dict = {}
-  _set(theirs, ("embedder", "input_embedding"),
-       np.asarray(_get(params, ("embedder", "embedding"), "our tree")))
-  _set(theirs, ("final_norm", "scale"),
-       np.asarray(_get(params, ("final_norm", "scale"), "our tree")))
+  set_path(theirs, ("embedder", "input_embedding"),
+       np.asarray(get_path(params, ("embedder", "embedding"), "our tree")))
+  set_path(theirs, ("final_norm", "scale"),
+       np.asarray(get_path(params, ("final_norm", "scale"), "our tree")))
   for l, j, u in _layer_locations(config):
     block = f"blocks.{l}"
     mlp_up_w, mlp_up_b = [None, None], [None, None]
     for our_path, their_path, index in _their_leaves(config.block_types[l]):
       if u is None:
-        value = np.asarray(_get(params, (f"remainder_{j}",) + our_path, "our tree"))
+        value = np.asarray(get_path(params, (f"remainder_{j}",) + our_path, "our tree"))
       else:
-        value = np.asarray(_get(params, ("blocks", f"block_{j}") + our_path, "our tree"))[u]
+        value = np.asarray(get_path(params, ("blocks", f"block_{j}") + our_path, "our tree"))[u]
       if index is None:
-        _set(theirs, (block,) + their_path, value)
+        set_path(theirs, (block,) + their_path, value)
       elif their_path[-1] == "w":
         mlp_up_w[index[0]] = value
       else:
         mlp_up_b[index[0]] = value
-    _set(theirs, (block, "mlp_block", "ffw_up", "w"), np.stack(mlp_up_w))
-    _set(theirs, (block, "mlp_block", "ffw_up", "b"), np.stack(mlp_up_b)[:, None, None, :])
+    set_path(theirs, (block, "mlp_block", "ffw_up", "w"), np.stack(mlp_up_w))
+    set_path(theirs, (block, "mlp_block", "ffw_up", "b"), np.stack(mlp_up_b)[:, None, None, :])
   return theirs

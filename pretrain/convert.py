@@ -1,8 +1,15 @@
-r"""Imports a RecurrentGemma Flax checkpoint as a step-0 checkpoint of ours.
+r"""Imports a RecurrentGemma Flax or transformers checkpoint as a step-0 checkpoint of ours.
 
   python -m pretrain.convert recurrentgemma --checkpoint=PATH --workdir=DIR \
       [--preset=NAME | --window=W --logits_soft_cap=C --embeddings_scale_by_sqrt_dim=BOOL] \
       [--vocab=byte|PATH.model]
+  python -m pretrain.convert hf --checkpoint=DIR|HUB_CACHE_DIR --workdir=DIR \
+      [--vocab=byte|PATH.model]
+
+hf reads a transformers RecurrentGemmaForCausalLM directory (google/recurrentgemma-2b's
+layout, a `save_pretrained` output or a `pretrain.export`); its config.json says
+everything, including the window and soft cap (`model.hf_params.config_from_hf`, which
+also undoes the export's conventions, so export then import is bit-identical).
 
 PATH is an Orbax PyTree holding {"params": ...}, as `recurrentgemma.jax.utils.
 save_parameters` writes it. Widths, heads, depth, Conv1D width and block pattern are read
@@ -24,10 +31,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import flags
 
+from model import hf_params
 from model import recurrentgemma_params as rg
 from model.config import ModelConfig, model_config_to_dict
 from pretrain import cli
+from pretrain import extras
 from pretrain import gin_config
+from pretrain import hf_import
 from pretrain import storage
 from pretrain.checkpointing import (Checkpointer, checkpoint_dir, complete_steps,
                                    describe_mismatch, shapes_by_path)
@@ -37,18 +47,22 @@ from pretrain.runtime import Runtime
 from sharding.mesh import MeshConfig
 
 FLAGS = flags.FLAGS
-FORMATS = ("recurrentgemma",)
+FORMATS = ("recurrentgemma", "hf")
 
 
 def define_flags() -> None:
-  flags.DEFINE_string("checkpoint", None, "RecurrentGemma Orbax checkpoint directory.")
+  flags.DEFINE_string("checkpoint", None, "recurrentgemma: the RecurrentGemma Orbax "
+                      "checkpoint directory; hf: a transformers RecurrentGemma directory "
+                      "(config.json + safetensors) or a hub cache models--ORG--NAME.")
   flags.DEFINE_string("workdir", None, "Run directory to create the step-0 checkpoint in.")
   flags.DEFINE_string("preset", None, "Model preset (configs/models/NAME.gin) supplying "
                       "the window, soft cap and embedding scaling.")
   flags.DEFINE_string("window", None, "Local attention window; 'none' = global.")
   flags.DEFINE_float("logits_soft_cap", None, "Logit soft cap c; 0 disables.")
   flags.DEFINE_bool("embeddings_scale_by_sqrt_dim", None, "Scale embeddings by sqrt(D).")
-  flags.DEFINE_string("vocab", "byte", "'byte' or a SentencePiece .model path.")
+  flags.DEFINE_string("vocab", None, "'byte' or a SentencePiece .model path. Default: "
+                      "byte for recurrentgemma; for hf the checkpoint's tokenizer.model, "
+                      "or byte when its tokenizer.json is the byte table.")
   flags.DEFINE_integer("sequence_length", 2048, "Chunk length evaluate uses for text files.",
                        lower_bound=1)
   flags.mark_flags_as_required(["checkpoint", "workdir"])
@@ -128,7 +142,13 @@ def convert_recurrentgemma(checkpoint: str, workdir: str, settings: dict[str, An
   except (KeyError, ValueError) as error:
     raise UserError(f"{checkpoint} is not a RecurrentGemma parameter tree this "
                         f"converter understands: {error}") from None
-  vocabulary = make_vocabulary(vocab)
+  write_step0(workdir, config, params, make_vocabulary(vocab), sequence_length)
+  return config
+
+
+def write_step0(workdir: str, config: ModelConfig, params: Any, vocabulary: Any,
+                sequence_length: int) -> None:
+  """Saves `params` (numpy, ours) as checkpoint 0 of a new `workdir`, plus model.gin."""
   if vocabulary.vocab_size > config.vocab_size:
     raise UserError(f"--vocab has {vocabulary.vocab_size} ids but the checkpoint's "
                         f"embedding only {config.vocab_size} rows; pass the vocabulary "
@@ -151,10 +171,45 @@ def convert_recurrentgemma(checkpoint: str, workdir: str, settings: dict[str, An
     checkpointer.close()
   if jax.process_index() == 0:
     storage.write_text(storage.join(workdir, "model.gin"), model_gin(config))
+
+
+def convert_hf(checkpoint: str, workdir: str, vocab: Optional[str] = None,
+               sequence_length: Optional[int] = None) -> ModelConfig:
+  """Writes DIR/checkpoints/0 (and DIR/model.gin) from a transformers checkpoint."""
+  extras.require("safetensors", extra="hf", purpose="import a Hugging Face checkpoint")
+  directory = hf_import.resolve_checkpoint(checkpoint)
+  try:
+    config = hf_params.config_from_hf(hf_import.read_config(directory))
+    params = hf_params.hf_to_ours(hf_import.read_weights(directory), config)
+  except (KeyError, ValueError) as error:
+    raise UserError(f"{directory} is not a transformers RecurrentGemma checkpoint this "
+                    f"converter understands: {error}") from None
+  vocab = vocab or hf_import.vocabulary_source(directory)
+  if vocab is None:
+    raise usage_error(f"{directory} has no tokenizer.model and its tokenizer is not the byte "
+                      "table: pass --vocab=byte or --vocab=PATH.model")
+  length = sequence_length or hf_import.model_max_length(directory) or 2048
+  write_step0(workdir, config, params, make_vocabulary(vocab), length)
   return config
 
 
 def main(argv: Sequence[str]) -> None:
+  if len(argv) == 2 and argv[1] == "hf":
+    given = [n for n in ("preset", "window", "logits_soft_cap", "embeddings_scale_by_sqrt_dim")
+             if FLAGS[n].present]
+    if given:
+      raise usage_error(f"convert hf reads {['--' + n for n in given]} from config.json; "
+                        "drop them")
+    config = convert_hf(FLAGS.checkpoint, FLAGS.workdir, FLAGS.vocab,
+                        FLAGS.sequence_length if FLAGS["sequence_length"].present else None)
+  else:
+    config = _convert_recurrentgemma_from_flags(argv)
+  print(f"Converted {FLAGS.checkpoint} -> {FLAGS.workdir}/checkpoints/0 "
+        f"(width {config.width}, depth {config.depth}, pattern {config.block_pattern}). "
+        f"Continue training with --gin_file={FLAGS.workdir}/model.gin plus a data config.")
+
+
+def _convert_recurrentgemma_from_flags(argv: Sequence[str]) -> ModelConfig:
   if len(argv) != 2 or argv[1] not in FORMATS:
     raise usage_error(f"Usage: python -m pretrain.convert {{{'|'.join(FORMATS)}}} "
                           "--checkpoint=PATH --workdir=DIR [--preset=NAME | --window=W "
@@ -168,11 +223,8 @@ def main(argv: Sequence[str]) -> None:
   else:
     settings = flag_settings(FLAGS.window, FLAGS.logits_soft_cap,
                              FLAGS.embeddings_scale_by_sqrt_dim)
-  config = convert_recurrentgemma(FLAGS.checkpoint, FLAGS.workdir, settings,
-                                  FLAGS.vocab, FLAGS.sequence_length)
-  print(f"Converted {FLAGS.checkpoint} -> {FLAGS.workdir}/checkpoints/0 "
-        f"(width {config.width}, depth {config.depth}, pattern {config.block_pattern}). "
-        f"Continue training with --gin_file={FLAGS.workdir}/model.gin plus a data config.")
+  return convert_recurrentgemma(FLAGS.checkpoint, FLAGS.workdir, settings,
+                                FLAGS.vocab or "byte", FLAGS.sequence_length)
 
 
 if __name__ == "__main__":

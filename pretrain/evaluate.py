@@ -8,9 +8,10 @@ Without --tasks: the mean next-token negative log-likelihood (nats/token). Witho
 --text_file it reads the run's validation split, as configured by `DIR/config.gin` (the
 operative config the trainer wrote). With --text_file the file is one document, scored
 exactly as in training through the decoding caches (`pretrain.evaluation.text_loss`).
-Prints and writes {"step", "loss", "tokens"}; for a run trained on a synthetic task
+Prints and writes {"step", "loss", "tokens", "bits_per_byte"}: bits per byte (total
+nats / (ln 2 · UTF-8 bytes of the scored text)) compare runs whatever their vocabulary. For a run trained on a synthetic task
 (`pretrain.data.synthetic`) the validation loss counts the answer positions only and the
-result adds their arg-max "accuracy".
+result has their arg-max "accuracy" instead of bits per byte (the ids are no text).
 
 With --tasks: `lm_eval.simple_evaluate` on the tasks with this model as its backend
 (`pretrain.downstream`, `pretrain.lm_eval_backend`; needs the `eval` extra); prints
@@ -32,6 +33,7 @@ from pretrain import gin_config
 from pretrain import metrics as metrics_lib
 from pretrain import storage
 from pretrain.data import synthetic
+from pretrain.data.vocabularies import token_byte_lengths
 from pretrain.errors import UserError, usage_error
 from pretrain.load import LoadedModel, load
 from pretrain.trainer import TrainConfig
@@ -66,21 +68,28 @@ _TASK_FLAGS = ("include_path", "num_fewshot", "limit", "batch_size")
 
 
 def text_file_metrics(model: LoadedModel, path: str) -> dict[str, float]:
-  """{"loss", "tokens"} of the file at `path`, scored as one document."""
+  """{"loss", "tokens", "bits_per_byte"} of the file at `path`, scored as one document.
+
+  Bits per byte divide the summed NLL of every scored token (the closing EOS included,
+  which stands for no text) by the exact UTF-8 length of the file's text.
+  """
   try:
     text = storage.read_text(path)
   except OSError as error:
     raise UserError(f"Cannot read --text_file {path}: {error.strerror or error}") from None
   loss, tokens = evaluation.text_loss(model.config, model.params, model.vocabulary, text,
                                       model.sequence_length)
-  return {"loss": loss, "tokens": tokens}
+  return {"loss": loss, "tokens": tokens,
+          "bits_per_byte": evaluation.bits_per_byte(loss * tokens, len(text.encode()))}
 
 
 def validation_metrics(model: LoadedModel, workdir: str) -> dict[str, float]:
-  """{"loss", "tokens"} over the whole validation split of the run's data config.
+  """{"loss", "tokens", "bits_per_byte"} over the whole validation split of the run's
+  data config (bytes of the scored targets: `vocabularies.token_byte_lengths`).
 
-  When the run trained on a synthetic task (`pretrain.data.synthetic`), also the
-  "accuracy" at the task's answer positions, which is what those tasks are about.
+  When the run trained on a synthetic task (`pretrain.data.synthetic`), whose ids are
+  no text, "accuracy" at the task's answer positions instead of bits per byte: that is
+  what those tasks are about.
   """
   config_path = storage.join(workdir, "config.gin")
   if not storage.exists(config_path):
@@ -98,8 +107,9 @@ def validation_metrics(model: LoadedModel, workdir: str) -> dict[str, float]:
                                      "evaluating validation batches")
   if pipeline.task_name in synthetic.SPECS:
     return evaluation.answer_metrics(model.runtime, model.params, batches)
-  loss, tokens = evaluation.evaluate_batches(model.runtime, model.params, batches)
-  return {"loss": loss, "tokens": tokens}
+  byte_lengths = token_byte_lengths(model.vocabulary, model.config.vocab_size)
+  return evaluation.evaluate_batches(model.runtime, model.params, batches,
+                                     evaluation.jit_eval_step(model.runtime, byte_lengths))
 
 
 def task_results(model: LoadedModel, tasks: Sequence[str], manager: Any

@@ -2,6 +2,7 @@
 NLL of one long document scored chunk by chunk through the decoding caches."""
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Iterable, Mapping, Optional
 
 import jax
@@ -16,11 +17,27 @@ from pretrain.runtime import Runtime, host_scalar
 from pretrain.steps import make_eval_step
 
 
-def jit_eval_step(runtime: Runtime) -> Callable:
-  """The eval step compiled for the runtime's shardings."""
-  return jax.jit(make_eval_step(runtime.model),
-                 in_shardings=(runtime.param_shardings, runtime.batch_shardings()),
+def jit_eval_step(runtime: Runtime, byte_lengths: Optional[np.ndarray] = None
+                  ) -> Callable:
+  """The eval step compiled for the runtime's shardings: (params, batch) -> sums.
+
+  `byte_lengths` (`pretrain.data.vocabularies.token_byte_lengths`; None: no byte count)
+  is put on the devices once, replicated, and passed to every call rather than folded
+  into the program as a constant (a 256k-piece vocabulary's table is about 1 MB).
+  """
+  step = jax.jit(make_eval_step(runtime.model),
+                 in_shardings=(runtime.param_shardings, runtime.batch_shardings(),
+                               runtime.replicated),
                  out_shardings=runtime.replicated)
+  table = (None if byte_lengths is None
+           else jax.device_put(np.asarray(byte_lengths, np.int32), runtime.replicated))
+  return lambda params, batch: step(params, batch, table)
+
+
+def bits_per_byte(nats: float, num_bytes: float) -> float:
+  """Summed NLL over the UTF-8 bytes of the scored text, in bits: unlike nats per
+  token it does not depend on the vocabulary, so runs with different tokenizers compare."""
+  return nats / (math.log(2) * num_bytes)
 
 
 def _summed(runtime: Runtime, params: Any, batches: Iterable[Mapping[str, np.ndarray]],
@@ -38,13 +55,21 @@ def _summed(runtime: Runtime, params: Any, batches: Iterable[Mapping[str, np.nda
 
 def evaluate_batches(runtime: Runtime, params: Any,
                      batches: Iterable[Mapping[str, np.ndarray]],
-                     eval_fn: Optional[Callable] = None) -> tuple[float, int]:
-  """Mean next-token NLL (nats/token) and token count over `batches`."""
+                     eval_fn: Optional[Callable] = None) -> dict[str, float]:
+  """{"loss" (mean next-token NLL, nats/token), "tokens", "bits_per_byte"} over `batches`.
+
+  `eval_fn` is a `jit_eval_step` (default: one without a byte table). "bits_per_byte"
+  is there only when it counted bytes and some were scored: a vocabulary without text
+  has none, and the field is left out rather than written as NaN.
+  """
   totals = _summed(runtime, params, batches, eval_fn or jit_eval_step(runtime))
   tokens = totals["weight_sum"]
   if tokens == 0:
     raise UserError("The evaluation data holds no tokens")
-  return totals["nll_sum"] / tokens, int(tokens)
+  result = {"loss": totals["nll_sum"] / tokens, "tokens": int(tokens)}
+  if totals.get("byte_sum"):
+    result["bits_per_byte"] = bits_per_byte(totals["nll_sum"], totals["byte_sum"])
+  return result
 
 
 def answer_metrics(runtime: Runtime, params: Any,

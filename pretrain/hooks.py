@@ -181,12 +181,15 @@ class CheckpointHook(Hook):
 class EvalHook(Hook):
   """Evaluates every `every` steps and, unless preempted, once after the last step.
 
+  `evaluate(params)` returns {"loss", "tokens"} and, where the vocabulary has text,
+  "bits_per_byte" (`pretrain.evaluation.evaluate_batches`); each result is one row.
+
   Attributes:
     last_loss: the newest validation loss (None before the first evaluation).
   """
   goodput_category = "eval"
 
-  def __init__(self, evaluate: Callable[[Any], tuple[float, int]], writer: MetricsWriter,
+  def __init__(self, evaluate: Callable[[Any], Mapping[str, float]], writer: MetricsWriter,
                *, every: int, final_eval: bool, train_steps: int):
     self.every = every
     self._evaluate = evaluate
@@ -196,8 +199,10 @@ class EvalHook(Hook):
     self.last_loss: Optional[float] = None
 
   def _run(self, step: int, params: Any) -> None:
-    self.last_loss, tokens = self._evaluate(params)
-    self._writer.log_eval(step, self.last_loss, tokens)
+    result = self._evaluate(params)
+    self.last_loss = result["loss"]
+    self._writer.log_eval(step, result["loss"], result["tokens"],
+                          result.get("bits_per_byte"))
 
   def on_step(self, step: int, state: TrainState) -> None:
     if not (self._final_eval and step == self._train_steps):  # on_end evaluates it

@@ -231,13 +231,20 @@ class MetricsWriter:
     self._write(step, row)
     print(progress_line(step, self._total_steps, row), file=self._stream, flush=True)
 
-  def log_eval(self, step: int, eval_loss: float, tokens: int) -> None:
+  def log_eval(self, step: int, eval_loss: float, tokens: int,
+               bits_per_byte: Optional[float] = None) -> None:
+    """An evaluation row: eval_loss, eval_tokens and, where the vocabulary has text,
+    eval_bits_per_byte (left out otherwise, not written as null)."""
     if not self._enabled:
       return
+    row = {"eval_loss": eval_loss, "eval_tokens": tokens}
+    if bits_per_byte is not None:
+      row["eval_bits_per_byte"] = bits_per_byte
     if step not in self._eval_steps:  # a rerun of a finished run evaluates it again
-      self._write(step, {"eval_loss": eval_loss, "eval_tokens": tokens})
+      self._write(step, row)
       self._eval_steps.add(step)
-    print(f"step {step}/{self._total_steps} | eval_loss {eval_loss:.4f} "
+    per_byte = "" if bits_per_byte is None else f" | eval_bits_per_byte {bits_per_byte:.4f}"
+    print(f"step {step}/{self._total_steps} | eval_loss {eval_loss:.4f}{per_byte} "
           f"({tokens:,} tokens)", file=self._stream, flush=True)
 
   def log_downstream(self, step: int, values: Mapping[str, float]) -> None:

@@ -134,8 +134,19 @@ def abstract_batch(runtime: Runtime, batch_size: int, sequence_length: int
 
 
 def make_eval_step(model: LanguageModel) -> Callable:
-  """(params, batch) -> {nll_sum, weight_sum}: summed, so batches combine exactly."""
-  def step(params, batch):
+  """(params, batch, byte_lengths) -> {nll_sum, weight_sum[, byte_sum]}: summed over the
+  global batch, so batches (and hosts) combine exactly.
+
+  `byte_lengths` is the int32 [vocab_size] table of the UTF-8 bytes each token id
+  stands for (`pretrain.data.vocabularies.token_byte_lengths`); `byte_sum` is the bytes
+  of the weighted targets, the denominator of bits per byte. None (a vocabulary without
+  text) leaves it out.
+  """
+  def step(params, batch, byte_lengths=None):
     _, sums = loss_sums(model, params, batch)
-    return {"nll_sum": sums["nll_sum"], "weight_sum": sums["weight_sum"]}
+    totals = {"nll_sum": sums["nll_sum"], "weight_sum": sums["weight_sum"]}
+    if byte_lengths is not None:
+      target_bytes = byte_lengths[batch["targets"]].astype(jnp.float32)
+      totals["byte_sum"] = jnp.sum(target_bytes * batch["weights"].astype(jnp.float32))
+    return totals
   return step

@@ -27,6 +27,7 @@ from pretrain import goodput
 from pretrain import hooks as hooks_lib
 from pretrain import storage
 from pretrain.checkpointing import Checkpointer
+from pretrain.data.vocabularies import token_byte_lengths
 from pretrain.errors import usage_error
 from pretrain.metadata import RunMetadata, vocabulary_spec
 from pretrain.metrics import MetricsWriter, format_duration
@@ -196,7 +197,8 @@ class Trainer:
     self.flops_per_token = flops_lib.training_flops_per_token(runtime.config,
                                                               config.sequence_length)
     self.train_step = program.step
-    self._eval_step = evaluation.jit_eval_step(runtime)
+    self._eval_step = evaluation.jit_eval_step(
+        runtime, token_byte_lengths(pipeline.vocabulary, runtime.config.vocab_size))
     # Loads the tasks now, so that an unknown one stops the run before its first step.
     self.downstream = downstream.DownstreamEvaluation(
         config.downstream_tasks, runtime, pipeline.vocabulary,
@@ -265,8 +267,9 @@ class Trainer:
       hooks.append(hooks_lib.ProfileHook(logdir, *cfg.profile_steps, start_step=start_step))
     return hooks
 
-  def evaluate(self, params: Any) -> tuple[float, int]:
-    """Validation loss and token count of `params` on the configured batches."""
+  def evaluate(self, params: Any) -> dict[str, float]:
+    """Validation loss, token count and bits per byte (`evaluation.evaluate_batches`)
+    of `params` on the configured batches."""
     return evaluation.evaluate_batches(
         self.runtime, params, self.pipeline.validation_batches(self.config.eval_batches),
         self._eval_step)

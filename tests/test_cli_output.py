@@ -74,6 +74,7 @@ COMMANDS = {
                           "--include_path"),
     "pretrain.sample": ("--workdir", "--prompt", "--max_new_tokens", "--temperature"),
     "pretrain.convert": ("--checkpoint", "--workdir", "--preset", "--vocab"),
+    "pretrain.export": ("--workdir", "--step", "--output", "--dtype"),
     "pretrain.tokenizer": ("--input_glob", "--vocab_size", "--output"),
     "pretrain.data.prepare": GIN_FLAGS + ("--output",),
     "pretrain.extrapolation": ("--workdir",),

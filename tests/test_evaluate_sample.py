@@ -1,6 +1,7 @@
 """`pretrain.evaluate` and `pretrain.sample` on a trained workdir: the commands, exact
 chunked text-file scoring, and cached decoding that never re-runs the prefix."""
 import json
+import math
 import os
 
 import jax
@@ -17,6 +18,7 @@ from pretrain import evaluate as evaluate_lib
 from pretrain import evaluation
 from pretrain import generation
 from pretrain import metadata
+from pretrain.data.vocabularies import token_byte_lengths
 from pretrain.errors import UserError
 from pretrain.losses import token_losses
 from pretrain.runtime import Runtime
@@ -38,8 +40,9 @@ def test_evaluate_command_on_validation_split(trainer_env, trained_workdir, tmp_
   printed = trainer_env.evaluate(workdir, tmp_path / "eval.json")
   assert printed["step"] == 24 and printed["tokens"] > 0
   # The training run's own evaluations covered part of the same split: same ballpark.
-  final_eval = [r["eval_loss"] for r in read_metrics(workdir) if "eval_loss" in r][-1]
-  assert abs(printed["loss"] - final_eval) < 0.5
+  final_eval = [r for r in read_metrics(workdir) if "eval_loss" in r][-1]
+  assert abs(printed["loss"] - final_eval["eval_loss"]) < 0.5
+  assert abs(printed["bits_per_byte"] - final_eval["eval_bits_per_byte"]) < 0.8
 
 
 
@@ -75,6 +78,9 @@ def test_evaluate_main_on_a_text_file_and_an_older_step(trained_workdir, tmp_pat
   scored = json.loads(output.read_text())
   assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == scored
   assert scored["step"] == 22 and scored["tokens"] == len(TEXT.encode()) + 1
+  # Every scored token's nats (the closing EOS, no byte, included) over the text's bytes.
+  assert scored["bits_per_byte"] == pytest.approx(
+      scored["loss"] * scored["tokens"] / (math.log(2) * len(TEXT.encode())), rel=1e-12)
   assert 0 < scored["loss"] < 10
 
 
@@ -146,32 +152,50 @@ def test_vocabulary_specs_round_trip_including_pass_through():
     metadata.make_vocabulary("passthrough:many")
 
 
-@pytest.mark.slow
-def test_answer_metrics_count_only_weighted_positions_across_batches():
-  config = ModelConfig(vocab_size=18, width=16, rnn_width=16, num_heads=2, depth=2,
+def _random_batches(vocab_size, low=0, count=2, rows=8, length=12, seed=0):
+  """Packed-batch dicts of random targets in [low, vocab_size), about 30% weighted, the
+  last two rows padding."""
+  rng = np.random.default_rng(seed)
+  batches = []
+  for _ in range(count):
+    targets = rng.integers(low, vocab_size, size=(rows, length)).astype(np.int32)
+    inputs = np.concatenate([np.zeros((rows, 1), np.int32), targets[:, :-1]], 1)
+    weights = (rng.random((rows, length)) < 0.3).astype(np.float32)
+    weights[-2:] = 0.0                                  # padding rows
+    batches.append({"inputs": inputs, "targets": targets, "weights": weights,
+                    "positions": np.tile(np.arange(length, dtype=np.int32), (rows, 1)),
+                    "segment_ids": np.ones((rows, length), np.int32)})
+  return batches
+
+
+def _tiny_runtime(vocab_size):
+  config = ModelConfig(vocab_size=vocab_size, width=16, rnn_width=16, num_heads=2, depth=2,
                        block_pattern=("recurrent", "attention"), attention_window=8,
                        scan_impl="lax")
   runtime = Runtime.create(config, MeshConfig())
-  params = runtime.init_params(seed=1)
-  rng = np.random.default_rng(0)
-  batches = []
-  for _ in range(2):
-    targets = rng.integers(2, 18, size=(8, 12)).astype(np.int32)
-    inputs = np.concatenate([np.zeros((8, 1), np.int32), targets[:, :-1]], 1)
-    weights = (rng.random((8, 12)) < 0.3).astype(np.float32)
-    weights[-2:] = 0.0                                  # padding rows
-    batches.append({"inputs": inputs, "targets": targets, "weights": weights,
-                    "positions": np.tile(np.arange(12, dtype=np.int32), (8, 1)),
-                    "segment_ids": np.ones((8, 12), np.int32)})
+  return runtime, runtime.init_params(seed=1)
+
+
+def _float64_logits(runtime, params, batch):
+  return np.asarray(runtime.model.apply({"params": params}, batch["inputs"],
+                                        batch["positions"])[0], np.float64)
+
+
+def _target_nll(logits, targets):
+  log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+  return -np.take_along_axis(log_probs, targets[..., None], -1)[..., 0]
+
+
+@pytest.mark.slow
+def test_answer_metrics_count_only_weighted_positions_across_batches():
+  runtime, params = _tiny_runtime(18)
+  batches = _random_batches(18, low=2)
   result = evaluation.answer_metrics(runtime, params, iter(batches))
 
   nll, correct, count = 0.0, 0.0, 0.0
   for batch in batches:
-    logits = np.asarray(runtime.model.apply({"params": params}, batch["inputs"],
-                                          batch["positions"])[0], np.float64)
-    log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-    picked = np.take_along_axis(log_probs, batch["targets"][..., None], -1)[..., 0]
-    nll -= np.sum(picked * batch["weights"])
+    logits = _float64_logits(runtime, params, batch)
+    nll += np.sum(_target_nll(logits, batch["targets"]) * batch["weights"])
     correct += np.sum((logits.argmax(-1) == batch["targets"]) * batch["weights"])
     count += batch["weights"].sum()
   assert result["tokens"] == count
@@ -179,3 +203,26 @@ def test_answer_metrics_count_only_weighted_positions_across_batches():
   assert result["accuracy"] == pytest.approx(correct / count)
   with pytest.raises(pretrain.load.UserError, match="no batch"):
     evaluation.answer_metrics(runtime, params, iter([]))
+
+
+def test_eval_step_bits_per_byte_are_nats_over_ln2_bytes():
+  """Over batches of byte-vocabulary targets, special ids (0 bytes) and ids past the
+  vocabulary (0 bytes) included: bits per byte = weighted nats / (ln 2 · weighted bytes),
+  by hand in numpy; without a byte table (pass-through ids) the field is left out."""
+  runtime, params = _tiny_runtime(264)
+  byte_lengths = token_byte_lengths(seqio.ByteVocabulary(), 264)
+  batches = _random_batches(264)
+  result = evaluation.evaluate_batches(runtime, params, iter(batches),
+                                       evaluation.jit_eval_step(runtime, byte_lengths))
+
+  nll, num_bytes = 0.0, 0.0
+  for batch in batches:
+    token_nll = _target_nll(_float64_logits(runtime, params, batch), batch["targets"])
+    nll += np.sum(token_nll * batch["weights"])
+    num_bytes += np.sum(byte_lengths[batch["targets"]] * batch["weights"])
+  assert 0 < num_bytes < sum(batch["weights"].sum() for batch in batches)
+  np.testing.assert_allclose(result["bits_per_byte"], nll / (math.log(2) * num_bytes),
+                             rtol=1e-5)
+  without_bytes = evaluation.evaluate_batches(runtime, params, iter(batches))
+  assert set(without_bytes) == {"loss", "tokens"}
+  np.testing.assert_allclose(without_bytes["loss"], result["loss"], rtol=1e-6)

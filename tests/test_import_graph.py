@@ -11,11 +11,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("pretrain", "model/scan")
 # Imports that may stay inside functions: optional dependencies a command can run without.
 # The Pallas kernels and backends load only when a scan runs on impl="pallas" (a backend
-# may be missing from a JAX build); plotting only where a plot is written; lm_eval (the
-# eval extra, with the backend that subclasses its LM) only where downstream tasks run.
+# may be missing from a JAX build); plotting only where a plot is written; the `hf`
+# extra's packages only where a Hugging Face model or tokenizer is written or read;
+# lm_eval (the `eval` extra, and the backend that subclasses its LM) only where
+# downstream tasks run.
 OPTIONAL_INSIDE_FUNCTIONS = {"matplotlib", "matplotlib.pyplot", "jax.experimental.pallas",
-                             "model.scan", "model.scan.pallas_scan", "lm_eval",
-                             "lm_eval.tasks", "pretrain.lm_eval_backend"}
+                             "model.scan", "model.scan.pallas_scan", "safetensors.numpy",
+                             "tokenizers", "transformers",
+                             "transformers.tokenization_utils_base", "sentencepiece",
+                             "lm_eval", "lm_eval.tasks", "pretrain.lm_eval_backend"}
 
 
 def _modules(package):
@@ -120,7 +124,7 @@ def test_entry_points_load_tensorflow_only_when_data_is_read():
   only where downstream tasks run."""
   entry_points = ["pretrain.train", "pretrain.evaluate", "pretrain.sample",
                   "pretrain.convert", "pretrain.compile", "pretrain.extrapolation",
-                  "model.summary", "launch.sweep", "launch.local"]
+                  "model.summary", "launch.sweep", "launch.local", "pretrain.export"]
   script = ("import importlib, sys\n"
             f"for name in {entry_points!r}: importlib.import_module(name)\n"
             "print(sorted(m for m in ('seqio', 'tensorflow', 'lm_eval') "

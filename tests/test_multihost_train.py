@@ -132,6 +132,10 @@ def test_two_processes_reproduce_one_process(trainer_env, two_process_run, tmp_p
   eval_two, eval_one = _eval_loss(workdir), _eval_loss(single)
   assert eval_two["eval_tokens"] == eval_one["eval_tokens"]
   assert abs(eval_two["eval_loss"] - eval_one["eval_loss"]) <= LOSS_TOLERANCE
+  # The byte count is a global sum like the NLL: nats per byte over nats per token (the
+  # tokens per byte) agree, not half of them per process.
+  per_byte = lambda row: row["eval_bits_per_byte"] / row["eval_loss"]  # noqa: E731
+  assert per_byte(eval_two) == pytest.approx(per_byte(eval_one), rel=1e-6)
 
   assert os.path.exists(os.path.join(workdir, "config.gin"))
   logged_by = {int(m.group(1)) for m in re.finditer(r"^\[(\d)\] step \d+/", output, re.M)}

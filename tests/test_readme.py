@@ -114,6 +114,8 @@ def _kind(piece):
     return "prepare"
   if piece.startswith("python -m pretrain.report"):
     return "report"   # after the training commands, on their workdir
+  if piece.startswith(("python -m pretrain.export", "python -m pretrain.convert hf")):
+    return "interchange"   # after the training commands, on their workdir
   return "unknown"
 
 
@@ -214,6 +216,11 @@ def test_local_training_commands_and_python_snippet_run_verbatim(tmp_path):
     assert result.returncode == 0 and result.stderr == "", (piece, result.stderr[-2000:])
     for path in result.stdout.split():
       assert os.path.getsize(tmp_path / path) > 0, path
+  interchange = [piece for piece in PIECES if _kind(piece) == "interchange"]
+  assert len(interchange) == 2, interchange   # export, then import the export
+  for piece in interchange:
+    result = _run(piece, cwd=tmp_path, env=env)
+    assert result.returncode == 0 and result.stderr == "", (piece, result.stderr[-2000:])
   for snippet in SNIPPETS:
     result = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=300)

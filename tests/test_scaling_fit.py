@@ -135,29 +135,37 @@ def test_cli_uses_the_flops_column_for_the_frontier(tmp_path):
   assert "alpha = 0.3" in result.stdout
 
 
-@pytest.mark.parametrize("content, fragment", [
-    ("params,tokens\n1,2\n", "has no column loss"),
-    ("params,tokens,loss\n1e6,2e7,x\n", "could not convert"),
-    ("params,tokens,loss\n1e6,2e7,-1\n", "positive"),
+@pytest.mark.parametrize("content, flags, fragment", [
+    ("params,tokens\n1,2\n", [], "has no column loss"),
+    ("params,tokens,loss\n1e6,2e7,x\n", [], "could not convert"),
+    ("params,tokens,loss\n1e6,2e7,-1\n", [], "positive"),
+    # A sweep.csv written before bits per byte were recorded.
+    ("params,tokens,loss\n1e6,2e7,2.0\n", ["--metric=bits_per_byte"],
+     "has no column bits_per_byte"),
 ])
-def test_cli_bad_csv_is_one_line_and_exit_code_2(tmp_path, content, fragment):
+def test_cli_bad_csv_is_one_line_and_exit_code_2(tmp_path, content, flags, fragment):
   path = tmp_path / "runs.csv"
   path.write_text(content)
-  result = subprocess.run([sys.executable, "-m", "launch.scaling_fit", f"--runs={path}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+  result = subprocess.run([sys.executable, "-m", "launch.scaling_fit", f"--runs={path}",
+                           *flags], cwd=REPO, capture_output=True, text=True, timeout=120)
   assert result.returncode == 2, (result.stdout, result.stderr)
   errors = [l for l in result.stderr.splitlines() if l.startswith("error: ")]
   assert len(errors) == 1 and fragment in errors[0], result.stderr
 
 
+BYTES_PER_TOKEN = 3.5   # the study's text: bits per byte = loss / (ln 2 · 3.5)
+
+
 def _write_study(root, workdir_base):
   """sweep.csv and each run's metrics.jsonl under `root`; the CSV names each run's
-  workdir under `workdir_base` (where the study will be read from)."""
+  workdir under `workdir_base` (where the study will be read from). Bits per byte are
+  the loss over a constant bytes per token."""
   sizes = np.geomspace(1e6, 1e8, 8)
+  per_byte = lambda loss: loss / (math.log(2) * BYTES_PER_TOKEN)  # noqa: E731
   with open(root / "sweep.csv", "w", newline="") as f:
     writer = csv.writer(f)
-    writer.writerow(["run", "family", "params", "tokens", "flops", "loss", "train_steps",
-                     "workdir"])
+    writer.writerow(["run", "family", "params", "tokens", "flops", "loss", "bits_per_byte",
+                     "train_steps", "workdir"])
     for i, n in enumerate(sizes):
       run_dir = root / "runs" / f"hawk_{i}"
       run_dir.mkdir(parents=True)
@@ -165,13 +173,14 @@ def _write_study(root, workdir_base):
       with open(run_dir / "metrics.jsonl", "w") as metrics:
         for step in range(10, steps + 1, 10):
           d = step * tokens_per_step
+          loss = 1.8 + 400 / n ** 0.34 + 410 / d ** 0.28
           metrics.write(json.dumps({"step": step, "loss": 9.0}) + "\n")
-          metrics.write(json.dumps({"step": step, "eval_loss": 1.8 + 400 / n ** 0.34
-                                    + 410 / d ** 0.28}) + "\n")
+          metrics.write(json.dumps({"step": step, "eval_loss": loss,
+                                    "eval_bits_per_byte": per_byte(loss)}) + "\n")
         metrics.write('{"step": 101, "eval')          # cut short by a kill
       d = steps * tokens_per_step
-      writer.writerow([f"hawk_{i}", "hawk", n, d, 6 * n * d,
-                       1.8 + 400 / n ** 0.34 + 410 / d ** 0.28, steps,
+      loss = 1.8 + 400 / n ** 0.34 + 410 / d ** 0.28
+      writer.writerow([f"hawk_{i}", "hawk", n, d, 6 * n * d, loss, per_byte(loss), steps,
                        f"{workdir_base}/runs/hawk_{i}"])
 
 
@@ -185,6 +194,28 @@ def test_study_directory_gives_approach_1_the_training_curves(tmp_path):
   fit = scaling_laws.fit_envelope(runs, 1e20, replicates=20)
   assert len(fit.details["envelope"]) >= 5           # curves, not 8 final points
   assert fit.a.value == pytest.approx(0.28 / 0.62, abs=0.08)   # beta / (alpha + beta)
+
+
+def test_cli_fits_bits_per_byte_of_a_study(tmp_path):
+  """`--metric=bits_per_byte` fits the bits_per_byte column and the runs'
+  eval_bits_per_byte curves. Here they are the loss over a constant bytes per token, a
+  rescaling that leaves the compute-optimal allocation, approach 1's exponent, as is."""
+  _write_study(tmp_path, str(tmp_path))
+  by_loss, by_byte = (scaling_fit.read_runs(str(tmp_path), metric)["hawk"]
+                      for metric in ("loss", "bits_per_byte"))
+  scale = math.log(2) * BYTES_PER_TOKEN
+  np.testing.assert_allclose(by_byte.loss, by_loss.loss / scale)
+  np.testing.assert_allclose(by_byte.curves[3][1], by_loss.curves[3][1] / scale)
+  result = subprocess.run(
+      [sys.executable, "-m", "launch.scaling_fit", f"--runs={tmp_path}",
+       "--metric=bits_per_byte", "--approach=1", "--json", "--replicates=20",
+       f"--plots={tmp_path / 'plots'}"], cwd=REPO, capture_output=True, text=True,
+      timeout=300)
+  assert result.returncode == 0, result.stderr
+  fit = json.loads(result.stdout)["hawk"]["approach_1"]
+  expected = scaling_laws.fit_envelope(by_loss, float(by_loss.flops.max()), replicates=20)
+  assert fit["a"]["value"] == pytest.approx(expected.a.value, rel=1e-6)
+  assert (tmp_path / "plots" / "loss_vs_compute.png").exists()
 
 
 def test_study_and_plots_in_a_bucket(tmp_path, s3_bucket):

@@ -148,17 +148,18 @@ def test_bad_flag_value_is_one_line_and_exit_code_2(tmp_path, flags, fragment):
 def test_finished_runs_are_recognised_from_their_metrics(tmp_path):
   run = sweep.plan(["hawk"], ["0.2m"], tokens_per_param=20, batch_size=4,
                    sequence_length=32, vocab_size=18, workdir=str(tmp_path), max_steps=10)[0]
-  assert sweep.final_eval_loss(run) is None
+  assert sweep.final_eval(run) is None and not sweep.collect(run)
   os.makedirs(run.workdir)
   path = os.path.join(run.workdir, "metrics.jsonl")
   with open(path, "w") as f:
     f.write(json.dumps({"step": 5, "loss": 2.0}) + "\n")
     f.write(json.dumps({"step": 5, "eval_loss": 2.1}) + "\n")
-  assert sweep.final_eval_loss(run) is None          # interrupted half-way: not finished
+  assert sweep.final_eval(run) is None               # interrupted half-way: not finished
   with open(path, "a") as f:
-    f.write(json.dumps({"step": 10, "eval_loss": 1.5}) + "\n")
+    f.write(json.dumps({"step": 10, "eval_loss": 1.5, "eval_bits_per_byte": 2.2}) + "\n")
     f.write('{"step": 11, "lo')                       # a line cut short by a kill
-  assert sweep.final_eval_loss(run) == 1.5
+  assert sweep.final_eval(run)["eval_loss"] == 1.5
+  assert sweep.collect(run) and (run.eval_loss, run.eval_bits_per_byte) == (1.5, 2.2)
 
 
 def test_results_files(tmp_path):
@@ -167,10 +168,16 @@ def test_results_files(tmp_path):
                     workdir=str(tmp_path))
   for run in runs:  # losses falling as a power of compute, different per family
     run.eval_loss = (5.0 if run.family == "hawk" else 6.0) * (run.flops / 1e12) ** -0.1
+    run.eval_bits_per_byte = run.eval_loss / math.log(2)
+  runs[-1].eval_bits_per_byte = None                  # a vocabulary without text
   fits = sweep.write_results(runs, str(tmp_path), log=lambda _: None)
   with open(tmp_path / "sweep.csv") as f:
     rows = list(csv.DictReader(f))
   assert len(rows) == 6 and rows[0]["family"] == "hawk" and float(rows[0]["loss"]) > 0
+  assert list(rows[0]).index("bits_per_byte") == list(rows[0]).index("loss") + 1
+  assert float(rows[0]["bits_per_byte"]) == pytest.approx(
+      float(rows[0]["loss"]) / math.log(2), rel=1e-5)
+  assert rows[-1]["bits_per_byte"] == ""
   assert set(fits) == {"hawk", "mqa"}
   assert json.loads((tmp_path / "fit.json").read_text())["hawk"]["alpha"] == pytest.approx(
       0.1, abs=1e-3)
@@ -209,6 +216,7 @@ def test_toy_sweep_trains_fits_and_resumes(tmp_path):
     rows = list(csv.DictReader(f))
   assert [(r["family"], r["size"]) for r in rows] == [("hawk", "30k"), ("hawk", "120k")]
   assert all(0 < float(r["loss"]) < 10 and int(r["train_steps"]) == 3 for r in rows)
+  assert all(float(r["bits_per_byte"]) > 0 for r in rows)   # byte vocabulary: text
   flops = [float(r["flops"]) for r in rows]
   assert flops[1] > flops[0]
   fits = json.loads((workdir / "fit.json").read_text())

@@ -6,9 +6,11 @@ import sys
 import numpy as np
 import pytest
 import sentencepiece as spm
+import seqio
 
 from pretrain import tokenizer
 from pretrain.data import DataError
+from pretrain.data.vocabularies import get_vocabulary, token_byte_lengths
 
 
 def write_code_corpus(directory):
@@ -61,6 +63,38 @@ def test_cli_errors_are_one_line(tmp_path):
   with pytest.raises(DataError, match="hold no text"):
     tokenizer.train_sentencepiece(str(tmp_path / "blank.txt"), 100,
                                   str(tmp_path / "m"))
+
+
+def test_byte_lengths_of_the_byte_vocabulary():
+  """Special ids 0..2 and ids past 258 stand for no text; every byte id for one byte."""
+  vocabulary = seqio.ByteVocabulary()
+  lengths = token_byte_lengths(vocabulary, 262)   # a model a little wider than 259 ids
+  assert lengths.shape == (262,) and lengths.dtype == np.int32
+  assert lengths[:3].tolist() == [0, 0, 0] and lengths[259:].tolist() == [0, 0, 0]
+  assert np.all(lengths[3:259] == 1)
+  text = "def f():\n\treturn 'é 中'\n"
+  assert lengths[vocabulary.encode(text)].sum() == len(text.encode())
+  assert token_byte_lengths(seqio.PassThroughVocabulary(18), 18) is None
+
+
+def test_byte_lengths_of_a_sentencepiece_model(tmp_path):
+  """Learned pieces count their text's bytes ('▁' a space), byte-fallback pieces one,
+  control and unknown pieces and extra ids none; over an encoded text the sum is the
+  text's UTF-8 length plus the one dummy-prefix space SentencePiece adds."""
+  write_code_corpus(tmp_path / "corpus")
+  vocabulary = get_vocabulary(tokenizer.train_sentencepiece(
+      f"{tmp_path}/corpus/*", 320, str(tmp_path / "code")))
+  processor = vocabulary.tokenizer
+  pieces = processor.get_piece_size()
+  lengths = token_byte_lengths(vocabulary, pieces + 4)
+  assert lengths[:3].tolist() == [0, 0, 0]            # pad, EOS, UNK
+  assert lengths[pieces:].tolist() == [0, 0, 0, 0]
+  assert lengths[processor.piece_to_id("<0xC3>")] == 1
+  assert lengths[processor.piece_to_id("▁note")] == len(" note")   # a learned piece
+  text = "def f():\n\tvalue  =  items[0]  # é 中\n    return value\n"
+  ids = vocabulary.encode(text)
+  assert any(lengths[i] > 1 for i in ids) and any(processor.is_byte(i) for i in ids)
+  assert lengths[ids].sum() == len(text.encode()) + 1
 
 
 @pytest.mark.parametrize("args, fragment", [

@@ -1,6 +1,7 @@
 """`python -m pretrain.train` end to end on a tiny corpus: outputs, metrics, resume, SIGTERM."""
 import glob
 import json
+import math
 import os
 import signal
 import time
@@ -37,6 +38,10 @@ def test_run_writes_config_checkpoints_metrics_and_tensorboard(trained_workdir):
   eval_rows = [r for r in rows if "eval_loss" in r]
   assert [r["step"] for r in eval_rows] == [12, 24]
   assert all(r["eval_loss"] > 0 and r["eval_tokens"] > 0 for r in eval_rows)
+  # Byte vocabulary: a byte is a token, EOS a token of no byte, so the scored tokens per
+  # byte (nats per byte over nats per token) are at least 1.
+  assert all(r["eval_bits_per_byte"] * math.log(2) / r["eval_loss"] > 1 - 1e-6
+             for r in eval_rows)
   if HAS_LM_EVAL:  # lm_eval's tiny_mc task on the live parameters, every 12 steps
     downstream_rows = [r for r in rows if "downstream/tiny_mc/acc" in r]
     assert [r["step"] for r in downstream_rows] == [12, 24]
@@ -47,7 +52,7 @@ def test_run_writes_config_checkpoints_metrics_and_tensorboard(trained_workdir):
 
   out = result.stdout
   assert "step 24/24 | loss" in out and "MFU n/a" in out and "ETA" in out and "tok/s" in out
-  assert "eval_loss" in out
+  assert "eval_loss" in out and "eval_bits_per_byte" in out
   assert "Sample:\ndef " in out
   assert "Done: 24 steps, 3,072 tokens; this session" in out
   assert "run: 2 cpu device(s) in 1 process(es); mesh replica 1, data 2" in out

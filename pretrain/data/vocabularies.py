@@ -12,6 +12,7 @@ from typing import Optional
 
 from etils import epy
 import gin
+import numpy as np
 
 from pretrain import storage
 from pretrain.data.errors import DataError
@@ -20,6 +21,11 @@ from pretrain.data.errors import DataError
 # configs, print help or plan memory never touch them.
 with epy.lazy_imports():
   import seqio
+
+
+# ByteVocabulary's ids: 0 padding, 1 EOS, 2 UNK, then byte value b at b + 3.
+_BYTE_OFFSET = 3
+_SENTENCEPIECE_SPACE = "\u2581"  # '▁', SentencePiece's visible space
 
 
 @gin.configurable
@@ -61,3 +67,41 @@ def short_vocabulary_name(vocabulary: seqio.Vocabulary) -> str:
   if fingerprint == "byte:extra0":
     return "bytes"
   return "v" + hashlib.sha256(fingerprint.encode()).hexdigest()[:10]
+
+
+def token_byte_lengths(vocabulary: seqio.Vocabulary, size: int) -> Optional[np.ndarray]:
+  """UTF-8 bytes of text each token id stands for: int32 [size], the model's vocab size.
+
+  Bits per byte divide the summed loss by the bytes of the text scored, which makes
+  runs with different vocabularies comparable; the eval step sums this table over the
+  weighted targets. Special ids (padding, EOS, UNK, SentencePiece control pieces, extra
+  ids) and ids past the vocabulary count 0 bytes. Returns None for vocabularies whose
+  ids stand for no text (the pass-through vocabulary of the synthetic tasks).
+
+  SentencePiece: a piece counts the UTF-8 bytes of its text with '▁' read as a space,
+  a byte-fallback piece `<0xNN>` one byte. This is the length of the *normalised* text
+  the model saw, an approximation of the raw text's: the dummy-prefix space SentencePiece
+  adds before each document counts one byte that the raw text lacks, and a model whose
+  normaliser rewrites text (NFKC, collapsed whitespace; `pretrain.tokenizer` trains with
+  identity normalisation) counts the rewritten bytes.
+  """
+  if isinstance(vocabulary, seqio.ByteVocabulary):
+    lengths = np.zeros(size, np.int32)
+    lengths[_BYTE_OFFSET:_BYTE_OFFSET + 256] = 1
+    return lengths
+  if isinstance(vocabulary, seqio.SentencePieceVocabulary):
+    return _sentencepiece_byte_lengths(vocabulary.tokenizer, size)
+  return None
+
+
+def _sentencepiece_byte_lengths(processor, size: int) -> np.ndarray:
+  """`token_byte_lengths` of a SentencePieceProcessor's pieces (extra ids: 0)."""
+  lengths = np.zeros(size, np.int32)
+  for i in range(min(processor.get_piece_size(), size)):
+    if processor.is_control(i) or processor.is_unknown(i):
+      continue
+    if processor.is_byte(i):
+      lengths[i] = 1
+    else:
+      lengths[i] = len(processor.id_to_piece(i).replace(_SENTENCEPIECE_SPACE, " ").encode())
+  return lengths

@@ -1,0 +1,236 @@
+"""Hugging Face interchange, checked against transformers' own RecurrentGemma code.
+
+For tiny Griffin, Hawk and MQA, a cut-down recurrentgemma_2b (tied, √D-scaled
+embedding, soft cap) and griffin_100m's layers (16 gate blocks, 6 heads: the
+`trust_remote_code` export), each test writes a step-0 checkpoint of perturbed random
+weights, exports it with `pretrain.export`, and compares transformers' logits and
+greedy generation with ours; then imports the export back (`pretrain.convert hf`) and
+requires the very same bits. A checkpoint built by transformers itself imports too.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import pretrain
+from model import lm
+from model.config import ModelConfig
+import seqio
+
+from pretrain import convert, export, generation, hf_import
+from pretrain import tokenizer as tokenizer_lib
+from pretrain.errors import UserError
+from pretrain.metadata import make_vocabulary
+from trainer_helpers import (REPO, assert_ok, storage_env,  # pylint: disable=unused-import
+                             trainer_env)
+
+TEXT = ("def items(self):\n    return [value for value in self.values() if value]\n"
+        "class Tree:\n    def __init__(self, left, right):\n        self.left = left\n")
+CONFIGS = {
+    "griffin": ModelConfig(vocab_size=300, width=64, rnn_width=96, num_heads=2, depth=4,
+                           attention_window=16),
+    "hawk": ModelConfig(vocab_size=300, width=64, rnn_width=96, num_heads=2, depth=2,
+                        block_pattern=("recurrent",), num_gate_blocks=4),
+    "mqa": ModelConfig(vocab_size=300, width=64, num_heads=2, depth=2,
+                       block_pattern=("attention",), attention_window=None),
+    # recurrentgemma_2b's conventions on a small body.
+    "recurrentgemma_2b_cut": ModelConfig(vocab_size=300, width=128, rnn_width=128,
+                                         num_heads=4, depth=3, attention_window=24,
+                                         embeddings_scale_by_sqrt_dim=True,
+                                         logits_soft_cap=30.0),
+    # griffin_100m's layer shapes (16 gate blocks over 6 heads), one pattern unit deep.
+    "griffin_100m_layers": ModelConfig(vocab_size=512, width=768, rnn_width=1024, num_heads=6,
+                                       num_gate_blocks=16, depth=3, attention_window=1024),
+}
+
+
+def perturbed_params(config, seed=0):
+  """Initial parameters plus noise, so zero-initialised biases and norms count too."""
+  params = lm.init_params(config, jax.random.key(seed))
+  rng = np.random.default_rng(seed)
+  return jax.tree.map(
+      lambda p: np.asarray(p) + 0.05 * rng.standard_normal(p.shape).astype(np.float32),
+      params)
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def exported(request, tmp_path_factory):
+  """(name, config, our params, workdir, export dir, transformers model)."""
+  name, config = request.param, CONFIGS[request.param]
+  root = tmp_path_factory.mktemp(name)
+  params = perturbed_params(config)
+  workdir, output = str(root / "run"), str(root / "hf")
+  convert.write_step0(workdir, config, params, make_vocabulary("byte"), 64)
+  export.export(workdir, output)
+  model = transformers.AutoModelForCausalLM.from_pretrained(output, dtype=torch.float32,
+                                                            trust_remote_code=True).eval()
+  return name, config, params, workdir, output, model
+
+
+def token_rows(config, length):
+  rng = np.random.default_rng(1)
+  random_row = rng.integers(3, config.vocab_size, length)
+  text = np.frombuffer(TEXT.encode() * 4, np.uint8)[:length].astype(np.int64) + 3
+  return np.stack([random_row, text]).astype(np.int32)
+
+
+def their_logits(model, tokens):
+  with torch.no_grad():
+    return model(torch.tensor(tokens, dtype=torch.long), use_cache=False).logits.numpy()
+
+
+def test_logits_match_transformers(exported):
+  name, config, _, workdir, _, model = exported
+  ours = pretrain.load(workdir)
+  length = 48 if name != "griffin_100m_layers" else 24   # longer than every tiny window
+  tokens = token_rows(config, length)
+  positions = np.tile(np.arange(length, dtype=np.int32), (2, 1))
+  mine = np.asarray(ours.logits(tokens, positions))
+  theirs = their_logits(model, tokens)
+  scale = np.abs(mine).max()
+  assert np.abs(mine - theirs).max() <= 1e-4 * scale, name
+  expected_class = ("GriffinForCausalLM" if name == "griffin_100m_layers"
+                    else "RecurrentGemmaForCausalLM")
+  assert type(model).__name__ == expected_class
+
+
+def test_greedy_generation_matches_pretrain_sample(exported):
+  name, config, params, _, output, model = exported
+  tokenizer = transformers.AutoTokenizer.from_pretrained(output)
+  prompt = list(tokenizer("def items(self", add_special_tokens=False).input_ids)
+  ours = generation.generate(config, params, prompt, max_new_tokens=24, temperature=0)
+  # transformers' cache cannot count the tokens of a model without attention layers
+  # (DynamicCache.get_seq_length raises), so Hawk generates without it (model card).
+  use_cache = "attention" in config.block_pattern
+  with torch.no_grad():
+    theirs = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                            eos_token_id=None, pad_token_id=0, use_cache=use_cache)
+  assert theirs[0, len(prompt):].tolist() == ours, name
+
+
+def test_import_of_the_export_is_bit_identical(exported, tmp_path):
+  name, config, params, _, output, _ = exported
+  back = str(tmp_path / "back")
+  imported = convert.convert_hf(output, back)
+  if name != "hawk":   # Hawk's head count is not part of the model (no attention)
+    assert imported == config
+  restored = pretrain.load(back)
+  same = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), b), restored.params, params)
+  assert all(jax.tree.leaves(same)), name
+  assert restored.vocabulary_spec == "byte" and restored.sequence_length == 64
+
+
+def test_checkpoint_built_by_transformers_imports(tmp_path):
+  """A model transformers initialises and saves itself (tied, scaled, its own window
+  counting) imports with its logits intact."""
+  hf_config = transformers.RecurrentGemmaConfig(
+      num_hidden_layers=3, vocab_size=300, hidden_size=64, intermediate_size=384,
+      num_attention_heads=2, num_key_value_heads=1, lru_width=64, attention_window_size=12,
+      logits_soft_cap=30.0)
+  torch.manual_seed(0)
+  model = transformers.RecurrentGemmaForCausalLM(hf_config).eval()
+  with torch.no_grad():
+    for parameter in model.parameters():   # its init zeroes biases and norms
+      parameter.add_(0.05 * torch.randn_like(parameter))
+  source = str(tmp_path / "theirs")
+  model.save_pretrained(source)
+  convert.convert_hf(source, str(tmp_path / "run"), vocab="byte")
+  ours = pretrain.load(str(tmp_path / "run"))
+  assert ours.config.attention_window == 11 and ours.config.embeddings_scale_by_sqrt_dim
+  tokens = token_rows(ours.config, 40)
+  positions = np.tile(np.arange(40, dtype=np.int32), (2, 1))
+  mine = np.asarray(ours.logits(tokens, positions))
+  theirs = their_logits(model, tokens)
+  assert np.abs(mine - theirs).max() <= 1e-4 * np.abs(mine).max()
+
+
+def test_bfloat16_export_loads_close(tmp_path):
+  config = CONFIGS["griffin"]
+  workdir = str(tmp_path / "run")
+  convert.write_step0(workdir, config, perturbed_params(config), make_vocabulary("byte"), 64)
+  export.export(workdir, str(tmp_path / "hf"), dtype="bfloat16")
+  model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+  assert model.dtype == torch.bfloat16
+  tokens = token_rows(config, 32)
+  mine = np.asarray(pretrain.load(workdir).logits(
+      tokens, np.tile(np.arange(32, dtype=np.int32), (2, 1))))
+  with torch.no_grad():
+    theirs = model(torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
+  assert np.abs(mine - theirs).max() <= 0.05 * np.abs(mine).max()
+
+
+def test_sharded_weights_load(tmp_path):
+  state = {"a": np.ones((4, 4), np.float32), "b": np.zeros(8, np.float32),
+           "c": np.full((2, 2), 3, np.float32)}
+  names = export.write_weights(state, str(tmp_path), max_shard_bytes=64)
+  assert names == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+  read = hf_import.read_weights(str(tmp_path))
+  assert sorted(read) == ["a", "b", "c"] and read["c"][1, 1] == 3
+
+
+def test_unexportable_models_and_outputs_are_one_line(tmp_path):
+  config = ModelConfig(vocab_size=300, width=64, num_heads=1, depth=2,
+                       block_pattern=("gateloop",), rnn_width=64)
+  workdir = str(tmp_path / "gateloop")
+  convert.write_step0(workdir, config, lm.init_params(config, jax.random.key(0)),
+                      make_vocabulary("byte"), 64)
+  with pytest.raises(UserError, match="GateLoop blocks have no transformers"):
+    export.export(workdir, str(tmp_path / "out"))
+  (tmp_path / "full").mkdir()
+  (tmp_path / "full" / "x").write_text("keep me")
+  with pytest.raises(UserError, match="is not empty"):
+    export.export(workdir, str(tmp_path / "full"))
+  assert (tmp_path / "full" / "x").read_text() == "keep me"
+
+
+@pytest.mark.slow
+def test_export_command_from_a_bucket_workdir(gcs_bucket, trainer_env, tmp_path):
+  """The README's export of a gs:// workdir, then from_pretrained and generate."""
+  config = CONFIGS["griffin"]
+  workdir = f"{gcs_bucket}/hf-export-run"
+  convert.write_step0(workdir, config, perturbed_params(config), make_vocabulary("byte"), 64)
+  output = str(tmp_path / "hf")
+  result = subprocess.run(
+      [sys.executable, "-m", "pretrain.export", f"--workdir={workdir}", f"--output={output}"],
+      env=storage_env(trainer_env.env), cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert_ok(result)
+  assert result.stderr == ""
+  assert "Exported" in result.stdout
+  with open(os.path.join(output, "config.json")) as f:
+    assert json.load(f)["attention_window_size"] == 17
+  card = open(os.path.join(output, "README.md")).read()
+  assert "step 0" in card and "library_name: transformers" in card
+  model = transformers.AutoModelForCausalLM.from_pretrained(output)
+  tokenizer = transformers.AutoTokenizer.from_pretrained(output)
+  ids = tokenizer("def ", return_tensors="pt").input_ids
+  assert ids[0, 0] == 0   # the document-start input
+  generated = model.generate(ids, max_new_tokens=8, do_sample=False)
+  assert generated.shape == (1, ids.shape[1] + 8)
+
+
+def test_sentencepiece_vocabulary_exports_id_for_id(tmp_path):
+  """A run's own SentencePiece model becomes a fast tokenizer with the same ids (after
+  the document-start 0) and decodings, and comes back on import."""
+  corpus = tmp_path / "corpus"
+  corpus.mkdir()
+  (corpus / "a.txt").write_text(TEXT * 20 + "import os\nprint(1234, 'héllo ✓')\n" * 10)
+  model_file = tokenizer_lib.train_sentencepiece(str(corpus / "*.txt"), 300,
+                                                 str(tmp_path / "spm"))
+  vocabulary = seqio.SentencePieceVocabulary(model_file)
+  config = CONFIGS["hawk"].replace(vocab_size=320)
+  workdir = str(tmp_path / "run")
+  convert.write_step0(workdir, config, perturbed_params(config), vocabulary, 64)
+  export.export(workdir, str(tmp_path / "hf"))
+  tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+  for text in (TEXT, "  two  spaces\n\n\tand tabs 12345 ✓ 日本", "x"):
+    ids = list(vocabulary.encode(text))
+    assert tokenizer(text).input_ids == [0] + ids
+    assert tokenizer.decode([0] + ids, skip_special_tokens=True) == vocabulary.decode(ids)
+  convert.convert_hf(str(tmp_path / "hf"), str(tmp_path / "back"))
+  assert pretrain.load(str(tmp_path / "back")).vocabulary_spec.startswith("sentencepiece:")
