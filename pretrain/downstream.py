@@ -6,8 +6,8 @@ training run's live parameters (`DownstreamEvaluation`), as `downstream/<task>/<
 metrics. The model is `pretrain.lm_eval_backend.JaxLM`.
 
 lm_eval is optional (the `eval` extra), so it is imported on first use, after
-`require_lm_eval` has turned its absence into one line saying how to install it; the
-commands and the trainer import this module for free.
+`require_lm_eval` has turned its absence into one line saying how to install it
+(`pretrain.extras`); the commands and the trainer import this module for free.
 
 Tasks are lm_eval's, or YAML tasks in an include path (`TaskManager(include_path=...)`,
 as lm_eval's `--include_path`). Indexing lm_eval's ~15,000 built-in task configs takes
@@ -21,35 +21,34 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-import importlib.util
 import io
 import json
 import logging
 import os
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
+from pretrain import extras
 from pretrain.errors import UserError, usage_error
 from pretrain.metrics import DOWNSTREAM_PREFIX
 from pretrain.runtime import Runtime
 
-INSTALL_HINT = ('lm_eval (lm-evaluation-harness) is not installed, so downstream tasks '
-                'cannot run; install it with: pip install -e ".[eval]"')
 # lm_eval's default seed of few-shot sampling (`simple_evaluate(fewshot_random_seed)`).
 FEWSHOT_SEED = 1234
 
 
 def require_lm_eval() -> None:
-  """Raises a one-line usage error when lm_eval is not installed; else switches off
-  datasets' download counter, before lm_eval first imports datasets."""
-  if importlib.util.find_spec("lm_eval") is None:
-    raise usage_error(INSTALL_HINT)
+  """Raises a one-line usage error naming the `eval` extra when lm_eval is not
+  installed; else switches off datasets' download counter, before lm_eval first imports
+  datasets."""
+  extras.require("lm_eval", extra="eval", purpose="run lm-evaluation-harness tasks")
   os.environ.setdefault("HF_UPDATE_DOWNLOAD_COUNTS", "0")
 
 
 def _data_error(names: Sequence[str], error: OSError) -> UserError:
   """One line for task data that cannot be read or downloaded."""
+  lines = str(error).strip().splitlines()
   return UserError(f"Cannot load the data of lm_eval task(s) {', '.join(names)}: "
-                   f"{str(error).strip().splitlines()[0] if str(error).strip() else error!r}")
+                   f"{lines[0] if lines else repr(error)}")
 
 
 def task_manager(names: Sequence[str], include_path: Optional[str] = None) -> Any:

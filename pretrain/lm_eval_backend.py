@@ -174,7 +174,7 @@ class JaxLM(LM):
         for start in range(0, total, chunk):
           part = {name: array[:, start:start + chunk] for name, array in arrays.items()}
           logprob, cache = self._chunk(self.params, cache, self._global(part),
-                                       cache_length=total)
+                                       cache_length=self._cache_length(total))
           sums += _host(logprob)
       for row, i in enumerate(batch):
         results[i] = float(sums[row])
@@ -189,6 +189,8 @@ class JaxLM(LM):
                         []).append(i)
     for members in groups.values():
       until, max_new = self._generation_settings(requests[members[0]].args[1])
+      if max_new < 1:
+        continue
       prompts = [[DOCUMENT_START] + self._encode(requests[i].args[0])[-(self.max_length - 1):]
                  for i in members]
       for batch in self._batches(prompts, len, "generate_until requests"):
@@ -229,6 +231,12 @@ class JaxLM(LM):
     until = [until] if isinstance(until, str) else list(until)
     return until, int(kwargs.get("max_gen_toks", self.max_gen_toks))
 
+  def _cache_length(self, tokens: int) -> Optional[int]:
+    """The decoding cache's length for `tokens` in all: global attention keeps every
+    token; local attention and recurrences keep a fixed-size state (None), so their
+    programs do not depend on it."""
+    return tokens if self.runtime.config.attention_window is None else None
+
   def _padded(self, length: int) -> int:
     return next(bucket for bucket in self._buckets if bucket >= length)
 
@@ -268,7 +276,7 @@ class JaxLM(LM):
       positions[row, length - len(prompt):] = np.arange(len(prompt))
       next_position[row] = len(prompt)
     steps = min(DECODE_CHUNK, max_new)
-    cache_length = length + -(-max_new // steps) * steps
+    cache_length = self._cache_length(length + -(-max_new // steps) * steps)
     generated = np.zeros((self.batch_size, 0), np.int32)
     with self.runtime.activation_context():
       token, cache = self._prefill(
@@ -306,13 +314,13 @@ class JaxLM(LM):
   def _replicated(self, x: jax.Array) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, self.runtime.replicated)
 
-  def _new_cache(self, batch_size: int, cache_length: int) -> dict:
+  def _new_cache(self, batch_size: int, cache_length: Optional[int]) -> dict:
     config = self.runtime.config
     return decoding.init_cache(config, batch_size, jnp.dtype(config.dtype),
                                max_length=cache_length)
 
   def _chunk_scores(self, params: Any, cache: Optional[dict], batch: dict[str, jax.Array],
-                    cache_length: int) -> tuple[jax.Array, dict]:
+                    cache_length: Optional[int]) -> tuple[jax.Array, dict]:
     """A chunk's summed log-probabilities per row, continuing `cache` (None: a fresh
     one, built here so that it takes the batch's sharding)."""
     if cache is None:
@@ -322,8 +330,8 @@ class JaxLM(LM):
     logprob, _ = _row_scores(logits, batch["targets"], batch["weights"])
     return self._replicated(logprob), cache
 
-  def _prefill_greedy(self, params: Any, batch: dict[str, jax.Array], cache_length: int
-                      ) -> tuple[jax.Array, dict]:
+  def _prefill_greedy(self, params: Any, batch: dict[str, jax.Array],
+                      cache_length: Optional[int]) -> tuple[jax.Array, dict]:
     """The prompts' filled cache and each row's first new token."""
     cache = self._new_cache(batch["inputs"].shape[0], cache_length)
     logits, cache = decoding.prefill(self.runtime.config, params, batch["inputs"],
