@@ -57,9 +57,12 @@ def define_flags() -> None:
 
 
 def _cast(state: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
-  if dtype == "float32":
-    return state
-  return {name: value.astype(ml_dtypes.bfloat16) for name, value in state.items()}
+  """`state` in `dtype`, tensor by tensor in place, so each float32 copy is freed as its
+  bfloat16 one appears (the export's peak memory stays near two float32 copies)."""
+  if dtype != "float32":
+    for name in list(state):
+      state[name] = state[name].astype(ml_dtypes.bfloat16)
+  return state
 
 
 def _shards(state: dict[str, np.ndarray], max_bytes: int) -> list[dict[str, np.ndarray]]:
@@ -184,11 +187,17 @@ def model_card(model: LoadedModel, hf_config: dict[str, Any], dtype: str,
 
 
 def _write_export(model: LoadedModel, directory: str, dtype: str) -> dict[str, Any]:
-  """Writes every file of the export into the local `directory`; returns the config."""
+  """Writes every file of the export into the local `directory`; returns the config.
+
+  Releases `model.params` once mapped (the export is their last use), so a large model
+  is not held twice while its safetensors are written.
+  """
   hf_config = hf_params.hf_config(model.config)
   hf_config["torch_dtype"] = dtype
   state = hf_params.ours_to_hf(jax.device_get(model.params), model.config)
+  model.params = None   # the mapped copy is all the export needs from here on
   write_weights(_cast(state, dtype), directory)
+  del state
   _write_json(os.path.join(directory, "config.json"), hf_config)
   _write_json(os.path.join(directory, "generation_config.json"),
               {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 0})

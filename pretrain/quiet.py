@@ -10,18 +10,41 @@ lines in the absl/glog format, accelerator probes that failed) and passes everyt
 else unchanged, in order, our own messages and a native crash's last words included.
 The filter is a separate process so that it still delivers what a dying command wrote.
 
-Only a command of this repository run as `__main__` is filtered; importing an entry
-point from Python (tests, notebooks) changes nothing. Python-side noise (Orbax's
-"Given directory is read only") is dropped by `install_log_filters`, called from
-`pretrain.cli.run` once absl logging is set up.
+Only a command of this repository run as `__main__` gets that filter; Python-side noise
+(Orbax's "Given directory is read only") is dropped there by `install_log_filters`,
+called from `pretrain.cli.run` once absl logging is set up.
+
+Using the package from Python (`pretrain.load`, notebooks, tests) must be as quiet, so
+`pretrain/__init__.py` imports this module before anything else; there it does not take
+over descriptor 2 for the life of someone else's process:
+  - TensorFlow writes its start-up lines while its shared libraries load, whatever
+    TF_CPP_MIN_LOG_LEVEL says (TF 2.21); so only the import of `tensorflow` itself,
+    wherever SeqIO, clu or TFDS trigger it, runs with descriptor 2 through the filter
+    (`_QuietImport`). TF_CPP_MIN_LOG_LEVEL, unless set, is 3 as in the commands: it
+    does silence TF's later lines, such as the CUDA probe when a first op runs;
+  - the Orbax notices are dropped by `install_log_filters`, as in the commands.
+And everywhere, commands included: on a host with libtpu installed (the tpu and test
+extras) but no accelerator, JAX would start libtpu, which probes for a TPU and writes
+a dozen lines about the one it did not find before JAX settles on the CPU. There JAX's
+platform is set to "cpu" before any backend starts, in this process only (an exported
+JAX_PLATFORMS would follow `sbatch` from a login node to GPU nodes). A JAX_PLATFORMS
+the user set, a TPU or GPU device, or the variables that describe a TPU host to libtpu
+leave JAX to choose, so a TPU host still finds its TPU.
 """
 from __future__ import annotations
 
 import atexit
+import contextlib
+import glob
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import logging
 import os
 import subprocess
 import sys
+import types
+from typing import Iterator, Optional
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -69,6 +92,13 @@ for line in sys.stdin.buffer:
 
 VERBOSE_FLAG = "--verbose"
 
+# Device files through which JAX reaches an accelerator: TPU chips (/dev/accel*, or
+# VFIO on v5e and later), NVIDIA and AMD GPUs, GPUs under WSL2.
+ACCELERATOR_DEVICES = ("/dev/accel*", "/dev/vfio", "/dev/nvidia*", "/dev/kfd", "/dev/dxg")
+# Variables that describe a TPU host to libtpu, or tell JAX to start it regardless.
+TPU_VARIABLES = ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES", "TPU_WORKER_ID",
+                 "JAX_FORCE_TPU_INIT")
+
 
 def verbose_requested(argv: list[str]) -> bool:
   """Whether the command line asks for everything (`--verbose`, `--verbose=true`)."""
@@ -77,9 +107,19 @@ def verbose_requested(argv: list[str]) -> bool:
              for arg in argv[1:])
 
 
+def _main_file() -> Optional[str]:
+  """The file this process runs as `__main__`. `python -m pretrain.<command>` imports the
+  package, and so this module, while runpy is still locating the command (argv[0] is
+  "-m" until then): its file is found from the module named on the command line."""
+  if sys.argv[:1] == ["-m"] and "-m" in sys.orig_argv:
+    spec = importlib.util.find_spec(sys.orig_argv[sys.orig_argv.index("-m") + 1])
+    return spec.origin if spec else None
+  return getattr(sys.modules.get("__main__"), "__file__", None)
+
+
 def _is_command() -> bool:
   """Whether this process runs one of the repository's commands as `__main__`."""
-  main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+  main_file = _main_file()
   if not main_file:
     return False
   path = os.path.abspath(main_file)
@@ -98,17 +138,24 @@ def install_log_filters() -> None:
   logging.getLogger("absl").addFilter(_LogFilter())
 
 
-def _filter_native_stderr() -> subprocess.Popen:
-  """Routes descriptor 2 through the noise filter; returns the filter process."""
+def _route_stderr_through_filter() -> tuple[subprocess.Popen, int]:
+  """Puts a noise filter process between descriptor 2 and where it led; returns the
+  process and a new descriptor of that destination."""
   sys.stderr.flush()
   terminal = os.dup(2)
   # Its own session: a Ctrl-C meant for the command must not stop the filter.
   process = subprocess.Popen([sys.executable, "-c", _FILTER_PROGRAM, *NOISE_PATTERNS],
                              stdin=subprocess.PIPE, stdout=terminal,
                              start_new_session=True)
-  os.close(terminal)
   os.dup2(process.stdin.fileno(), 2)
   process.stdin.close()
+  return process, terminal
+
+
+def _filter_native_stderr() -> subprocess.Popen:
+  """Routes descriptor 2 through the noise filter; returns the filter process."""
+  process, terminal = _route_stderr_through_filter()
+  os.close(terminal)
 
   def drain() -> None:
     sys.stderr.flush()
@@ -118,7 +165,73 @@ def _filter_native_stderr() -> subprocess.Popen:
   return process
 
 
-if _is_command() and not verbose_requested(sys.argv):
+@contextlib.contextmanager
+def _native_stderr_filtered() -> Iterator[None]:
+  """Descriptor 2 goes through the noise filter until the block ends (a separate
+  process, so that it still delivers what a native crash in the block wrote)."""
+  process, terminal = _route_stderr_through_filter()
+  try:
+    yield
+  finally:
+    sys.stderr.flush()
+    os.dup2(terminal, 2)   # closes the pipe's last writer: the filter drains and exits
+    os.close(terminal)
+    process.wait(timeout=10)
+
+
+class _QuietLoader(importlib.abc.Loader):
+  """Executes a module with descriptor 2 filtered; the module keeps its own loader."""
+
+  def __init__(self, loader: importlib.abc.Loader):
+    self.loader = loader
+
+  def create_module(self, spec: importlib.machinery.ModuleSpec
+                    ) -> Optional[types.ModuleType]:
+    return self.loader.create_module(spec)
+
+  def exec_module(self, module: types.ModuleType) -> None:
+    module.__loader__ = module.__spec__.loader = self.loader
+    with _native_stderr_filtered():
+      self.loader.exec_module(module)
+
+
+class _QuietImport(importlib.abc.MetaPathFinder):
+  """A `sys.meta_path` finder: `tensorflow`, found where Python's path finder finds it,
+  is imported with `_QuietLoader`. TensorFlow loads lazily from many places (SeqIO, clu,
+  TFDS), and its import is the one moment its native start-up lines are written."""
+
+  def find_spec(self, name: str, path: Optional[list[str]] = None,
+                target: Optional[types.ModuleType] = None
+                ) -> Optional[importlib.machinery.ModuleSpec]:
+    if name != "tensorflow":
+      return None
+    spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+    if spec is not None and spec.loader is not None:
+      spec.loader = _QuietLoader(spec.loader)
+    return spec
+
+
+def _libtpu_would_probe_in_vain() -> bool:
+  """Whether JAX, left to choose its platform, would start libtpu on a host without a
+  TPU: libtpu is installed, no accelerator device is here, and neither JAX_PLATFORMS
+  nor a TPU host's variables are set."""
+  return ("JAX_PLATFORMS" not in os.environ
+          and not any(name in os.environ for name in TPU_VARIABLES)
+          and importlib.util.find_spec("libtpu") is not None
+          and not any(glob.glob(pattern) for pattern in ACCELERATOR_DEVICES))
+
+
+if not _is_command():
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # TF's runtime lines (a CUDA probe)
+  install_log_filters()
+  sys.meta_path.insert(0, _QuietImport())
+elif not verbose_requested(sys.argv):
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
   os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
   _filter_native_stderr()
+
+if _libtpu_would_probe_in_vain():
+  # JAX is imported here only on such a host, after the filter above is in place.
+  import jax  # pylint: disable=wrong-import-position
+  if jax.config.jax_platforms is None:  # an earlier jax.config.update stands
+    jax.config.update("jax_platforms", "cpu")

@@ -9,7 +9,8 @@ backslash continuations joined; ```python blocks), so a documented command canno
   - `model.summary` runs verbatim and its memory plan must fit;
   - local training runs for real, verbatim, shortened through the documented
     `GRIFFIN_EXTRA_GIN_PARAMS` override (2 steps on a tiny corpus); the Python snippet
-    and the `pretrain.report` command then run against the workdir it wrote.
+    and the `pretrain.report` command then run against the workdir it wrote;
+  - the Python snippet, run as a user runs it, writes nothing to stderr.
 A command of a kind not listed here fails the test, so a new README command needs a
 check before it can be documented.
 """
@@ -32,7 +33,8 @@ from pretrain.data import pipeline
 from pretrain.optimizer import OptimizerConfig
 from pretrain.trainer import TrainConfig
 from sharding.mesh import MeshConfig
-from trainer_helpers import bucket_rows, make_corpus, storage_env
+from trainer_helpers import (bucket_rows, make_corpus, storage_env,  # pylint: disable=unused-import
+                             trained_workdir, trainer_env)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -226,6 +228,30 @@ def test_local_training_commands_and_python_snippet_run_verbatim(tmp_path):
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith("def main("), result.stdout
+
+
+# The snippet that loads a trained model ("From Python, a trained model is one call away").
+LOAD_SNIPPET = README.split("From Python, a trained model is one call away", 1)[1].split(
+    "```python\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.slow
+def test_python_snippet_writes_nothing_to_stderr(trained_workdir, tmp_path):
+  """Library use is as quiet as the commands: the snippet prints its continuation and no
+  libtpu probe of an absent TPU, TensorFlow start-up line or Orbax notice. It runs in the
+  environment a user has: without conftest's settings, and without the TPU_* variables
+  that importing JAX and libtpu put into this process (TPU_SKIP_MDS_QUERY alone
+  silences part of libtpu's probe)."""
+  (tmp_path / "workdirs").mkdir()
+  (tmp_path / "workdirs" / "quickstart").symlink_to(trained_workdir[0])
+  env = {name: value for name, value in _env().items()
+         if name not in ("JAX_PLATFORMS", "TF_CPP_MIN_LOG_LEVEL", "XLA_FLAGS")
+         and not name.startswith("TPU_")}
+  result = subprocess.run([sys.executable, "-c", LOAD_SNIPPET], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.strip(), result.stdout
+  assert result.stderr == "", result.stderr
 
 
 @pytest.mark.slow
