@@ -134,9 +134,11 @@ def metric_values(results: Mapping[str, Any]) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def _quiet() -> Iterator[None]:
+def quiet() -> Iterator[None]:
   """Hides lm_eval's log lines and progress bars (tqdm on stderr, which no setting turns
-  off once imported): the training console gets one line per evaluation instead."""
+  off once imported): the training console gets one line per evaluation instead, the
+  command line our own progress lines and lm_eval's table (`--verbose` shows them all).
+  Exceptions still propagate; our progress lines write to the real stderr."""
   logger = logging.getLogger("lm_eval")
   level = logger.level
   logger.setLevel(logging.ERROR)
@@ -162,7 +164,7 @@ class DownstreamEvaluation:
                limit: Optional[int] = None):
     manager = task_manager(names, include_path)
     try:
-      with _quiet():
+      with quiet():
         self._tasks = manager.load(list(names))
     except OSError as error:
       raise _data_error(names, error) from None
@@ -180,7 +182,7 @@ class DownstreamEvaluation:
     for task in self._tasks["tasks"].values():
       task.set_fewshot_seed(seed=FEWSHOT_SEED)
     try:
-      with _quiet():
+      with quiet():
         results = evaluator.evaluate(lm=self._lm, task_dict=self._tasks, limit=self._limit,
                                      bootstrap_iters=0, log_samples=False)
     finally:

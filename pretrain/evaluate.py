@@ -20,6 +20,7 @@ lm_eval's results table, and --output writes lm_eval's results JSON.
 from __future__ import annotations
 
 from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
+import contextlib
 import json
 from typing import Any, Sequence
 
@@ -119,8 +120,9 @@ def task_results(model: LoadedModel, tasks: Sequence[str], manager: Any
   lm = downstream.backend(model.runtime, model.params, model.vocabulary,
                           max_length=model.sequence_length, batch_size=FLAGS.batch_size,
                           progress=True)
-  return downstream.simple_evaluate(lm, tasks, manager, num_fewshot=FLAGS.num_fewshot,
-                                    limit=FLAGS.limit)
+  with contextlib.nullcontext() if FLAGS.verbose else downstream.quiet():
+    return downstream.simple_evaluate(lm, tasks, manager, num_fewshot=FLAGS.num_fewshot,
+                                      limit=FLAGS.limit)
 
 
 def main(argv: Sequence[str]) -> None:

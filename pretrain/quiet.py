@@ -71,6 +71,8 @@ NOISE_PATTERNS = (
     r"Discarding unparseable args: \[\\?'--(direct_runner_use_stacked_bundle|"
     r"pipeline_type_check)\\?', \\?'--(direct_runner_use_stacked_bundle|"
     r"pipeline_type_check)\\?'\]",
+    # lm-evaluation-harness asks git for the commit it runs in, from any directory.
+    r"^fatal: not a git repository",
     # tensorstore's AWS SDK looks for ~/.aws files before the environment's credentials.
     r"^E\d{4} [\d:.]+\s+\d+ (common-io|AuthCredentialsProvider):\d+\]",
 )

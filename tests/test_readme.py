@@ -118,6 +118,8 @@ def _kind(piece):
     return "report"   # after the training commands, on their workdir
   if piece.startswith(("python -m pretrain.export", "python -m pretrain.convert hf")):
     return "interchange"   # after the training commands, on their workdir
+  if piece.startswith("python -m pretrain.evaluate --workdir=workdirs/"):
+    return "downstream"   # after the training commands, on their workdir
   return "unknown"
 
 
@@ -209,6 +211,7 @@ def test_local_training_commands_and_python_snippet_run_verbatim(tmp_path):
                  "TrainConfig.sample_tokens = 4"]))
   trains = [piece for piece in PIECES if _kind(piece) == "train"]
   assert trains
+  os.symlink(os.path.join(REPO, "tests"), tmp_path / "tests")   # the README's local tasks
   for piece in trains:
     result = _run(piece, cwd=tmp_path, env=env)
     assert result.returncode == 0, (piece, result.stdout[-2000:], result.stderr[-2000:])
@@ -223,6 +226,16 @@ def test_local_training_commands_and_python_snippet_run_verbatim(tmp_path):
   for piece in interchange:
     result = _run(piece, cwd=tmp_path, env=env)
     assert result.returncode == 0 and result.stderr == "", (piece, result.stderr[-2000:])
+  downstream_rows = [row for row in bucket_rows(str(tmp_path / "workdirs" /
+                                                    "quickstart-downstream"))
+                     if "downstream/tiny_mc/acc" in row]
+  assert downstream_rows and downstream_rows[-1]["step"] == 2, downstream_rows
+  for piece in [piece for piece in PIECES if _kind(piece) == "downstream"]:
+    result = _run(piece, cwd=tmp_path, env=env)
+    assert result.returncode == 0, (piece, result.stderr[-2000:])
+    assert "|tiny_mc|" in result.stdout.replace(" ", ""), result.stdout
+    # stderr holds only our own progress lines: lm_eval's logs and bars are hidden.
+    assert all("(batches):" in line for line in result.stderr.splitlines()), result.stderr
   for snippet in SNIPPETS:
     result = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=300)
