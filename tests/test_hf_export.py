@@ -1,7 +1,7 @@
 """Hugging Face interchange, checked against transformers' own RecurrentGemma code.
 
 For tiny Griffin, Hawk and MQA, a cut-down recurrentgemma_2b (tied, √D-scaled
-embedding, soft cap) and griffin_100m's layers (16 gate blocks, 6 heads: the
+embedding, soft cap) and the griffin_100m preset (16 gate blocks, 6 heads: the
 `trust_remote_code` export), each test writes a step-0 checkpoint of perturbed random
 weights, exports it with `pretrain.export`, and compares transformers' logits and
 greedy generation with ours; then imports the export back (`pretrain.convert hf`) and
@@ -23,7 +23,7 @@ from model import lm
 from model.config import ModelConfig
 import seqio
 
-from pretrain import convert, export, generation, hf_import
+from pretrain import convert, export, extras, generation, gin_config, hf_import
 from pretrain import tokenizer as tokenizer_lib
 from pretrain.errors import UserError
 from pretrain.metadata import make_vocabulary
@@ -44,10 +44,17 @@ CONFIGS = {
                                          num_heads=4, depth=3, attention_window=24,
                                          embeddings_scale_by_sqrt_dim=True,
                                          logits_soft_cap=30.0),
-    # griffin_100m's layer shapes (16 gate blocks over 6 heads), one pattern unit deep.
-    "griffin_100m_layers": ModelConfig(vocab_size=512, width=768, rnn_width=1024, num_heads=6,
-                                       num_gate_blocks=16, depth=3, attention_window=1024),
 }
+# The griffin_100m preset itself (16 RG-LRU gate blocks over 6 heads: the
+# trust_remote_code export; 12 layers, 4 scanned units), with a 512-id vocabulary and
+# float32 compute (the preset trains in bfloat16).
+PRESET = "griffin_100m"
+
+
+def preset_config(name: str) -> ModelConfig:
+  gin_config.parse([os.path.join(REPO, "configs", "models", f"{name}.gin")],
+                   ["VOCAB_SIZE = 512"])
+  return gin_config.build_model_config().replace(dtype="float32")   # parity in float32
 
 
 def perturbed_params(config, seed=0):
@@ -59,10 +66,12 @@ def perturbed_params(config, seed=0):
       params)
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
+@pytest.fixture(scope="module", params=sorted(CONFIGS) + [
+    pytest.param(PRESET, marks=pytest.mark.slow)])
 def exported(request, tmp_path_factory):
   """(name, config, our params, workdir, export dir, transformers model)."""
-  name, config = request.param, CONFIGS[request.param]
+  name = request.param
+  config = CONFIGS[name] if name in CONFIGS else preset_config(name)
   root = tmp_path_factory.mktemp(name)
   params = perturbed_params(config)
   workdir, output = str(root / "run"), str(root / "hf")
@@ -88,14 +97,14 @@ def their_logits(model, tokens):
 def test_logits_match_transformers(exported):
   name, config, _, workdir, _, model = exported
   ours = pretrain.load(workdir)
-  length = 48 if name != "griffin_100m_layers" else 24   # longer than every tiny window
+  length = 48   # longer than every tiny window
   tokens = token_rows(config, length)
   positions = np.tile(np.arange(length, dtype=np.int32), (2, 1))
   mine = np.asarray(ours.logits(tokens, positions))
   theirs = their_logits(model, tokens)
   scale = np.abs(mine).max()
   assert np.abs(mine - theirs).max() <= 1e-4 * scale, name
-  expected_class = ("GriffinForCausalLM" if name == "griffin_100m_layers"
+  expected_class = ("GriffinForCausalLM" if name == PRESET
                     else "RecurrentGemmaForCausalLM")
   assert type(model).__name__ == expected_class
 
@@ -163,6 +172,31 @@ def test_bfloat16_export_loads_close(tmp_path):
   with torch.no_grad():
     theirs = model(torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
   assert np.abs(mine - theirs).max() <= 0.05 * np.abs(mine).max()
+
+
+def test_hub_cache_entry_imports_its_main_snapshot(tmp_path):
+  """`--checkpoint` may name a hub cache entry: refs/main picks the snapshot."""
+  config = CONFIGS["mqa"]
+  params = perturbed_params(config)
+  output = str(tmp_path / "hf")
+  convert.write_step0(str(tmp_path / "source"), config, params, make_vocabulary("byte"), 64)
+  export.export(str(tmp_path / "source"), output)
+  entry = tmp_path / "models--someone--tiny-mqa"
+  (entry / "refs").mkdir(parents=True)
+  (entry / "refs" / "main").write_text("abc123")
+  (entry / "snapshots").mkdir()
+  os.symlink(output, entry / "snapshots" / "abc123")
+  assert convert.convert_hf(str(entry), str(tmp_path / "run")) == config
+  restored = pretrain.load(str(tmp_path / "run"))
+  assert all(jax.tree.leaves(jax.tree.map(
+      lambda a, b: np.array_equal(np.asarray(a), b), restored.params, params)))
+
+
+def test_a_missing_extra_is_one_line_naming_pip():
+  with pytest.raises(UserError, match=r'pip install -e "\.\[hf\]" \(missing: '
+                                      r'no_such_module\)') as raised:
+    extras.require("no_such_module", extra="hf", purpose="export to Hugging Face")
+  assert "\n" not in str(raised.value)
 
 
 def test_sharded_weights_load(tmp_path):

@@ -11,7 +11,7 @@ import pytest
 from pretrain import goodput
 from pretrain import report
 from pretrain.checkpointing import complete_steps
-from trainer_helpers import (HAS_LM_EVAL, assert_ok, read_metrics,  # pylint: disable=unused-import
+from trainer_helpers import (assert_ok, read_metrics,  # pylint: disable=unused-import
                              train_losses, trained_workdir, trainer_env)
 
 
@@ -42,13 +42,13 @@ def test_run_writes_config_checkpoints_metrics_and_tensorboard(trained_workdir):
   # byte (nats per byte over nats per token) are at least 1.
   assert all(r["eval_bits_per_byte"] * math.log(2) / r["eval_loss"] > 1 - 1e-6
              for r in eval_rows)
-  if HAS_LM_EVAL:  # lm_eval's tiny_mc task on the live parameters, every 12 steps
-    downstream_rows = [r for r in rows if "downstream/tiny_mc/acc" in r]
-    assert [r["step"] for r in downstream_rows] == [12, 24]
-    for row in downstream_rows:
-      assert set(row) == {"step", "downstream/tiny_mc/acc", "downstream/tiny_mc/acc_norm"}
-      assert all(0 <= row[k] <= 1 for k in row if k != "step")
-    assert "step 24/24 | tiny_mc/acc " in result.stdout
+  # lm_eval's tiny_mc task on the live parameters, every 12 steps
+  downstream_rows = [r for r in rows if "downstream/tiny_mc/acc" in r]
+  assert [r["step"] for r in downstream_rows] == [12, 24]
+  for row in downstream_rows:
+    assert set(row) == {"step", "downstream/tiny_mc/acc", "downstream/tiny_mc/acc_norm"}
+    assert all(0 <= row[k] <= 1 for k in row if k != "step")
+  assert "step 24/24 | tiny_mc/acc " in result.stdout
 
   out = result.stdout
   assert "step 24/24 | loss" in out and "MFU n/a" in out and "ETA" in out and "tok/s" in out

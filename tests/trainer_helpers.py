@@ -3,7 +3,6 @@ the real commands in subprocesses (2 simulated devices each, one persistent comp
 cache and one token-store cache for the whole test session, so each program compiles
 once per session).
 """
-import importlib.util
 import json
 import os
 import random
@@ -150,7 +149,6 @@ def trainer_env(tmp_path_factory):
 
 # lm_eval (the eval extra) scores the trained run on this local multiple-choice task.
 LM_EVAL_TASKS = os.path.join(REPO, "tests", "data", "lm_eval_tasks")
-HAS_LM_EVAL = importlib.util.find_spec("lm_eval") is not None
 DOWNSTREAM_SETTINGS = ("TrainConfig.downstream_tasks=('tiny_mc',)",
                        "TrainConfig.downstream_every=12",
                        f"TrainConfig.downstream_include_path='{LM_EVAL_TASKS}'")
@@ -158,8 +156,8 @@ DOWNSTREAM_SETTINGS = ("TrainConfig.downstream_tasks=('tiny_mc',)",
 
 @pytest.fixture(scope="session")
 def trained_workdir(trainer_env):
-  """A finished tiny run (24 steps, evals, downstream tiny_mc scores where lm_eval is
-  installed, sample, a profile of steps 2-3) shared by several test modules; also
+  """A finished tiny run (24 steps, evals, downstream tiny_mc scores (the
+  test extra installs lm_eval), sample, a profile of steps 2-3) shared by several test modules; also
   the uninterrupted reference of the exact-resume test (evaluation does not touch the
   training state)."""
   workdir = os.path.join(trainer_env.root, "trained")
@@ -168,7 +166,7 @@ def trained_workdir(trainer_env):
     result = trainer_env.run(trainer_env.train_command(
         workdir, "EVAL_EVERY=12", "TrainConfig.final_eval=True",
         "TrainConfig.sample_prompt='def '", "TrainConfig.sample_tokens=16",
-        "TrainConfig.profile_steps=(2, 3)", *(DOWNSTREAM_SETTINGS if HAS_LM_EVAL else ())))
+        "TrainConfig.profile_steps=(2, 3)", *DOWNSTREAM_SETTINGS))
     assert_ok(result)
     with open(finished, "w", encoding="utf-8") as f:
       json.dump({"stdout": result.stdout, "stderr": result.stderr}, f)
