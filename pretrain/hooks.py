@@ -178,64 +178,51 @@ class CheckpointHook(Hook):
                         "run the same command again to resume.")
 
 
-class EvalHook(Hook):
-  """Evaluates every `every` steps and, unless preempted, once after the last step.
+class _PeriodicEvaluation(Hook):
+  """Runs `evaluate(params)` every `every` steps and, unless preempted, once after the
+  last step (`final_eval`); subclasses write the result (`_write`)."""
+  goodput_category = "eval"
 
-  `evaluate(params)` returns {"loss", "tokens"} and, where the vocabulary has text,
-  "bits_per_byte" (`pretrain.evaluation.evaluate_batches`); each result is one row.
+  def __init__(self, evaluate: Callable[[Any], Mapping[str, float]], writer: MetricsWriter,
+               *, every: int, final_eval: bool, train_steps: int):
+    self.every = every
+    self._evaluate = evaluate
+    self._writer = writer
+    self._final_eval = final_eval
+    self._train_steps = train_steps
+
+  def _write(self, step: int, result: Mapping[str, float]) -> None:
+    raise NotImplementedError
+
+  def on_step(self, step: int, state: TrainState) -> None:
+    if not (self._final_eval and step == self._train_steps):  # on_end evaluates it
+      self._write(step, self._evaluate(state.params))
+
+  def on_end(self, step: int, state: TrainState, preempted: bool) -> None:
+    if self._final_eval and not preempted:
+      self._write(step, self._evaluate(state.params))
+
+
+class EvalHook(_PeriodicEvaluation):
+  """Validation loss rows: `evaluate(params)` returns {"loss", "tokens"} and, where the
+  vocabulary has text, "bits_per_byte" (`pretrain.evaluation.evaluate_batches`).
 
   Attributes:
     last_loss: the newest validation loss (None before the first evaluation).
   """
-  goodput_category = "eval"
+  last_loss: Optional[float] = None
 
-  def __init__(self, evaluate: Callable[[Any], Mapping[str, float]], writer: MetricsWriter,
-               *, every: int, final_eval: bool, train_steps: int):
-    self.every = every
-    self._evaluate = evaluate
-    self._writer = writer
-    self._final_eval = final_eval
-    self._train_steps = train_steps
-    self.last_loss: Optional[float] = None
-
-  def _run(self, step: int, params: Any) -> None:
-    result = self._evaluate(params)
+  def _write(self, step: int, result: Mapping[str, float]) -> None:
     self.last_loss = result["loss"]
     self._writer.log_eval(step, result["loss"], result["tokens"],
                           result.get("bits_per_byte"))
 
-  def on_step(self, step: int, state: TrainState) -> None:
-    if not (self._final_eval and step == self._train_steps):  # on_end evaluates it
-      self._run(step, state.params)
 
-  def on_end(self, step: int, state: TrainState, preempted: bool) -> None:
-    if self._final_eval and not preempted:
-      self._run(step, state.params)
+class DownstreamHook(_PeriodicEvaluation):
+  """Downstream-task rows (`downstream/<task>/<metric>`) of the live parameters."""
 
-
-class DownstreamHook(Hook):
-  """Scores the live parameters on downstream tasks every `every` steps and, unless
-  preempted, once after the last step; `downstream/<task>/<metric>` rows."""
-  goodput_category = "eval"
-
-  def __init__(self, evaluate: Callable[[Any], Mapping[str, float]], writer: MetricsWriter,
-               *, every: int, final_eval: bool, train_steps: int):
-    self.every = every
-    self._evaluate = evaluate
-    self._writer = writer
-    self._final_eval = final_eval
-    self._train_steps = train_steps
-
-  def _run(self, step: int, params: Any) -> None:
-    self._writer.log_downstream(step, self._evaluate(params))
-
-  def on_step(self, step: int, state: TrainState) -> None:
-    if not (self._final_eval and step == self._train_steps):  # on_end evaluates it
-      self._run(step, state.params)
-
-  def on_end(self, step: int, state: TrainState, preempted: bool) -> None:
-    if self._final_eval and not preempted:
-      self._run(step, state.params)
+  def _write(self, step: int, result: Mapping[str, float]) -> None:
+    self._writer.log_downstream(step, result)
 
 
 class ProfileHook(Hook):
