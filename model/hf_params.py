@@ -44,7 +44,6 @@ Everything here is numpy on the host.
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Mapping, Optional
 
 import numpy as np
@@ -193,7 +192,11 @@ def _layer_leaves(block_type: str) -> list[tuple[tuple[str, ...], str, bool]]:
 
 
 def ours_to_hf(params: Mapping[str, Any], config: ModelConfig) -> dict[str, np.ndarray]:
-  """The transformers state dict (name -> numpy array, float32) of our parameters."""
+  """The transformers state dict (name -> float32 numpy array) of our parameters.
+
+  Transposed weights are views of `params` (no copy): writers make each contiguous in
+  turn (`pretrain.safetensors_writer`), so an export holds the model about once.
+  """
   check_exportable(config)
   tree = rg.ours_to_recurrentgemma(params, config)
   state: dict[str, np.ndarray] = {}
@@ -217,7 +220,7 @@ def ours_to_hf(params: Mapping[str, Any], config: ModelConfig) -> dict[str, np.n
     if block_type == BlockType.RECURRENT.value:
       conv = np.asarray(block["recurrent_block"]["conv_1d"]["w"])   # [W, R], oldest tap first
       state[prefix + "temporal_block.conv_1d.weight"] = conv.T[:, None, :]
-  return {name: np.ascontiguousarray(value) for name, value in state.items()}
+  return state
 
 
 def hf_to_ours(state: Mapping[str, np.ndarray], config: ModelConfig) -> dict:
@@ -254,9 +257,4 @@ def hf_to_ours(state: Mapping[str, np.ndarray], config: ModelConfig) -> dict:
       rg.set_path(block, ("recurrent_block", "conv_1d", "w"), conv[:, 0, :].T)
     tree[f"blocks.{layer}"] = block
   return rg.recurrentgemma_to_ours(tree, config)
-
-
-def parameter_bytes(state: Mapping[str, np.ndarray]) -> int:
-  """Bytes of a state dict's tensors."""
-  return int(sum(math.prod(v.shape) * v.dtype.itemsize for v in state.values()))
 

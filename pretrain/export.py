@@ -37,6 +37,7 @@ from model import hf_params
 from pretrain import cli
 from pretrain import extras
 from pretrain import hf_tokenizer
+from pretrain import safetensors_writer
 from pretrain import storage
 from pretrain.errors import UserError, usage_error
 from pretrain.load import LoadedModel, load
@@ -56,44 +57,41 @@ def define_flags() -> None:
   flags.mark_flags_as_required(["workdir", "output"])
 
 
-def _cast(state: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
-  """`state` in `dtype`, tensor by tensor in place, so each float32 copy is freed as its
-  bfloat16 one appears (the export's peak memory stays near two float32 copies)."""
-  if dtype != "float32":
-    for name in list(state):
-      state[name] = state[name].astype(ml_dtypes.bfloat16)
-  return state
-
-
-def _shards(state: dict[str, np.ndarray], max_bytes: int) -> list[dict[str, np.ndarray]]:
+def _shards(state: dict[str, np.ndarray], dtype: np.dtype,
+            max_bytes: int) -> list[dict[str, np.ndarray]]:
   """The tensors split, in order, into groups of at most `max_bytes` (one if it fits)."""
   shards: list[dict[str, np.ndarray]] = [{}]
   size = 0
   for name, value in state.items():
-    if shards[-1] and size + value.nbytes > max_bytes:
+    value_bytes = safetensors_writer.nbytes(value, dtype)
+    if shards[-1] and size + value_bytes > max_bytes:
       shards.append({})
       size = 0
     shards[-1][name] = value
-    size += value.nbytes
+    size += value_bytes
   return shards
 
 
-def write_weights(state: dict[str, np.ndarray], directory: str,
+def write_weights(state: dict[str, np.ndarray], directory: str, dtype: str = "float32",
                   max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
-  """Writes `model.safetensors`, or numbered shards plus the index transformers reads."""
-  from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
-  shards = _shards(state, max_shard_bytes)
+  """Writes `model.safetensors`, or numbered shards plus the index transformers reads;
+  each tensor is cast to `dtype` as it is written."""
+  np_dtype = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32)
+  shards = _shards(state, np_dtype, max_shard_bytes)
   if len(shards) == 1:
-    save_file(state, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
-    return ["model.safetensors"]
-  names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-  weight_map = {}
+    names = ["model.safetensors"]
+  else:
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+             for i in range(len(shards))]
   for name, shard in zip(names, shards):
-    save_file(shard, os.path.join(directory, name), metadata={"format": "pt"})
-    weight_map.update({tensor: name for tensor in shard})
-  index = {"metadata": {"total_size": hf_params.parameter_bytes(state)},
-           "weight_map": weight_map}
-  _write_json(os.path.join(directory, "model.safetensors.index.json"), index)
+    safetensors_writer.write(os.path.join(directory, name), shard, np_dtype,
+                             {"format": "pt"})
+  if len(shards) > 1:
+    total = sum(safetensors_writer.nbytes(value, np_dtype) for value in state.values())
+    index = {"metadata": {"total_size": total},
+             "weight_map": {tensor: name for name, shard in zip(names, shards)
+                            for tensor in shard}}
+    _write_json(os.path.join(directory, "model.safetensors.index.json"), index)
   return names
 
 
@@ -189,14 +187,14 @@ def model_card(model: LoadedModel, hf_config: dict[str, Any], dtype: str,
 def _write_export(model: LoadedModel, directory: str, dtype: str) -> dict[str, Any]:
   """Writes every file of the export into the local `directory`; returns the config.
 
-  Releases `model.params` once mapped (the export is their last use), so a large model
-  is not held twice while its safetensors are written.
+  The weights stream to disk one tensor at a time (`pretrain.safetensors_writer`), each
+  transposed and cast only while it is written, so a large model is not held twice.
   """
   hf_config = hf_params.hf_config(model.config)
   hf_config["torch_dtype"] = dtype
   state = hf_params.ours_to_hf(jax.device_get(model.params), model.config)
-  model.params = None   # the mapped copy is all the export needs from here on
-  write_weights(_cast(state, dtype), directory)
+  model.params = None   # the mapped tree (views where no copy is needed) holds them
+  write_weights(state, directory, dtype)
   del state
   _write_json(os.path.join(directory, "config.json"), hf_config)
   _write_json(os.path.join(directory, "generation_config.json"),
