@@ -17,15 +17,23 @@ or, on storage without atomic rename, a step directory without the marker, which
 `complete_steps` ignores and `Checkpointer` deletes on start-up, so resume always picks
 the newest *complete* step.
 
+Every step of both tiers carries a manifest of checksums (`pretrain.integrity`), written
+before Orbax commits it and checked before it is read. `restore_newest` skips a step that
+fails the check or cannot be read (and sets it aside as `<step>.corrupt-<kind>`); a save
+that fails in the background is reported by `poll`, `wait` and the next `save` as a
+`CheckpointSaveError`.
+
 With `CheckpointConfig.local_dir` set, a second, local tier (`pretrain.local_checkpoints`)
 saves every `local_every` steps to each host's own disk; `restore_newest` takes the
-newest complete step of either tier, the local one only if every process holds it.
+newest good step of either tier, a local one only if every process holds it. A failed
+local save turns the local tier off for the rest of the run, with one line.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional, TypeVar
 
 import jax
 import numpy as np
@@ -33,14 +41,19 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
+from pretrain import integrity
 from pretrain import storage
-from pretrain.errors import CheckpointMismatchError, UserError
+from pretrain.errors import (CheckpointMismatchError, CheckpointSaveError,
+                             UnreadableCheckpointError, UserError, warn)
+from pretrain.integrity import COMMIT_MARKER
 from pretrain.local_checkpoints import LocalCheckpointer, process_directory
 from sharding.partition import path_str
 
-COMMIT_MARKER = "commit_success.txt"
 # Local steps each process reports when the processes agree on one (a fixed-size gather).
 MAX_LOCAL_KEEP = 4
+# What can be wrong with a step (`integrity.Problem.kind`), numbered for a gather.
+PROBLEM_KINDS = ("size", "checksum", "missing", "manifest", "unreadable")
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,12 +125,21 @@ def unmarked_step_dirs(directory: epath.PathLike) -> list[epath.Path]:
                 if _step_of(path) is not None and not _committed(path))
 
 
-def newest_common_step(steps_per_process: list[list[int]]) -> Optional[int]:
-  """The newest step that every process lists; None when they share none."""
+def common_steps(steps_per_process: list[list[int]]) -> list[int]:
+  """The steps that every process lists, ascending."""
   common = set(steps_per_process[0])
   for steps in steps_per_process[1:]:
     common &= set(steps)
-  return max(common) if common else None
+  return sorted(common)
+
+
+def agreed_problem(problem: Optional[integrity.Problem]) -> Optional[str]:
+  """The kind of problem any process found with a step, the same on every process
+  (a step is restored by all of them or by none); a gather when there are several."""
+  code = PROBLEM_KINDS.index(problem.kind) + 1 if problem else 0
+  if jax.process_count() > 1:
+    code = int(np.max(multihost_utils.process_allgather(np.int32(code))))
+  return PROBLEM_KINDS[code - 1] if code else None
 
 
 def shapes_by_path(tree: Any) -> dict[str, tuple[int, ...]]:
@@ -150,6 +172,10 @@ class Checkpointer:
   def __init__(self, workdir: str, config: CheckpointConfig = CheckpointConfig(),
                read_only: bool = False):
     self.directory = checkpoint_dir(workdir)
+    self._async = config.async_save
+    self._saving: Optional[int] = None    # the step of the async save in flight
+    self._sealing: Optional[int] = None   # the step the manifest callback seals
+    self._manager_failed = False   # closed after a failed save, with several processes
     if not read_only and jax.process_index() == 0:
       # Orbax checks the commit marker only on gs:// paths; elsewhere a step directory
       # without it (non-atomic storage) would count as complete, so drop it here.
@@ -171,21 +197,50 @@ class Checkpointer:
         # no rename either (a copy per object that can fail half-way): commit there by
         # marker as well.
         temporary_path_class=(ocp.path.atomicity.CommitFileTemporaryPath
-                              if str(self.directory).startswith("s3://") else None))
+                              if str(self.directory).startswith("s3://") else None),
+        # The manifest is written once every file is, before the commit (process 0).
+        async_options=(ocp.AsyncOptions(post_finalization_callback=self._seal)
+                       if config.async_save and not read_only else None))
     if read_only and not self.directory.exists():
       raise UserError(f"No checkpoints in {self.directory}: train first (python -m "
                       "pretrain.train ... --workdir=...) or convert one (pretrain.convert)")
-    handlers = dict(params=ocp.StandardCheckpointHandler(),
-                    opt_state=ocp.StandardCheckpointHandler(),
-                    train=ocp.JsonCheckpointHandler(),
-                    metadata=ocp.JsonCheckpointHandler())
-    self._manager = ocp.CheckpointManager(self.directory, options=options,
-                                          item_handlers=handlers)
+    self._options = options
+    self._manager = self._open_manager()
     self.local_every = config.local_every
     self.local: Optional[LocalCheckpointer] = None
     if config.local_dir and not read_only:
       self.local = LocalCheckpointer(process_directory(config.local_dir, workdir),
                                      config.local_keep, config.async_save)
+
+  def _open_manager(self, options: Optional[ocp.CheckpointManagerOptions] = None
+                    ) -> ocp.CheckpointManager:
+    handlers = dict(params=ocp.StandardCheckpointHandler(),
+                    opt_state=ocp.StandardCheckpointHandler(),
+                    train=ocp.JsonCheckpointHandler(),
+                    metadata=ocp.JsonCheckpointHandler())
+    return ocp.CheckpointManager(self.directory, options=options or self._options,
+                                 item_handlers=handlers)
+
+  @contextlib.contextmanager
+  def _reporting(self, step: int) -> Iterator[None]:
+    """A failure of saving `step` inside the block becomes a CheckpointSaveError, and
+    Orbax's manager, which holds copies of that failure to raise at later calls, is
+    closed and replaced by a fresh one (which lists the steps on disk anew). With
+    several processes a new manager would wait at a barrier for the others, which are
+    not there: the run stops (CheckpointHook) with the closed one."""
+    try:
+      with integrity.save_failures(step, str(self.directory)):
+        yield
+    except CheckpointSaveError:
+      integrity.close_failed(self._manager)
+      if jax.process_count() == 1:
+        # Without Orbax's clean-up of temporary directories at start: it would race
+        # `discard_failed`, which deletes the failed save's.
+        self._manager = self._open_manager(
+            dataclasses.replace(self._options, cleanup_tmp_directories=False))
+      else:
+        self._manager_failed = True
+      raise
 
   # -- queries ---------------------------------------------------------------
   def all_steps(self) -> list[int]:
@@ -205,11 +260,16 @@ class Checkpointer:
   def has_item(self, step: int, item: str) -> bool:
     return (self.directory / str(step) / item).exists()
 
+  def step_dir(self, step: int) -> str:
+    return str(self.directory / str(step))
+
   def metadata(self, step: int) -> dict[str, Any]:
-    """The step's JSON metadata (`pretrain.metadata.RunMetadata.to_json`)."""
-    restored = self._manager.restore(
-        step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore()))
-    return dict(restored["metadata"])
+    """The step's JSON metadata (`pretrain.metadata.RunMetadata.to_json`); raises
+    UnreadableCheckpointError when it fails its check or cannot be read."""
+    def read():
+      return self._manager.restore(
+          step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore()))["metadata"]
+    return dict(self._checked(step, "persistent", ("metadata",), read))
 
   def check_params_match(self, step: int, abstract_params: Any) -> None:
     """Raises CheckpointMismatchError naming every parameter whose path or shape differs."""
@@ -222,10 +282,53 @@ class Checkpointer:
           f"configuration; these parameters differ:\n{problem}\nUse the Gin config the "
           "checkpoint was trained with, or a fresh --workdir.")
 
+  def check_newest_matches(self, abstract_params: Any) -> None:
+    """`check_params_match` on the newest checkpoint that can be read, before anything
+    is written; unreadable ones are left to `restore_newest`, which sets them aside."""
+    for step in reversed(self.all_steps()):
+      try:
+        self.check_params_match(step, abstract_params)
+        return
+      except Exception as error:  # pylint: disable=broad-except
+        if integrity.read_problem(error) is None:
+          raise
+
+  def _checked(self, step: int, tier: str, items: Optional[tuple[str, ...]],
+               read: Callable[[], T]) -> T:
+    """`read()` of a step of `tier` whose `items` (None: all) pass the integrity check;
+    raises UnreadableCheckpointError on every process when the check or the read fails
+    on any. Persistent steps are shared: the processes split the check."""
+    if tier == "local":
+      step_dir, share = self.local.step_dir(step), (0, 1)
+    else:
+      step_dir, share = self.step_dir(step), (jax.process_index(), jax.process_count())
+    problem = integrity.verify(step_dir, items, share)
+    self._raise_if_any(step, tier, problem)
+    result = None
+    try:
+      result = read()
+    except Exception as error:  # pylint: disable=broad-except  # classified below
+      problem = integrity.read_problem(error)
+      if problem is None:
+        raise
+    self._raise_if_any(step, tier, problem)
+    return result
+
+  @staticmethod
+  def _raise_if_any(step: int, tier: str, problem: Optional[integrity.Problem]) -> None:
+    kind = agreed_problem(problem)
+    if kind is not None:
+      raise UnreadableCheckpointError(step, tier, kind, problem.detail if problem else None)
+
   # -- save / restore ---------------------------------------------------------
+  def _seal(self) -> None:
+    integrity.seal(str(self.directory), self._sealing)
+
   def save(self, step: int, *, params: Any, opt_state: Any, rng: jax.Array,
            metadata: Mapping[str, Any]) -> None:
-    """Starts an asynchronous save of `step` (returns once arrays are copied off device)."""
+    """Starts an asynchronous save of `step` (returns once arrays are copied off
+    device). Raises CheckpointSaveError when this save or the one before it failed."""
+    self._finish()
     items = dict(
         params=ocp.args.StandardSave(params),
         train=ocp.args.JsonSave({"step": int(step),
@@ -233,16 +336,49 @@ class Checkpointer:
         metadata=ocp.args.JsonSave(dict(metadata)))
     if opt_state is not None:
       items["opt_state"] = ocp.args.StandardSave(opt_state)
-    self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+    with self._reporting(step):
+      self._sealing = step
+      self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+      if self._async:
+        self._saving = step
+      elif jax.process_index() == 0:
+        integrity.write_manifest(self.step_dir(step))
+
+  def poll(self) -> Optional[CheckpointSaveError]:
+    """The failure of the persistent save in flight, once it has ended; None while it
+    runs, when it succeeded or when there is none. Does not wait. (A failed local save
+    turns the local tier off, with one line, and is not returned.)"""
+    if self.local is not None and (failure := self.local.poll()) is not None:
+      self._drop_local(failure)
+    if self._saving is None or self._manager.is_saving_in_progress():
+      return None
+    try:
+      self._finish()
+    except CheckpointSaveError as error:
+      return error
+    return None
+
+  def _finish(self) -> None:
+    step, self._saving = self._saving, None
+    if step is not None:
+      with self._reporting(step):
+        self._manager.wait_until_finished()
+
+  def discard_failed(self, step: int) -> None:
+    """Deletes what the failed save of `step` left (Orbax's temporary directory), so
+    that it takes no space and is not mistaken for a step."""
+    if jax.process_index() == 0:
+      integrity.remove_partial(str(self.directory), step)
 
   def restore(self, step: int, *, abstract_params: Any,
               abstract_opt_state: Any = None) -> dict[str, Any]:
     """Restores `step` onto the shardings carried by the abstract trees (reshards).
 
     Returns a dict with `params`, `opt_state` (None when the checkpoint has none or it
-    was not asked for), `step` and `rng` (None when absent).
+    was not asked for), `step` and `rng` (None when absent). Raises
+    UnreadableCheckpointError when the items read fail their integrity check or cannot
+    be read.
     """
-    self.check_params_match(step, abstract_params)
     items = dict(params=ocp.args.StandardRestore(abstract_params))
     want_opt = abstract_opt_state is not None and self.has_item(step, "opt_state")
     if want_opt:
@@ -250,7 +386,11 @@ class Checkpointer:
     has_train = self.has_item(step, "train")
     if has_train:
       items["train"] = ocp.args.JsonRestore()
-    restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+
+    def read():
+      self.check_params_match(step, abstract_params)
+      return self._manager.restore(step, args=ocp.args.Composite(**items))
+    restored = self._checked(step, "persistent", tuple(items), read)
     train = restored["train"] if has_train else {}
     return dict(params=restored["params"],
                 opt_state=restored["opt_state"] if want_opt else None,
@@ -262,59 +402,101 @@ class Checkpointer:
   def save_local(self, step: int, *, params: Any, opt_state: Any, rng: jax.Array) -> None:
     """Saves this process's shards of `step` to the local tier (no-op without one)."""
     if self.local is not None:
-      self.local.save(step, jax.tree.leaves((params, opt_state)), rng)
+      try:
+        self.local.save(step, jax.tree.leaves((params, opt_state)), rng)
+      except CheckpointSaveError as failure:
+        self._drop_local(failure)
 
-  def agreed_local_step(self, abstract_leaves: list[Any]) -> Optional[int]:
-    """The newest local step every process can restore with the current layout.
+  def _drop_local(self, failure: CheckpointSaveError) -> None:
+    """A local save failed: one line, the failed save's leftovers deleted, and no more
+    local saves this run (the persistent tier goes on; a restart uses the tier again)."""
+    warn(f"{failure}; the local tier is off for the rest of this run")
+    self.local.discard()
+    self.local = None
+
+  def agreed_local_steps(self, abstract_leaves: list[Any]) -> list[int]:
+    """The local steps every process can restore with the current layout, ascending.
 
     Hosts can disagree (a replaced host has an empty local disk, a crash cut one save
     short), so each process gathers every process's usable steps and all take the
-    newest step they have in common; None when there is none (or no local tier).
+    steps they have in common; [] when there are none (or no local tier).
     """
     steps = self.local.usable_steps(abstract_leaves) if self.local is not None else []
     if jax.process_count() == 1:
-      return newest_common_step([steps])
+      return steps
     mine = np.full(MAX_LOCAL_KEEP, -1, np.int64)  # -1: no step
     recent = steps[-MAX_LOCAL_KEEP:]
     mine[:len(recent)] = recent
     everyone = np.asarray(multihost_utils.process_allgather(mine)).reshape(
         jax.process_count(), MAX_LOCAL_KEEP)
-    return newest_common_step([[s for s in row.tolist() if s >= 0] for row in everyone])
+    return common_steps([[s for s in row.tolist() if s >= 0] for row in everyone])
 
-  def restore_newest(self, *, abstract_params: Any,
-                     abstract_opt_state: Any) -> Optional[dict[str, Any]]:
-    """Restores the newest complete step of either tier; None when there is none.
+  def restore_newest(self, *, abstract_params: Any, abstract_opt_state: Any
+                     ) -> tuple[Optional[dict[str, Any]], list[UnreadableCheckpointError]]:
+    """Restores the newest step of either tier that passes its integrity check and
+    reads; (None, ...) when there is none.
 
-    Returns `restore`'s dict plus `tier` ("local" or "persistent"). A local step wins
-    only when it is newer than the newest persistent one and every process holds it.
+    Returns `restore`'s dict plus `tier` ("local" or "persistent"), and the steps
+    skipped on the way, each set aside as `<step>.corrupt-<kind>` (by process 0 for
+    the persistent tier, by the process holding it for the local one). A local step
+    is a candidate only when every process holds it; a persistent and a local step of
+    the same number: the persistent one first. Every process takes the same step.
     """
-    abstract = (abstract_params, abstract_opt_state)
-    leaves, treedef = jax.tree.flatten(abstract)
-    local_step = self.agreed_local_step(leaves)
-    persistent_step = self.latest_step()
-    if local_step is not None and (persistent_step is None or local_step > persistent_step):
-      arrays, rng = self.local.restore(local_step, leaves)
-      params, opt_state = jax.tree.unflatten(treedef, arrays)
-      restored = dict(params=params, opt_state=opt_state, step=local_step, rng=rng,
-                      tier="local")
-    elif persistent_step is not None:
-      restored = dict(self.restore(persistent_step, abstract_params=abstract_params,
-                                   abstract_opt_state=abstract_opt_state),
-                      tier="persistent")
-    else:
-      restored = None
+    leaves, treedef = jax.tree.flatten((abstract_params, abstract_opt_state))
+    candidates = sorted([(step, "persistent") for step in self.all_steps()] +
+                        [(step, "local") for step in self.agreed_local_steps(leaves)],
+                        key=lambda c: (c[0], c[1] == "persistent"), reverse=True)
+    restored, skipped = None, []
+    for step, tier in candidates:
+      try:
+        if tier == "persistent":
+          restored = dict(self.restore(step, abstract_params=abstract_params,
+                                       abstract_opt_state=abstract_opt_state),
+                          tier=tier)
+        else:
+          arrays, rng = self._checked(step, tier, None,
+                                      lambda: self.local.restore(step, leaves))
+          params, opt_state = jax.tree.unflatten(treedef, arrays)
+          restored = dict(params=params, opt_state=opt_state, step=step, rng=rng,
+                          tier=tier)
+        break
+      except UnreadableCheckpointError as error:
+        skipped.append(error)
+        self._set_aside(error)
     if self.local is not None:
       self.local.delete_after(restored["step"] if restored else 0)
-    return restored
+    return restored, skipped
+
+  def _set_aside(self, error: UnreadableCheckpointError) -> None:
+    if error.tier == "local":
+      if error.detail is not None:  # this process's copy is the unreadable one
+        self.local.set_aside(error.step, error.kind)
+      return
+    if jax.process_index() == 0:
+      integrity.set_aside(str(self.directory), error.step, error.kind)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices("checkpoint set aside")
+    self._manager.reload()
 
   def wait(self) -> None:
-    """Blocks until the in-flight saves (if any) are committed."""
-    self._manager.wait_until_finished()
+    """Blocks until the in-flight saves have ended. Raises CheckpointSaveError when the
+    persistent one failed (a failed local one turns the local tier off)."""
     if self.local is not None:
-      self.local.wait()
+      try:
+        self.local.wait()
+      except CheckpointSaveError as failure:
+        self._drop_local(failure)
+    self._finish()
 
   def close(self) -> None:
-    self._manager.wait_until_finished()
-    self._manager.close()
+    """Waits for the saves in flight and closes. A save that failed now is reported in
+    one line, not raised: the run is ending (it failed or was stopped) and nothing is
+    left to retry it."""
+    try:
+      self.wait()
+    except CheckpointSaveError as failure:
+      warn(str(failure))
+    if not self._manager_failed:
+      self._manager.close()
     if self.local is not None:
       self.local.close()

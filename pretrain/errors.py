@@ -4,13 +4,18 @@ A `UserError` is a problem the user can fix (a missing Gin file, an unknown bind
 empty corpus, a checkpoint of another model, a diverged run). Its message names the
 problem and the fix; `pretrain.cli.run` prints it as one line and exits with its code
 instead of showing a stack trace. Subclasses exist only where callers need to tell
-cases apart (tests, the trainer's divergence stop); they never change the exit code
-rules:
+cases apart (tests, the trainer's divergence stop, a failed save the trainer retries, an
+unreadable checkpoint a restore skips); they never change the exit code rules:
 
   EXIT_FAILED (1)  the run failed: data, checkpoint, divergence, file-system problems
   EXIT_USAGE  (2)  the command line or configuration is wrong; nothing was run
+
+A problem a command works around and goes on is one `warn` line on stderr.
 """
 from __future__ import annotations
+
+import sys
+from typing import Optional
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -39,3 +44,46 @@ class TrainingDivergedError(UserError):
 
 class CheckpointMismatchError(UserError):
   """A checkpoint's parameters do not fit the configured model."""
+
+
+class CheckpointSaveError(UserError):
+  """Saving checkpoint `step` failed (a full disk, a permission, the storage); callers
+  retry or stop.
+
+  Attributes:
+    step: the step whose save failed.
+    local: whether it was a save to the local tier.
+  """
+
+  def __init__(self, step: int, reason: str, directory: str, local: bool = False):
+    tier = "local checkpoint" if local else "checkpoint"
+    super().__init__(f"{tier} {step} failed: {reason} under {directory}")
+    self.step = step
+    self.local = local
+
+
+class UnreadableCheckpointError(UserError):
+  """Checkpoint `step` failed its integrity check or could not be read.
+
+  Attributes:
+    step: the step.
+    tier: "persistent" or "local".
+    kind: a short name of the problem ("size", "checksum", "missing", "manifest",
+      "unreadable"), part of the name the step is set aside as.
+    detail: what this process found, one line; None when another process found it.
+  """
+
+  def __init__(self, step: int, tier: str, kind: str, detail: Optional[str]):
+    name = "local checkpoint" if tier == "local" else "checkpoint"
+    super().__init__(f"{name} {step} is unreadable "
+                     f"({detail or 'reported by another process'})")
+    self.step = step
+    self.tier = tier
+    self.kind = kind
+    self.detail = detail
+
+
+def warn(message: str) -> None:
+  """One line on stderr about a problem the command works around (a failed save it
+  retries, an unreadable checkpoint it skips): the non-fatal sibling of a UserError."""
+  print(f"warning: {message}", file=sys.stderr, flush=True)

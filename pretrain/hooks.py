@@ -31,7 +31,7 @@ import jax
 from pretrain import flops as flops_lib
 from pretrain import storage
 from pretrain.checkpointing import Checkpointer
-from pretrain.errors import TrainingDivergedError
+from pretrain.errors import CheckpointSaveError, TrainingDivergedError, UserError, warn
 from pretrain.metrics import MetricsWriter, StepTimer
 from pretrain.steps import TrainState
 
@@ -83,7 +83,10 @@ class DivergenceCheck(Hook):
   def on_metrics(self, step: int, values: Mapping[str, float]) -> None:
     if all(math.isfinite(values[name]) for name in self.WATCHED):
       return
-    self._checkpointer.wait()
+    try:
+      self._checkpointer.wait()
+    except CheckpointSaveError:
+      pass  # that step is not among the good checkpoints named below
     good = self._checkpointer.latest_step()
     where = (f"the newest good checkpoint (step {good}) is intact in "
              f"{self._checkpointer.directory}" if good is not None
@@ -140,7 +143,17 @@ class MetricsLogger(Hook):
 class CheckpointHook(Hook):
   """Saves every `every` steps and at the end (once per step), asynchronously; with
   `local_every`, also to the checkpointer's local tier at the multiples of it that are
-  not persistent saves."""
+  not persistent saves.
+
+  A save that fails in the background is noticed at the next step boundary (the
+  checkpointer is polled with every step's metrics): one line, then the failed save's
+  leftovers are deleted and the current step is saved at once, waiting for it. If that
+  fails too, the run stops (exit code 1) with the newest good
+  checkpoint intact and no leftovers. With several processes the run stops at the
+  first failure: a retry is a save every process must join, and the others are still
+  waiting inside Orbax for the process whose save failed. A failed local save only
+  turns the local tier off (`Checkpointer.poll`).
+  """
   goodput_category = "checkpoint"
 
   def __init__(self, checkpointer: Checkpointer, every: int, *, start_step: int,
@@ -152,6 +165,7 @@ class CheckpointHook(Hook):
     self._rng = rng
     self._metadata = dict(metadata)
     self._writer = writer
+    self._failure: Optional[CheckpointSaveError] = None
     self.last_saved = start_step
 
   def _save(self, step: int, state: TrainState) -> None:
@@ -159,20 +173,63 @@ class CheckpointHook(Hook):
                             rng=self._rng, metadata=self._metadata)
     self.last_saved = step
 
+  def _retry(self, failure: CheckpointSaveError, step: int, state: TrainState) -> None:
+    """One line about `failure`, then `step` saved again after deleting the failed
+    save's leftovers; stops the run if that fails too."""
+    self._checkpointer.discard_failed(failure.step)
+    if jax.process_count() > 1:
+      raise UserError(f"{failure}; stopped (with several processes a save is not "
+                      f"retried). {self._newest_good()}") from None
+    warn(f"{failure}; retrying with step {step}")
+    try:
+      self._save(step, state)
+      self._checkpointer.wait()
+    except CheckpointSaveError as again:
+      self._checkpointer.discard_failed(again.step)
+      raise UserError(f"{again} (retried once); stopped. {self._newest_good()}") from None
+
+  def _newest_good(self) -> str:
+    good = self._checkpointer.latest_step()
+    return (f"The newest good checkpoint, step {good}, is intact in "
+            f"{self._checkpointer.directory}" if good is not None
+            else "No checkpoint of this run was saved")
+
+  def on_metrics(self, step: int, values: Mapping[str, float]) -> None:
+    del step, values
+    self._failure = self._failure or self._checkpointer.poll()
+
   def is_due(self, step: int) -> bool:
-    return step % self.every == 0 or bool(self._local_every and step % self._local_every == 0)
+    return (step % self.every == 0 or self._failure is not None
+            or bool(self._local_every and step % self._local_every == 0))
+
+  def _attempt(self, step: int, state: TrainState, wait: bool
+               ) -> Optional[CheckpointSaveError]:
+    """Saves `step` unless it is saved already, and waits for it when `wait`; returns
+    the failure of that save or of the one before it, if any."""
+    try:
+      if step != self.last_saved:
+        self._save(step, state)
+      if wait:
+        self._checkpointer.wait()
+    except CheckpointSaveError as failure:
+      return failure
+    return None
 
   def on_step(self, step: int, state: TrainState) -> None:
-    if step % self.every == 0:
-      self._save(step, state)
-    else:
+    failure, self._failure = self._failure, None
+    if failure is None and step % self.every == 0:
+      failure = self._attempt(step, state, wait=False)
+    elif failure is None:
       self._checkpointer.save_local(step, params=state.params, opt_state=state.opt_state,
                                     rng=self._rng)
+    if failure is not None:
+      self._retry(failure, step, state)   # the retry saves this step
 
   def on_end(self, step: int, state: TrainState, preempted: bool) -> None:
-    if step != self.last_saved:
-      self._save(step, state)
-    self._checkpointer.wait()
+    failure, self._failure = self._failure, None
+    failure = failure or self._attempt(step, state, wait=True)
+    if failure is not None:
+      self._retry(failure, step, state)
     if preempted:
       self._writer.info(f"Preempted: saved step {step} in {self._checkpointer.directory}; "
                         "run the same command again to resume.")

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from model.config import ModelConfig
 from pretrain.checkpointing import Checkpointer
-from pretrain.errors import UserError
+from pretrain.errors import UnreadableCheckpointError, UserError, warn
 from pretrain.metadata import RunMetadata, make_vocabulary
 from pretrain.runtime import Runtime
 from sharding.mesh import MeshConfig
@@ -81,22 +81,45 @@ class LoadedModel:
 
 def load(workdir: str, step: Optional[int] = None,
          mesh_config: MeshConfig = MeshConfig()) -> LoadedModel:
-  """Restores the newest complete checkpoint in `workdir` (or `step`) over all devices."""
+  """Restores the newest readable checkpoint in `workdir` (or `step`) over all devices.
+
+  A checkpoint that fails its integrity check or cannot be read is skipped, with one
+  line on stderr, for the next older one; an unreadable `step` is an
+  UnreadableCheckpointError. Reading never renames or deletes anything (the trainer
+  sets unreadable checkpoints aside).
+  """
   checkpointer = Checkpointer(workdir, read_only=True)
+  skipped = []
   try:
     steps = checkpointer.all_steps()
     if not steps:
       raise UserError(f"No complete checkpoint in {checkpointer.directory}")
-    if step is None:
-      step = steps[-1]
-    elif step not in steps:
+    if step is not None and step not in steps:
       raise UserError(f"No complete checkpoint of step {step} in {checkpointer.directory}; "
                       f"available: {steps}")
-    metadata = RunMetadata.from_json(checkpointer.metadata(step))
-    runtime = Runtime.create(metadata.model_config, mesh_config)
-    restored = checkpointer.restore(step, abstract_params=runtime.abstract_params)
+    for candidate in reversed(steps) if step is None else [step]:
+      try:
+        model = _restore(checkpointer, candidate, mesh_config)
+        break
+      except UnreadableCheckpointError as error:
+        if step is not None:
+          raise
+        skipped.append(error)
+    else:
+      raise UserError(f"No readable checkpoint in {checkpointer.directory}: " +
+                      "; ".join(str(error) for error in skipped))
   finally:
     checkpointer.close()
+  for error in skipped:
+    warn(f"{error}: using {model.step}")
+  return model
+
+
+def _restore(checkpointer: Checkpointer, step: int, mesh_config: MeshConfig
+             ) -> LoadedModel:
+  metadata = RunMetadata.from_json(checkpointer.metadata(step))
+  runtime = Runtime.create(metadata.model_config, mesh_config)
+  restored = checkpointer.restore(step, abstract_params=runtime.abstract_params)
   return LoadedModel(runtime, restored["params"], step, metadata,
                      str(checkpointer.directory.parent))
 

@@ -16,6 +16,9 @@ its array handler writes every shard the process holds, whatever its replica id 
 settings Orbax's emergency manager uses for its local tier); plus a JSON item with the
 step, the RNG and the process's shard layout. Orbax's atomic finalize (temporary directory, rename, commit marker) means a
 step is listed only once complete; a directory without the marker is deleted on start.
+Each step carries an integrity manifest (`pretrain.integrity`), like the persistent
+tier's. A save that fails (the local disk is full) is reported by `poll` or `wait` as a
+`CheckpointSaveError`; the caller then stops using the tier.
 
 Restoring needs the same layout (same process count, mesh and shardings): a step whose
 recorded layout differs from the current one is not offered. Every process must restore
@@ -34,8 +37,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-COMMIT_MARKER = "commit_success.txt"
-TMP_SUFFIX = ".orbax-checkpoint-tmp"
+from pretrain import integrity
+from pretrain.errors import CheckpointSaveError
+from pretrain.integrity import COMMIT_MARKER, TMP_SUFFIX
 
 
 def _committed(path: epath.Path) -> bool:
@@ -81,6 +85,9 @@ class LocalCheckpointer:
 
   def __init__(self, directory: epath.Path, keep: int, async_save: bool = True):
     self.directory = directory
+    self._async = async_save
+    self._saving: Optional[int] = None    # the step of the async save in flight
+    self._sealing: Optional[int] = None   # the step the manifest callback seals
     self.directory.mkdir(parents=True, exist_ok=True)
     for path in self.directory.iterdir():
       if (path.name.isdigit() and not _committed(path)) or TMP_SUFFIX in path.name:
@@ -95,7 +102,10 @@ class LocalCheckpointer:
         max_to_keep=keep, save_interval_steps=1, enable_async_checkpointing=async_save,
         create=False, cleanup_tmp_directories=False, multiprocessing_options=alone,
         enable_per_process_directory_creation=True, save_root_metadata=False,
-        enable_background_delete=False)
+        enable_background_delete=False,
+        # The manifest is written once every file is, before the commit.
+        async_options=ocp.AsyncOptions(post_finalization_callback=self._seal)
+        if async_save else None)
     # Arrays written by the process holding them, whatever their replica id (Orbax's
     # default writes replica 0 only, from the primary host).
     registry = ocp.type_handlers.create_type_handler_registry(
@@ -136,16 +146,55 @@ class LocalCheckpointer:
                         step)
     return usable
 
+  def step_dir(self, step: int) -> str:
+    return str(self.directory / str(step))
+
+  def _seal(self) -> None:
+    integrity.seal(str(self.directory), self._sealing)
+
   def save(self, step: int, leaves: Sequence[jax.Array], rng: jax.Array) -> None:
     """Saves this process's shards of the global arrays `leaves` as step `step`; Orbax
     copies them to host memory before returning and writes in the background when
-    async."""
+    async. Raises CheckpointSaveError for this save or the one before it."""
+    self.wait()
     layout = expected_layout(leaves)
     shards = {f"l{number:05d}": leaf for number, leaf in enumerate(leaves)}
     record = {"step": int(step), "leaves": layout,
               "rng": np.asarray(jax.random.key_data(rng)).tolist()}
-    self._manager.save(step, args=ocp.args.Composite(
-        shards=ocp.args.PyTreeSave(shards), layout=ocp.args.JsonSave(record)), force=True)
+    with integrity.save_failures(step, str(self.directory), local=True):
+      self._sealing = step
+      self._manager.save(step, args=ocp.args.Composite(
+          shards=ocp.args.PyTreeSave(shards), layout=ocp.args.JsonSave(record)),
+                         force=True)
+      if self._async:
+        self._saving = step
+      else:
+        integrity.write_manifest(self.step_dir(step))
+
+  def poll(self) -> Optional[CheckpointSaveError]:
+    """The failure of the save in flight, once it has ended; None while it runs, when
+    it succeeded or when there is none. Does not wait."""
+    if self._saving is None or self._manager.is_saving_in_progress():
+      return None
+    try:
+      self.wait()
+    except CheckpointSaveError as error:
+      return error
+    return None
+
+  def discard(self) -> None:
+    """Stops after a failed save: waits for nothing more and deletes the failed save's
+    leftovers (the committed steps stay, for a restart on the same layout)."""
+    integrity.close_failed(self._manager)
+    for path in self.directory.iterdir():
+      if TMP_SUFFIX in path.name or (path.name.isdigit() and not _committed(path)):
+        shutil.rmtree(path, ignore_errors=True)
+
+  def set_aside(self, step: int, kind: str) -> str:
+    """Renames unreadable step `step` to `<step>.corrupt-<kind>`; returns the name."""
+    name = integrity.set_aside(str(self.directory), step, kind)
+    self._manager.reload()
+    return name
 
   def restore(self, step: int, abstract_leaves: Sequence[Any]) -> tuple[list[jax.Array],
                                                                          jax.Array]:
@@ -175,7 +224,12 @@ class LocalCheckpointer:
     return steps[-1] if steps else None
 
   def wait(self) -> None:
-    self._manager.wait_until_finished()
+    """Blocks until the save in flight has ended; raises CheckpointSaveError if it
+    failed."""
+    step, self._saving = self._saving, None
+    if step is not None:
+      with integrity.save_failures(step, str(self.directory), local=True):
+        self._manager.wait_until_finished()
 
   def close(self) -> None:
     self._manager.wait_until_finished()

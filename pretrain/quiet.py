@@ -11,7 +11,8 @@ else unchanged, in order, our own messages and a native crash's last words inclu
 The filter is a separate process so that it still delivers what a dying command wrote.
 
 Only a command of this repository run as `__main__` gets that filter; Python-side noise
-(Orbax's "Given directory is read only") is dropped there by `install_log_filters`,
+(Orbax's "Given directory is read only", and the tracebacks it logs of a failed save,
+which the command reports in one line) is dropped there by `install_log_filters`,
 called from `pretrain.cli.run` once absl logging is set up.
 
 Using the package from Python (`pretrain.load`, notebooks, tests) must be as quiet, so
@@ -43,8 +44,9 @@ import logging
 import os
 import subprocess
 import sys
+import traceback
 import types
-from typing import Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -129,15 +131,55 @@ def _is_command() -> bool:
           and not path.startswith(os.path.join(REPO_ROOT, "tests") + os.sep))
 
 
+# Orbax logs each failure of a background save, traceback and all, at ERROR from every
+# thread it passes through, then raises it to the caller, which reports it in one line
+# (`pretrain.checkpointing`, `CheckpointSaveError`); asyncio adds the failed writes of
+# that save that nobody awaited any more.
+ORBAX_SOURCE = os.sep + os.path.join("orbax", "checkpoint") + os.sep
+# After such a failure, tensorstore completes the save's other writes on its own threads
+# and hands each result to the event loop Orbax ran the save in, which Orbax has closed
+# by then: every one of them is an unraisable "Event loop is closed" traceback (hundreds
+# of lines for one failed save).
+CLOSED_LOOP = "Event loop is closed"
+
+
+def _orbax_failure(record: logging.LogRecord) -> bool:
+  """Whether `record` reports an exception that Orbax logged or that passed through it."""
+  if not record.exc_info:
+    return False
+  frames = traceback.extract_tb(record.exc_info[2])
+  return (ORBAX_SOURCE in record.pathname or ORBAX_SOURCE in str(record.msg)
+          or any(ORBAX_SOURCE in frame.filename for frame in frames))
+
+
 class _LogFilter(logging.Filter):
 
   def filter(self, record: logging.LogRecord) -> bool:
+    if _orbax_failure(record):
+      return False
     return not any(str(record.msg).startswith(noise) for noise in LOG_NOISE)
 
 
+class _UnraisableFilter:
+  """`sys.unraisablehook` that drops the closed-loop reports of a failed save and hands
+  every other unraisable exception to the hook it replaced."""
+
+  def __init__(self, previous: Callable[[Any], None]):
+    self.previous = previous
+
+  def __call__(self, unraisable: Any) -> None:
+    if not (unraisable.object is None and isinstance(unraisable.exc_value, RuntimeError)
+            and str(unraisable.exc_value) == CLOSED_LOOP):
+      self.previous(unraisable)
+
+
 def install_log_filters() -> None:
-  """Drops known Python-logging noise (absl's logger, which Orbax and JAX use)."""
-  logging.getLogger("absl").addFilter(_LogFilter())
+  """Drops known Python-logging noise (absl's logger, which Orbax and JAX use; asyncio's)
+  and the unraisable reports of a failed save."""
+  for name in ("absl", "asyncio"):
+    logging.getLogger(name).addFilter(_LogFilter())
+  if not isinstance(sys.unraisablehook, _UnraisableFilter):
+    sys.unraisablehook = _UnraisableFilter(sys.unraisablehook)
 
 
 def _route_stderr_through_filter() -> tuple[subprocess.Popen, int]:

@@ -26,6 +26,7 @@ import os
 
 os.environ.setdefault("EPATH_USE_TF", "false")  # before epath resolves a backend
 
+import base64
 import functools
 import hashlib
 import logging
@@ -36,6 +37,7 @@ import urllib.parse
 import uuid
 from typing import Any, Callable, TypeVar
 
+import fsspec
 import fsspec.config
 from etils import epath
 from orbax.checkpoint._src.serialization import tensorstore_utils as _orbax_ts_utils
@@ -152,6 +154,59 @@ def listdir(path: str) -> list[str]:
     target = as_path(path)
     return sorted(p.name for p in target.iterdir()) if target.exists() else []
   return guarded(path, names)
+
+
+def list_files(directory: str) -> dict[str, int]:
+  """Every file under `directory`, recursively, by its '/'-separated path relative to
+  it, with its size in bytes; {} when it does not exist. On object storage this is one
+  listing (paged), not a request per directory."""
+  def files():
+    if is_url(directory):
+      fs, root = fsspec.core.url_to_fs(resolve(directory))
+      found = fs.find(root, detail=True) if fs.exists(root) else {}
+      return {path[len(root):].lstrip("/"): int(info["size"])
+              for path, info in found.items()}
+    root = resolve(directory)
+    return {os.path.relpath(os.path.join(parent, name), root).replace(os.sep, "/"):
+            os.path.getsize(os.path.join(parent, name))
+            for parent, _, names in os.walk(root) for name in names}
+  return guarded(directory, files)
+
+
+def stored_crc32c(directory: str) -> dict[str, str]:
+  """The CRC32C (8 hex digits) of every object under a `gs://` directory, by relative
+  path, as GCS computed it from the stored bytes (one listing, no download); {} for
+  other storage, whose listings carry no such checksum."""
+  if not str(directory).startswith("gs://"):
+    return {}
+  def checksums():
+    fs, root = fsspec.core.url_to_fs(resolve(directory))
+    found = fs.find(root, detail=True) if fs.exists(root) else {}
+    return {path[len(root):].lstrip("/"): base64.b64decode(info["crc32c"]).hex()
+            for path, info in found.items() if info.get("crc32c")}
+  return guarded(directory, checksums)
+
+
+def open_read(path: str) -> Any:
+  """A binary file object of `path` for reading in pieces (large files)."""
+  return guarded(path, lambda: as_path(path).open("rb"))
+
+
+def move_tree(source: str, destination: str) -> None:
+  """Moves a directory to `destination` (which must not exist): one atomic rename on
+  a local disk; on object storage, which cannot rename, a server-side copy of every
+  object followed by the deletion of `source` (interrupted, `source` is still whole or
+  was already copied)."""
+  def move():
+    if not is_url(source):
+      os.rename(resolve(source), resolve(destination))
+      return
+    fs, source_root = fsspec.core.url_to_fs(resolve(source))
+    destination_root = fsspec.core.url_to_fs(resolve(destination))[1]
+    for name in list_files(source):
+      fs.copy(f"{source_root}/{name}", f"{destination_root}/{name}")
+    fs.rm(source_root, recursive=True)
+  guarded(source, move)
 
 
 def copy(source: str, destination: str) -> None:

@@ -28,7 +28,7 @@ from pretrain import hooks as hooks_lib
 from pretrain import storage
 from pretrain.checkpointing import Checkpointer
 from pretrain.data.vocabularies import token_byte_lengths
-from pretrain.errors import usage_error
+from pretrain.errors import UserError, usage_error, warn
 from pretrain.metadata import RunMetadata, vocabulary_spec
 from pretrain.metrics import MetricsWriter, format_duration
 from pretrain.optimizer import OptimizerConfig, learning_rate_schedule, make_optimizer
@@ -207,11 +207,22 @@ class Trainer:
         limit=config.downstream_limit) if config.downstream_tasks else None
 
   def initial_state(self) -> tuple[TrainState, jax.Array, Optional[str]]:
-    """The newest complete checkpoint's state and RNG (of either tier), or a fresh
-    start; and the tier it came from (None when fresh)."""
+    """The newest good checkpoint's state and RNG (of either tier), or a fresh start;
+    and the tier it came from (None when fresh). Each checkpoint skipped because it is
+    unreadable is one line; when none is left to resume from, the run stops rather
+    than start afresh on its own."""
     init_opt = jax.jit(self.optimizer.init, out_shardings=self.state_shardings.opt_state)
-    restored = self.checkpointer.restore_newest(abstract_params=self.runtime.abstract_params,
-                                                abstract_opt_state=self.abstract_opt_state)
+    restored, skipped = self.checkpointer.restore_newest(
+        abstract_params=self.runtime.abstract_params,
+        abstract_opt_state=self.abstract_opt_state)
+    for unreadable in skipped:
+      if unreadable.detail is not None:  # the process that found it tells
+        warn(f"{unreadable}: " + (f"resuming from {restored['step']}" if restored
+                                  else "set aside"))
+    if restored is None and skipped:
+      raise UserError(f"No readable checkpoint is left in {self.checkpointer.directory} "
+                      "(the unreadable ones are kept as <step>.corrupt-<problem>); run "
+                      "the same command again to start afresh")
     if restored is None:
       params = self.runtime.init_params(self.config.seed)
       self.writer.info(f"Starting a new run in {self.checkpointer.directory.parent}")
@@ -427,7 +438,6 @@ def _build_trainer(workdir: str, config: TrainConfig, runtime: Runtime,
   if config.print_sharding:
     writer.info(partition.format_sharding_table(runtime.abstract_params,
                                                 runtime.param_shardings))
-  latest = checkpointer.latest_step()
-  if latest is not None:  # a checkpoint of another model fails before anything is written
-    checkpointer.check_params_match(latest, runtime.abstract_params)
+  # A checkpoint of another model fails before anything is written.
+  checkpointer.check_newest_matches(runtime.abstract_params)
   return trainer

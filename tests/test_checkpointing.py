@@ -1,4 +1,5 @@
-"""Checkpointer: real Orbax round trips, resharding, keep policy, partial saves, mismatches."""
+"""Checkpointer: real Orbax round trips, resharding, keep policy, partial saves, mismatches,
+and damaged steps skipped for the previous one."""
 import os
 
 import jax
@@ -8,9 +9,15 @@ import pytest
 
 from model.config import ModelConfig
 from pretrain import checkpointing as ckpt
+from pretrain import integrity
+from pretrain import storage
+from pretrain.errors import CheckpointSaveError, UnreadableCheckpointError
+from pretrain.load import load
+from pretrain.metadata import RunMetadata
 from pretrain.optimizer import OptimizerConfig, make_optimizer
 from pretrain.runtime import Runtime
 from sharding.mesh import MeshConfig
+from trainer_helpers import fill_disk, small_disk
 
 CONFIG = ModelConfig(vocab_size=64, width=32, rnn_width=32, num_heads=2, depth=3,
                      attention_window=8)
@@ -144,3 +151,146 @@ def test_read_only_on_missing_directory_is_a_clear_error(tmp_path):
   with pytest.raises(ckpt.UserError, match="No checkpoints in"):
     ckpt.Checkpointer(str(tmp_path / "nothing"), read_only=True)
   assert not os.path.exists(tmp_path / "nothing")
+
+
+def _largest_data_file(step_dir):
+  """The largest file holding parameter values of a step (an OCDBT data file)."""
+  files = [os.path.join(parent, name) for parent, _, names in os.walk(step_dir / "params")
+           for name in names if os.sep + "d" + os.sep in os.path.join(parent, name)]
+  return max(files, key=os.path.getsize)
+
+
+def _flip_a_byte(path):
+  with open(path, "r+b") as f:
+    f.seek(os.path.getsize(path) // 2)
+    byte = f.read(1)[0]
+    f.seek(-1, os.SEEK_CUR)
+    f.write(bytes([byte ^ 0x10]))
+
+
+@pytest.mark.parametrize("damage, kind", [
+    (_flip_a_byte, "checksum"),     # Orbax alone would restore the wrong numbers
+    (lambda path: os.truncate(path, os.path.getsize(path) // 2), "size")])
+def test_damaged_newest_step_is_set_aside_and_the_previous_one_restored(
+    tmp_path, data_parallel, damage, kind):
+  setup, params, tx, opt_state = data_parallel
+  saver = ckpt.Checkpointer(str(tmp_path))
+  for step in (2, 4):
+    saver.save(step, params=params, opt_state=opt_state, rng=jax.random.key(step),
+               metadata=METADATA)
+  saver.close()
+  directory = tmp_path / "checkpoints"
+  assert (directory / "4" / integrity.MANIFEST).exists()
+  damage(_largest_data_file(directory / "4"))
+
+  resumer = ckpt.Checkpointer(str(tmp_path))
+  restored, skipped = resumer.restore_newest(
+      abstract_params=setup.abstract_params,
+      abstract_opt_state=setup.opt_state_layout(tx)[0])
+  assert restored["step"] == 2 and restored["tier"] == "persistent"
+  _assert_trees_equal(restored["params"], params)
+  ((step, found),) = [(error.step, error.kind) for error in skipped]
+  assert (step, found) == (4, kind)
+  assert str(skipped[0]).startswith("checkpoint 4 is unreadable (params/")
+  assert resumer.all_steps() == [2]
+  assert sorted(os.listdir(directory)) == ["2", f"4.corrupt-{kind}"]
+  resumer.close()
+
+
+def test_steps_without_manifest_restore_and_a_torn_one_is_skipped(tmp_path, data_parallel):
+  setup, params, _, _ = data_parallel
+  saver = ckpt.Checkpointer(str(tmp_path))
+  for step in (2, 4):
+    saver.save(step, params=params, opt_state=None, rng=jax.random.key(0),
+               metadata=METADATA)
+  saver.close()
+  directory = tmp_path / "checkpoints"
+  for step in ("2", "4"):   # as written before manifests existed
+    os.remove(directory / step / integrity.MANIFEST)
+  reader = ckpt.Checkpointer(str(tmp_path))
+  restored, skipped = reader.restore_newest(abstract_params=setup.abstract_params,
+                                            abstract_opt_state=None)
+  assert (restored["step"], skipped) == (4, [])
+  os.truncate(_largest_data_file(directory / "4"), 100)   # only the read tells
+  restored, skipped = reader.restore_newest(abstract_params=setup.abstract_params,
+                                            abstract_opt_state=None)
+  assert restored["step"] == 2 and [e.kind for e in skipped] == ["unreadable"]
+  assert "OUT_OF_RANGE" in skipped[0].detail
+  reader.close()
+
+
+def test_load_skips_an_unreadable_newest_step_without_renaming(tmp_path, data_parallel,
+                                                               capsys):
+  setup, params, _, _ = data_parallel
+  metadata = RunMetadata(CONFIG, "byte", 16).to_json()
+  saver = ckpt.Checkpointer(str(tmp_path))
+  for step in (2, 4):
+    saver.save(step, params=params, opt_state=None, rng=jax.random.key(0),
+               metadata=metadata)
+  saver.close()
+  directory = tmp_path / "checkpoints"
+  _flip_a_byte(_largest_data_file(directory / "4"))
+  model = load(str(tmp_path))
+  assert model.step == 2
+  _assert_trees_equal(model.params, params)
+  (line,) = capsys.readouterr().err.strip().splitlines()
+  assert line.startswith("warning: checkpoint 4 is unreadable (params/") and line.endswith(
+      "fails its checksum): using 2")
+  with pytest.raises(UnreadableCheckpointError, match=r"^checkpoint 4 is unreadable"):
+    load(str(tmp_path), step=4)
+  assert sorted(os.listdir(directory)) == ["2", "4"]
+
+
+def test_a_save_that_failed_for_space_succeeds_once_space_is_back(tmp_path, data_parallel):
+  setup, params, _, _ = data_parallel
+  directory = tmp_path / "run" / "checkpoints"
+  with small_disk(directory, 4 << 20):
+    saver = ckpt.Checkpointer(str(tmp_path / "run"))
+    saver.save(2, params=params, opt_state=None, rng=jax.random.key(0), metadata=METADATA)
+    saver.wait()
+    fill_disk(directory)
+    saver.save(4, params=params, opt_state=None, rng=jax.random.key(0), metadata=METADATA)
+    with pytest.raises(CheckpointSaveError, match="^checkpoint 4 failed: no space left on "
+                       f"device under {directory}$"):
+      saver.wait()
+    os.remove(directory / "filler")
+    saver.discard_failed(4)
+    saver.save(6, params=params, opt_state=None, rng=jax.random.key(0), metadata=METADATA)
+    saver.wait()
+    assert saver.all_steps() == [2, 6] and sorted(os.listdir(directory)) == ["2", "6"]
+    restored, skipped = saver.restore_newest(abstract_params=setup.abstract_params,
+                                             abstract_opt_state=None)
+    assert (restored["step"], skipped) == (6, [])
+    saver.close()
+
+
+@pytest.mark.slow  # starts a storage server
+@pytest.mark.parametrize("bucket", ["gcs_bucket", "s3_bucket"])
+def test_damaged_step_in_a_bucket_is_moved_aside(request, bucket, data_parallel):
+  """Same size, one byte changed: on gs:// the checksum GCS keeps of the object tells,
+  on s3:// the downloaded bytes."""
+  setup, params, _, _ = data_parallel
+  workdir = f"{request.getfixturevalue(bucket)}/integrity/{request.node.callspec.id}"
+  saver = ckpt.Checkpointer(workdir)
+  for step in (2, 4):
+    saver.save(step, params=params, opt_state=None, rng=jax.random.key(0),
+               metadata=METADATA)
+  saver.close()
+  directory = str(ckpt.checkpoint_dir(workdir))
+  step_dir = storage.join(directory, "4")
+  files = storage.list_files(step_dir)
+  assert integrity.MANIFEST in files
+  damaged = max((name for name in files if name.startswith("params/ocdbt.process_0/d/")),
+                key=files.get)
+  data = bytearray(storage.read_bytes(storage.join(step_dir, damaged)))
+  data[len(data) // 2] ^= 0x10
+  storage.write_bytes(storage.join(step_dir, damaged), bytes(data))
+
+  resumer = ckpt.Checkpointer(workdir)
+  restored, skipped = resumer.restore_newest(abstract_params=setup.abstract_params,
+                                             abstract_opt_state=None)
+  resumer.close()
+  assert restored["step"] == 2 and [(e.step, e.kind) for e in skipped] == [(4, "checksum")]
+  _assert_trees_equal(restored["params"], params)
+  assert storage.listdir(directory) == ["2", "4.corrupt-checksum"]
+  assert storage.list_files(storage.join(directory, "4.corrupt-checksum")) == files

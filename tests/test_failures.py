@@ -1,6 +1,10 @@
-"""Failure behaviour: each user-fixable problem is a short message and an exit code, and a
-diverged run keeps its newest good checkpoint."""
+"""Failure behaviour: each user-fixable problem is a short message and an exit code, a
+diverged run keeps its newest good checkpoint, an unreadable checkpoint is skipped for
+the previous one, and a full disk stops the run at once."""
 import os
+import shutil
+import subprocess
+import time
 
 import gin
 import jax
@@ -13,9 +17,11 @@ from pretrain.checkpointing import complete_steps
 from pretrain.data import DataError
 from pretrain.data.pipeline import DataPipeline
 from pretrain.data.tasks import text_files_task
+from pretrain import integrity
 from pretrain.errors import EXIT_FAILED, EXIT_USAGE, UserError
-from trainer_helpers import (assert_ok, train_losses,  # pylint: disable=unused-import
-                             trained_workdir, trainer_env)
+import trainer_helpers
+from trainer_helpers import (assert_ok, fill_disk,  # pylint: disable=unused-import
+                             small_disk, train_losses, trained_workdir, trainer_env)
 
 
 def _assert_one_line_error(result, code, *fragments):
@@ -122,3 +128,78 @@ def test_empty_corpus_is_a_data_error(tmp_path):
     DataPipeline(task=text_files_task(train_files=str(empty / "*.txt")),
                  sequence_length=16, batch_size=2, cache_dir=str(tmp_path / "cache"))
   assert isinstance(info.value, UserError) and info.value.exit_code == EXIT_FAILED
+
+
+def _warnings(stderr):
+  return [line for line in stderr.splitlines() if line.startswith("warning: ")]
+
+
+def _largest_params_file(step_dir):
+  data = os.path.join(step_dir, "params", "ocdbt.process_0", "d")
+  return max((os.path.join(data, name) for name in os.listdir(data)), key=os.path.getsize)
+
+
+@pytest.mark.slow  # subprocesses; the fast tier has the in-process checks
+def test_unreadable_newest_checkpoint_is_skipped_for_the_previous_one(
+    trainer_env, trained_workdir, tmp_path):
+  """The issue's reproduction: one data file of the newest step torn (commit marker
+  intact); reading commands use the previous step, training resumes from it."""
+  workdir = str(tmp_path / "torn")
+  shutil.copytree(trained_workdir[0], workdir)
+  checkpoints = os.path.join(workdir, "checkpoints")
+  assert complete_steps(checkpoints) == [20, 22, 24]
+  torn = _largest_params_file(os.path.join(checkpoints, "24"))
+  os.truncate(torn, os.path.getsize(torn) // 2)
+
+  sampled = trainer_env.run(trainer_env.command(
+      "pretrain.sample", f"--workdir={workdir}", "--prompt=def ", "--max_new_tokens=2"))
+  assert_ok(sampled)
+  (line,) = _warnings(sampled.stderr)
+  assert line.startswith("warning: checkpoint 24 is unreadable (params/ocdbt.process_0/d/")
+  assert line.endswith(" expected): using 22") and "Traceback" not in sampled.stderr
+  assert complete_steps(checkpoints) == [20, 22, 24]   # reading renames nothing
+
+  trained = trainer_env.run(trainer_env.train_command(workdir, "TRAIN_STEPS=26"))
+  assert_ok(trained)
+  (line,) = _warnings(trained.stderr)
+  assert line.startswith("warning: checkpoint 24 is unreadable (params/ocdbt.process_0/d/")
+  assert line.endswith(" expected): resuming from 22") and "Traceback" not in trained.stderr
+  assert "Resuming from the checkpoint of step 22" in trained.stdout
+  assert "24.corrupt-size" in os.listdir(checkpoints)
+  assert complete_steps(checkpoints)[-2:] == [24, 26]   # step 24 trained again
+
+
+@pytest.mark.slow  # a subprocess; the fast tier has the hook's unit tests
+def test_full_disk_stops_the_run_at_once_with_nothing_lost(trainer_env, tmp_path):
+  """The issue's other reproduction: the disk of the checkpoints fills up mid-run. The
+  failed save is reported at the next step, retried once, and the run stops."""
+  workdir = tmp_path / "full"
+  checkpoints = workdir / "checkpoints"
+  with small_disk(checkpoints, 8 << 20):
+    with open(tmp_path / "stderr", "w+", encoding="utf-8") as stderr:
+      process = subprocess.Popen(
+          trainer_env.train_command(str(workdir), "TRAIN_STEPS=400"), env=trainer_env.env,
+          cwd=trainer_helpers.REPO, stdout=subprocess.DEVNULL, stderr=stderr)
+      deadline = time.time() + 240
+      while not complete_steps(checkpoints) and time.time() < deadline:
+        assert process.poll() is None, "the run ended before the disk filled up"
+        time.sleep(0.01)
+      fill_disk(checkpoints)
+      process.wait(timeout=240)
+      stderr.seek(0)
+      errors = stderr.read()
+    assert process.returncode == 1, errors[-3000:]
+    assert "Traceback" not in errors, errors[-3000:]
+    (warning,) = _warnings(errors)
+    failed = int(warning.split()[2])
+    assert warning.startswith(f"warning: checkpoint {failed} failed: no space left on "
+                              f"device under {checkpoints}; retrying with step ")
+    good = complete_steps(checkpoints)[-1]
+    line = _assert_one_line_error(subprocess.CompletedProcess([], 1, "", errors), 1,
+                                  "(retried once); stopped. The newest good checkpoint, "
+                                  f"step {good}, is intact in {checkpoints}")
+    assert "no space left on device" in line
+    assert max(train_losses(str(workdir))) <= failed + 4   # not at step 400
+    assert not [name for name in os.listdir(checkpoints) if "tmp" in name], sorted(
+        trainer_helpers.storage.list_files(str(checkpoints)))
+    assert integrity.verify(str(checkpoints / str(good))) is None

@@ -1,5 +1,6 @@
 """The two checkpoint tiers with real Orbax checkpoints: restore takes the newest
-complete step of either, never a half-written or foreign-layout local one."""
+complete step of either, never a half-written, damaged or foreign-layout local one; a
+failed local save turns the tier off."""
 import os
 import shutil
 
@@ -13,6 +14,7 @@ from pretrain import checkpointing as ckpt
 from pretrain.optimizer import OptimizerConfig, make_optimizer
 from pretrain.runtime import Runtime
 from sharding.mesh import MeshConfig
+from trainer_helpers import fill_disk, small_disk
 
 CONFIG = ModelConfig(vocab_size=64, width=16, rnn_width=16, num_heads=2, depth=1,
                      block_pattern=("recurrent", "attention"), attention_window=8)
@@ -81,8 +83,10 @@ def _save_both(checkpointer, params, opt_state, persistent_step, local_step):
 
 
 def _restore(checkpointer, runtime, abstract_opt):
-  return checkpointer.restore_newest(abstract_params=runtime.abstract_params,
-                                     abstract_opt_state=abstract_opt)
+  restored, skipped = checkpointer.restore_newest(abstract_params=runtime.abstract_params,
+                                                  abstract_opt_state=abstract_opt)
+  assert not skipped
+  return restored
 
 
 def _assert_equal(a, b):
@@ -167,7 +171,7 @@ def test_keep_policy_and_no_local_tier(run_dir, state):
     ([[4, 6]], 6), ([[4, 6], [4, 6]], 6), ([[4, 6], [4]], 4), ([[4, 6], []], None),
     ([[6, 8], [4, 6], [6]], 6), ([[]], None)])
 def test_processes_agree_on_their_newest_common_step(steps, newest):
-  assert ckpt.newest_common_step(steps) == newest
+  assert (ckpt.common_steps(steps) or [None])[-1] == newest
 
 
 @pytest.mark.parametrize("field, value", [("local_every", 0), ("local_keep", 0),
@@ -175,3 +179,46 @@ def test_processes_agree_on_their_newest_common_step(steps, newest):
 def test_bad_local_settings_name_the_field(field, value):
   with pytest.raises(ValueError, match=f"CheckpointConfig.{field}"):
     ckpt.CheckpointConfig(**{field: value})
+
+
+def test_unreadable_local_step_is_set_aside_for_the_persistent_one(run_dir, state):
+  runtime, params, opt_state, abstract_opt = state
+  process_dir = ckpt.process_directory(str(run_dir / "local"), str(run_dir / "run"))
+  data = [os.path.join(parent, name) for parent, _, names in os.walk(process_dir / "6")
+          for name in names if os.sep + "d" + os.sep in os.path.join(parent, name)]
+  with open(max(data, key=os.path.getsize), "r+b") as f:   # bit rot: same size
+    f.seek(40)
+    byte = f.read(1)[0]
+    f.seek(40)
+    f.write(bytes([byte ^ 0x01]))
+
+  resumer = _checkpointer(run_dir)
+  restored, skipped = resumer.restore_newest(abstract_params=runtime.abstract_params,
+                                             abstract_opt_state=abstract_opt)
+  assert (restored["tier"], restored["step"]) == ("persistent", 4)
+  _assert_equal(restored["params"], params)
+  assert [(e.tier, e.step, e.kind) for e in skipped] == [("local", 6, "checksum")]
+  assert str(skipped[0]).startswith("local checkpoint 6 is unreadable (shards/")
+  assert os.listdir(process_dir) == ["6.corrupt-checksum"]
+  resumer.close()
+
+
+def test_failed_local_save_turns_the_local_tier_off(tmp_path, state, capsys):
+  _, params, opt_state, _ = state
+  config = ckpt.CheckpointConfig(local_dir=str(tmp_path / "local"), local_every=2)
+  with small_disk(tmp_path / "local", 1 << 20):
+    saver = ckpt.Checkpointer(str(tmp_path / "run"), config)
+    process_dir = saver.local.directory
+    fill_disk(tmp_path / "local")
+    saver.save_local(2, params=params, opt_state=opt_state, rng=jax.random.key(0))
+    saver.wait()
+    assert saver.local is None
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == (f"warning: local checkpoint 2 failed: no space left on device under "
+                    f"{process_dir}; the local tier is off for the rest of this run")
+    assert os.listdir(process_dir) == []   # the failed save's leftovers are gone
+    # The persistent tier goes on.
+    saver.save(2, params=params, opt_state=opt_state, rng=jax.random.key(0),
+               metadata=METADATA)
+    saver.close()
+  assert ckpt.complete_steps(tmp_path / "run" / "checkpoints") == [2]

@@ -3,6 +3,8 @@ the real commands in subprocesses (2 simulated devices each, one persistent comp
 cache and one token-store cache for the whole test session, so each program compiles
 once per session).
 """
+import contextlib
+import errno
 import json
 import os
 import random
@@ -173,6 +175,32 @@ def trained_workdir(trainer_env):
   with open(finished, encoding="utf-8") as f:
     outputs = json.load(f)
   return workdir, subprocess.CompletedProcess([], 0, outputs["stdout"], outputs["stderr"])
+
+
+@contextlib.contextmanager
+def small_disk(directory, size_bytes):
+  """A tmpfs of `size_bytes` mounted at `directory` for the block: a disk that really
+  fills up. Skips the test where mounting is not allowed (it needs root)."""
+  os.makedirs(directory, exist_ok=True)
+  mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs",
+                            str(directory)], capture_output=True, text=True, check=False)
+  if mounted.returncode:
+    pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+  try:
+    yield
+  finally:
+    subprocess.run(["umount", "--lazy", str(directory)], check=True)
+
+
+def fill_disk(directory):
+  """Fills the file system of `directory` to its last byte (a file `filler`)."""
+  with open(os.path.join(directory, "filler"), "wb", buffering=0) as f:
+    try:
+      while True:
+        f.write(b"\0" * 4096)
+    except OSError as error:
+      if error.errno != errno.ENOSPC:
+        raise
 
 
 # Variables through which the fixtures point clients at their server.
