@@ -1,6 +1,8 @@
 """`python -m pretrain.data.prepare`: token stores written by Apache Beam workers are the
 trainer's own stores (same rows, same batches), committed by a manifest, resumable."""
 import os
+import subprocess
+import sys
 
 import gin
 import numpy as np
@@ -11,6 +13,7 @@ from pretrain.data import beam_stores, kvstore, pipeline, prepare, token_store
 from pretrain.data.errors import DataError
 from pretrain.errors import EXIT_FAILED, EXIT_USAGE, UserError
 from pretrain.trainer import TrainConfig
+from trainer_helpers import REPO, assert_ok, storage_env
 
 GIN = """
 include 'configs/base/trainer.gin'
@@ -120,28 +123,34 @@ def test_empty_corpus_is_one_line(tmp_path):
 @pytest.mark.slow
 def test_two_workers_write_the_trainers_own_stores_into_a_bucket(config, s3_bucket,
                                                                    tmp_path):
-  """Two Beam workers (threads here; the README test runs worker processes) pack and
-  write their own shards concurrently into a bucket on a local moto S3 server. The
-  stores hold exactly the rows of the trainer's own local build, and the trainer reads
-  them from the bucket, batch for batch. (On the GCS emulator, two workers prepare the
-  C4 config's stores that the README's TPU example then trains on:
-  tests/test_readme.py::test_tpu_example_trains_against_the_emulated_bucket.)"""
+  """Two Beam workers (threads of one child process; the README test runs worker
+  processes) pack and write their own shards concurrently into a bucket on a local moto
+  S3 server. The stores hold exactly the rows of the trainer's own local build, and the
+  trainer reads them from the bucket, batch for batch. (On the GCS emulator, two workers
+  prepare the C4 config's stores that the README's TPU example then trains on:
+  tests/test_readme.py::test_tpu_example_trains_against_the_emulated_bucket.)
+
+  The command runs in a child process: Beam's threaded runner leaves gRPC servers and
+  their threads behind in the process that ran it, and a pytest worker carrying them
+  into later tests has aborted."""
   output = f"{s3_bucket}/tokens-{tmp_path.name}"
-  prepared = prepare.prepare(output, [config], [], ("--direct_running_mode=multi_threading",
-                                                    "--direct_num_workers=2"))
-  assert kvstore.list_names(prepared[0].path, beam_stores.STAGING) == []
+  assert_ok(subprocess.run(
+      [sys.executable, "-m", "pretrain.data.prepare", f"--gin_file={config}",
+       f"--output={output}", "--", "--runner=DirectRunner",
+       "--direct_running_mode=multi_threading", "--direct_num_workers=2"],
+      cwd=REPO, env=storage_env(os.environ), capture_output=True, text=True, timeout=600))
   own = trainer_pipeline(config, str(tmp_path / "own"))
   assert own.train_store.metadata["num_shards"] > 2  # several shards for two workers
-  built = {"train": own.train_store, "validation": own.validation_store}
-  for store in prepared:
-    reference = built[store.metadata["split"]]
-    assert store.path == f"{output}/{os.path.basename(reference.path)}"
+  for reference in (own.train_store, own.validation_store):
+    path = f"{output}/{os.path.basename(reference.path)}"
+    assert kvstore.list_names(path, beam_stores.STAGING) == []
+    store = token_store.TokenStore(path)
     for key, value in reference.metadata.items():
       assert store.metadata[key] == value, key
     for name, rows in all_rows(reference).items():
       np.testing.assert_array_equal(all_rows(store)[name], rows)
   from_bucket = trainer_pipeline(config, output)
-  assert from_bucket.train_store.path == prepared[0].path
+  assert from_bucket.train_store.path == f"{output}/{os.path.basename(own.train_store.path)}"
   for step in (0, 1, 7, 100):
     for name, value in own.batch(step).items():
       np.testing.assert_array_equal(from_bucket.batch(step)[name], value)

@@ -350,8 +350,6 @@ def test_tpu_example_trains_against_the_emulated_bucket(gcs_bucket, tmp_path):
   and `DataPipeline.cache_dir` at the bucket store (C4 read from a local stand-in); the
   same command under `launch.local` on 2 processes x 4 devices reads the same store,
   each process its own rows: its losses are the 1-process run's."""
-  # Beam, SeqIO and TensorFlow load here, not when the module's fast tests collect.
-  from pretrain.data import prepare  # pylint: disable=import-outside-toplevel
   corpus = make_corpus(str(tmp_path / "corpus"))
   tfds_dir = write_c4_stand_in(str(tmp_path / "tfds"), corpus)
   data = f"{gcs_bucket}/c4_tokens"
@@ -359,14 +357,18 @@ def test_tpu_example_trains_against_the_emulated_bucket(gcs_bucket, tmp_path):
                f"DataPipeline.cache_dir='{data}'"]
   command = tpu_training_command(gcs_bucket)
   files, params = common.gin_arguments(command)
-  try:
-    stores = prepare.prepare(data, files, [*params, *overrides],
-                             ("--direct_running_mode=multi_threading",
-                              "--direct_num_workers=2"))
-  finally:
-    gin.clear_config()
-  assert {store.metadata["split"] for store in stores} == {"train", "validation"}
-  assert all(store.path.startswith(data + "/c4_en-") for store in stores)
+  # A child process: Beam's threaded runner leaves gRPC threads behind in its process.
+  prepared = subprocess.run(
+      [sys.executable, "-m", "pretrain.data.prepare", f"--output={data}",
+       *[f"--gin_file={f}" for f in files],
+       *[f"--gin_param={p}" for p in [*params, *overrides]],
+       "--", "--direct_running_mode=multi_threading", "--direct_num_workers=2"],
+      env=storage_env(_env(), JAX_PLATFORMS="cpu"), cwd=REPO, capture_output=True,
+      text=True, timeout=600)
+  assert prepared.returncode == 0, (prepared.stdout[-2000:], prepared.stderr[-3000:])
+  stores = dict(re.findall(r"^(\w+): .* rows of \d+: (\S+)$", prepared.stdout, re.M))
+  assert set(stores) == {"train", "validation"}, prepared.stdout
+  assert all(path.startswith(data + "/c4_en-") for path in stores.values())
 
   env = storage_env(_env(), JAX_PLATFORMS="cpu",
                     XLA_FLAGS="--xla_force_host_platform_device_count=8")
@@ -377,7 +379,7 @@ def test_tpu_example_trains_against_the_emulated_bucket(gcs_bucket, tmp_path):
   result = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True,
                           timeout=600)
   assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
-  assert f"store {stores[0].path}" in result.stdout, result.stdout[-3000:]
+  assert f"store {stores['train']}" in result.stdout, result.stdout[-3000:]
   one = {row["step"]: row["loss"] for row in bucket_rows(workdir) if "loss" in row}
   assert sorted(one) == [1, 2, 3] and all(np.isfinite(list(one.values())))
   assert storage.exists(storage.join(workdir, "checkpoints"))
