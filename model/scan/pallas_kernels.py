@@ -169,6 +169,38 @@ def backward_rows(a_refs, dy_refs, h_refs, edge: Value, dx_refs, da_refs, c: Val
   return step(_step_index(tiling.chunk - 1, tiling, not scan_ascending), edge, c)
 
 
+def _mul_flops(n: int) -> int:
+  """`complex_mul`: one product, or four products and two sums."""
+  return 1 if n == 1 else 6
+
+
+def _conj_flops(n: int) -> int:
+  """`complex_conj`: nothing, or one negation."""
+  return 0 if n == 1 else 1
+
+
+def flops_per_lane(kernel: str, tiling: Tiling) -> int:
+  """Float operations one program of `kernel` spends per channel lane of its block.
+
+  Counted from the bodies above (index arithmetic is integer and not counted), so XLA's
+  cost model and scheduler see the kernels' real arithmetic instead of an opaque call;
+  tests/test_scan_pallas.py checks each figure against a count of the traced kernel.
+  `kernel` is "forward", "summary", "summary_backward" or "backward".
+  """
+  n, c = tiling.components, tiling.chunk
+  mul, conj = _mul_flops(n), _conj_flops(n)
+  if kernel == "forward":
+    return c * (mul + n)
+  if kernel == "summary":
+    return (c - 1) * (2 * mul + n)
+  if kernel == "summary_backward":
+    return (c - 1) * (2 * mul + n + 2 * conj) + mul + conj
+  if kernel == "backward":
+    # A chunked launch drops the carry leaving the chunk (its last conj(a) g).
+    return c * (n + 2 * mul + 2 * conj) - (0 if tiling.sequential else mul + conj)
+  raise ValueError(f"unknown scan kernel {kernel!r}")
+
+
 def _split(refs: Sequence, n: int, *counts: int) -> list[Sequence]:
   out, pos = [], 0
   for count in counts:

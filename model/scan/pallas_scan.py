@@ -4,9 +4,13 @@ Why a kernel: the recurrence moves 3 values per element for ~3 FLOPs, so it is m
 bound; a kernel that keeps the state on chip reads a and x once and writes h once.
 
 Layout: [B, T, D] is padded to [B, Tp, 128 R] (T with a = 1, x = 0, which leaves
-the state unchanged, so the last state is still right; D with zeros) and viewed,
-for free, as [B, Tp, R, 128]: time on an untiled axis, channels as R rows of 128
-lanes. A block is C time steps by `rows` rows; a step of the kernel is one
+the state unchanged, so the last state is still right; D with zeros) and viewed
+as [B, Tp, R, 128]: time on an untiled axis, channels as R rows of 128 lanes. The
+view is a reshape, not free everywhere: XLA:TPU tiles the last two axes by (8, 128),
+so [B, T, D] (8 steps x 128 channels a tile) and [B, T, R, 128] (8 rows x 128 lanes a
+tile) differ in memory, and the compiled program relays a and x out and h back
+(three extra passes over [B, T, D] in the forward; benchmarks/RESULTS.md, "Pallas
+cost estimates"). A block is C time steps by `rows` rows; a step of the kernel is one
 [rows, 128] tile at a dynamic time index (see `pallas_kernels`). On TPU a block
 has 8 rows or more (one full (8, 128) float32 tile; Mosaic's block-shape rule),
 unless it spans all R. Mosaic GPU stages whole blocks in shared memory, so there a
@@ -189,17 +193,37 @@ class _Launch:
     return pl.BlockSpec((sq, sq, self.tiling.rows, _LANES),
                         lambda b, d, k: (b, self._chunk_index(k, ascending), d, 0))
 
-  def call(self, kernel, in_specs, out_specs, out_shape, scratch: int = 0):
+  def call(self, kernel, cost: str, in_specs, out_specs, out_shape, scratch: int = 0):
+    """The launch of `kernel` over the grid; `cost` names its `flops_per_lane` entry."""
     semantics = ("parallel", "parallel",
                  "arbitrary" if self.tiling.sequential else "parallel")
     scratch_shapes = [pallas_compat.state_scratch((self.tiling.rows, _LANES))
                       for _ in range(scratch)]
-    return pl.pallas_call(
-        functools.partial(kernel, tiling=self.tiling), grid=self.grid,
-        in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        scratch_shapes=scratch_shapes, interpret=self.interpret,
-        compiler_params=(None if self.interpret else pallas_compat.compiler_params(
-            self.target, semantics, self.gpu_backend)))
+
+    def launch(*operands):
+      return pl.pallas_call(
+          functools.partial(kernel, tiling=self.tiling), grid=self.grid,
+          in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+          scratch_shapes=scratch_shapes, interpret=self.interpret,
+          cost_estimate=self.cost_estimate(cost, operands, out_shape),
+          compiler_params=(None if self.interpret else pallas_compat.compiler_params(
+              self.target, semantics, self.gpu_backend)))(*operands)
+
+    return launch
+
+  def cost_estimate(self, kernel: str, operands, out_shape) -> pl.CostEstimate:
+    """What one launch computes and moves, for XLA's cost model and scheduler.
+
+    Every operand and result block is visited exactly once over the grid (the index
+    maps tile them without overlap, and a state block that stays put across time steps
+    is fetched once), so the bytes are the operands' and results' sizes.
+    """
+    programs = self.batch * (self.padded_rows // self.tiling.rows) * self.tiling.num_chunks
+    lanes = self.tiling.rows * _LANES
+    moved = sum(v.size * jnp.dtype(v.dtype).itemsize for v in [*operands, *out_shape])
+    return pl.CostEstimate(
+        flops=programs * lanes * pallas_kernels.flops_per_lane(kernel, self.tiling),
+        transcendentals=0, bytes_accessed=int(moved))
 
   def shape(self, dtype, *, per_chunk: bool = False, state: bool = False):
     b, r = self.batch, self.padded_rows
@@ -243,19 +267,19 @@ def _forward(launch: _Launch, a, x, h0):
                                    compiler_params=launch.lookback_params())
   if t.sequential:
     outs = launch.call(
-        pallas_kernels.forward_kernel,
+        pallas_kernels.forward_kernel, "forward",
         in_specs=[launch.time_block(ascending)] * 2 * n + [launch.state_block()] * n,
         out_specs=[launch.time_block(ascending)] * n + [launch.state_block()] * n,
         out_shape=h_shape + [launch.shape(_F32, state=True)] * n, scratch=n)(*a, *x, *h0)
     return tuple(outs[:n]), tuple(outs[n:])
   summary = launch.call(
-      functools.partial(pallas_kernels.summary_kernel, backward=False),
+      functools.partial(pallas_kernels.summary_kernel, backward=False), "summary",
       in_specs=[launch.time_block(True)] * 2 * n,
       out_specs=[launch.chunk_state_block(True)] * 2 * n,
       out_shape=[launch.shape(_F32, per_chunk=True)] * 2 * n)(*a, *x)
   starts, last = _scan_over_chunks(summary[:n], summary[n:], h0, ascending)
   h = launch.call(
-      pallas_kernels.forward_kernel,
+      pallas_kernels.forward_kernel, "forward",
       in_specs=[launch.time_block(True)] * 2 * n + [launch.chunk_state_block(True)] * n,
       out_specs=[launch.time_block(True)] * n, out_shape=h_shape)(*a, *x, *starts)
   return tuple(h), last
@@ -288,19 +312,19 @@ def _backward(launch: _Launch, a, h, h0, dy, dlast):
   cb = launch.chunk_state_block(sweep_ascending)
   if t.sequential:
     outs = launch.call(
-        pallas_kernels.backward_kernel,
+        pallas_kernels.backward_kernel, "backward",
         in_specs=[tb] * 3 * n + [cb] * n + [launch.state_block()] * n,
         out_specs=[tb] * 2 * n + [launch.state_block()] * n,
         out_shape=out_shape + [launch.shape(_F32, state=True)] * n,
         scratch=n)(*a, *dy, *h, *edges, *dlast)
     return tuple(outs[n:2 * n]), tuple(outs[:n]), tuple(outs[2 * n:])
   summary = launch.call(
-      functools.partial(pallas_kernels.summary_kernel, backward=True),
+      functools.partial(pallas_kernels.summary_kernel, backward=True), "summary_backward",
       in_specs=[tb] * 2 * n, out_specs=[cb] * 2 * n,
       out_shape=[launch.shape(_F32, per_chunk=True)] * 2 * n)(*a, *dy)
   starts, dh0 = _scan_over_chunks(summary[:n], summary[n:], dlast, sweep_ascending)
   outs = launch.call(
-      pallas_kernels.backward_kernel,
+      pallas_kernels.backward_kernel, "backward",
       in_specs=[tb] * 3 * n + [cb] * 2 * n, out_specs=[tb] * 2 * n,
       out_shape=out_shape)(*a, *dy, *h, *edges, *starts)
   return tuple(outs[n:]), tuple(outs[:n]), dh0
