@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import time
 from typing import Any, Iterator, Optional
 
@@ -27,6 +28,8 @@ from sharding.mesh import MeshConfig, create_mesh
 
 # The custom call that carries a Mosaic (Pallas TPU) kernel in a compiled TPU program.
 MOSAIC_CALL = "tpu_custom_call"
+# A while loop in compiled HLO text (its body's costs count once in `cost_analysis`).
+_WHILE = re.compile(r" while\(")
 
 
 def for_target(config: ModelConfig) -> ModelConfig:
@@ -44,6 +47,11 @@ class CompileReport:
   buffers. `compiled_flops` is XLA's `cost_analysis` of the partitioned per-device
   program (a loop body counts once per trip XLA knows); `model_flops` is the step's
   training FLOPs over all devices as the trainer's MFU counts them.
+  `estimated_seconds` and `bytes_accessed` are XLA's cost model of the step on the
+  target (`optimal_seconds`, HBM `bytes accessed`): the compiler's estimate, not a
+  measurement, deterministic, and whole only when `while_loops` is 0 (XLA counts a
+  loop body once, whatever its trip count: a scanned depth or microbatch loop
+  undercounts). Pallas kernels enter it through their declared `CostEstimate`.
   `compile_seconds` is wall time of lowering and compiling; `compile_cpu_seconds` the
   CPU time this process spent on it (all threads): on a shared host the wall time
   mostly measures the other jobs (a `nice -n 19` compile on an oversubscribed 2-core
@@ -65,6 +73,10 @@ class CompileReport:
   hbm_bytes: int
   compiled_flops: Optional[float]
   model_flops: float
+  estimated_seconds: Optional[float]
+  bytes_accessed: Optional[float]
+  peak_flops: Optional[float]
+  while_loops: int
   compile_seconds: float
   compile_cpu_seconds: float
   mosaic_kernel: bool
@@ -73,8 +85,33 @@ class CompileReport:
   def fits(self) -> bool:
     return self.peak_bytes <= self.hbm_bytes
 
+  @property
+  def tokens(self) -> int:
+    return self.batch_size * self.sequence_length
+
+  @property
+  def estimated_mfu(self) -> Optional[float]:
+    """Model FLOPs over (estimated step time x peak FLOP/s of every device)."""
+    if not self.estimated_seconds or not self.peak_flops:
+      return None
+    return self.model_flops / (self.estimated_seconds * self.peak_flops * self.devices)
+
+  @property
+  def estimated_tokens_per_second(self) -> Optional[float]:
+    return self.tokens / self.estimated_seconds if self.estimated_seconds else None
+
+  @property
+  def bytes_accessed_per_token(self) -> Optional[float]:
+    """HBM bytes one device moves per token of its share of the batch."""
+    if self.bytes_accessed is None:
+      return None
+    return self.bytes_accessed * self.devices / self.tokens
+
   def as_dict(self) -> dict[str, Any]:
-    return {**dataclasses.asdict(self), "fits": self.fits}
+    return {**dataclasses.asdict(self), "fits": self.fits,
+            "estimated_mfu": self.estimated_mfu,
+            "estimated_tokens_per_second": self.estimated_tokens_per_second,
+            "bytes_accessed_per_token": self.bytes_accessed_per_token}
 
 
 def target_runtime(config: ModelConfig, mesh_config: MeshConfig, devices: list[Any],
@@ -122,9 +159,10 @@ def report(compiled: Any, seconds: float, cpu_seconds: float, runtime: Runtime,
   """The CompileReport of a train step compiled by `compile_train_step`."""
   memory = compiled.memory_analysis()
   costs = compiled.cost_analysis()
-  costs = costs[0] if isinstance(costs, (list, tuple)) else costs
+  costs = (costs[0] if isinstance(costs, (list, tuple)) else costs) or {}
   tokens = train_config.batch_size * train_config.sequence_length
   config = runtime.config
+  text = compiled.as_text()
   return CompileReport(
       target=target.name, num_slices=target.num_slices, devices=runtime.mesh.size,
       mesh=dict(runtime.mesh.shape),
@@ -136,8 +174,12 @@ def report(compiled: Any, seconds: float, cpu_seconds: float, runtime: Runtime,
       argument_bytes=memory.argument_size_in_bytes, output_bytes=memory.output_size_in_bytes,
       alias_bytes=memory.alias_size_in_bytes, temp_bytes=memory.temp_size_in_bytes,
       peak_bytes=memory.peak_memory_in_bytes, hbm_bytes=target.hbm_bytes,
-      compiled_flops=(costs or {}).get("flops"),
+      compiled_flops=costs.get("flops"),
       model_flops=tokens * flops_lib.training_flops_per_token(config,
                                                                train_config.sequence_length),
+      estimated_seconds=costs.get("optimal_seconds"),
+      bytes_accessed=costs.get("bytes accessed"),
+      peak_flops=flops_lib.peak_flops_per_device(runtime.mesh.devices.flat[0].device_kind),
+      while_loops=len(_WHILE.findall(text)),
       compile_seconds=seconds, compile_cpu_seconds=cpu_seconds,
-      mosaic_kernel=MOSAIC_CALL in compiled.as_text())
+      mosaic_kernel=MOSAIC_CALL in text)

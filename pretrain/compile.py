@@ -99,9 +99,29 @@ def format_report(report: aot.CompileReport) -> str:
       f"HBM: {verdict}",
       f"compiled FLOPs:    {compiled_flops} (XLA cost analysis)",
       f"model FLOPs:       {report.model_flops:.4g} per step (as the trainer's MFU counts)",
+      *_estimate_lines(report),
       f"compile time:      {report.compile_seconds:.1f} s "
       f"({report.compile_cpu_seconds:.1f} s of CPU in this process)",
   ])
+
+
+def _estimate_lines(report: aot.CompileReport) -> list[str]:
+  """XLA's cost-model estimate of the step, labelled as such."""
+  if report.estimated_seconds is None:
+    return ["estimated step:    n/a (this compiler gives no cost-model estimate)"]
+  mfu = ("n/a" if report.estimated_mfu is None
+         else f"{100 * report.estimated_mfu:.1f}% MFU")
+  lines = [
+      f"estimated step:    {1e3 * report.estimated_seconds:.2f} ms, "
+      f"{report.estimated_tokens_per_second:.4g} tokens/s, {mfu} "
+      "(XLA's cost model, not a measurement)",
+      f"HBM traffic:       {report.bytes_accessed_per_token:.4g} bytes per token "
+      f"({report.bytes_accessed / 1e9:.2f} GB per chip per step; XLA's estimate)"]
+  if report.while_loops:
+    lines.append(f"                   the program has {report.while_loops} while loop(s), "
+                 "whose bodies XLA counts once: the estimate undercounts (unroll the "
+                 "depth, ModelConfig.depth_scan_unroll, for a whole count)")
+  return lines
 
 
 def save_executable(compiled: object, path: str) -> None:

@@ -29,6 +29,9 @@ pytestmark = pytest.mark.skipif(not tpu_target.libtpu_available(),
                                 reason='libtpu is not installed (pip install -e ".[tpu]")')
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# XLA's cost-model estimate of each case's step, recorded; a >5% growth fails the test.
+ESTIMATE_BASELINE = os.path.join(REPO, "benchmarks", "results", "tpu_estimate_baseline.json")
+UPDATE_BASELINE_ENV = "UPDATE_TPU_ESTIMATE_BASELINE"
 TARGET = "v5p-16"  # 8 chips, 2 hosts
 TINY = ["--gin_param=BATCH_SIZE=16", "--gin_param=SEQUENCE_LENGTH=64"]
 GRIFFIN = "configs/models/tiny_griffin.gin"
@@ -51,11 +54,37 @@ def _compile(model_file, bindings, mesh, target=TARGET, sizes=TINY):
   return compile_lib.compile_from_gin(target, 1, [model_file], params, mesh)
 
 
+CASE_IDS = [f"{c[0].split('/')[-1][:-4]}{'-cglru' if c[1] else ''}-{c[2]}" for c in CASES]
+
+
+def _check_estimate(case: str, report: aot.CompileReport) -> None:
+  """The regression guard on XLA's estimate: deterministic for one libtpu, so a growth
+  of HBM bytes per token or estimated step time by more than 5% over the recorded
+  baseline is a change in the program, not noise. Record a new baseline deliberately
+  (`UPDATE_TPU_ESTIMATE_BASELINE=1 pytest tests/test_tpu_compile.py`) and say why in
+  the commit."""
+  assert report.while_loops == 0  # tiny depths unroll: the estimate counts every layer
+  measured = {"bytes_accessed_per_token": report.bytes_accessed_per_token,
+              "estimated_seconds": report.estimated_seconds}
+  assert all(value and value > 0 for value in measured.values()), measured
+  with open(ESTIMATE_BASELINE, encoding="utf-8") as f:
+    baseline = json.load(f)
+  if os.environ.get(UPDATE_BASELINE_ENV):
+    baseline["cases"][case] = measured
+    with open(ESTIMATE_BASELINE, "w", encoding="utf-8") as f:
+      json.dump(baseline, f, indent=1, sort_keys=True)
+      f.write("\n")
+    return
+  assert case in baseline["cases"], (
+      f"no recorded estimate for {case}: run with {UPDATE_BASELINE_ENV}=1 to record it")
+  for key, value in measured.items():
+    assert value <= 1.05 * baseline["cases"][case][key], (
+        f"{case}: {key} grew from {baseline['cases'][case][key]:.6g} to {value:.6g}")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("model_file,bindings,mesh,pallas", CASES,
-                         ids=[f"{c[0].split('/')[-1][:-4]}{'-cglru' if c[1] else ''}-{c[2]}"
-                              for c in CASES])
-def test_train_step_compiles_for_tpu(model_file, bindings, mesh, pallas):
+@pytest.mark.parametrize("model_file,bindings,mesh,pallas", CASES, ids=CASE_IDS)
+def test_train_step_compiles_for_tpu(model_file, bindings, mesh, pallas, request):
   report, compiled = _compile(model_file, bindings, mesh)
   assert jax.default_backend() == "cpu"  # the host never started a TPU runtime
   devices = jax.tree.leaves(compiled.input_shardings)[0].device_set
@@ -66,6 +95,8 @@ def test_train_step_compiles_for_tpu(model_file, bindings, mesh, pallas):
   # XLA's per-chip FLOPs over 8 chips against the trainer's analytic count: the same
   # program, so within a factor of two (XLA counts elementwise work and the optimizer).
   assert 0.5 < report.compiled_flops * report.devices / report.model_flops < 2.0
+  assert report.estimated_mfu is not None and 0 < report.estimated_mfu < 1
+  _check_estimate(request.node.callspec.id, report)
 
 
 def _readme_command() -> str:
