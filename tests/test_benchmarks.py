@@ -156,3 +156,18 @@ def test_scan_script_times_each_implementation():
   for bad, named in (("--impls=lax:1,scan", "--impls"), ("--lengths=16,x", "--lengths"),
                      ("--modes=backward", "--modes"), ("--repeats=0", "--repeats")):
     _assert_usage_error(_run_benchmark("scan.py", bad), named)
+
+
+def test_scan_tpu_bytes_script_splits_kernel_and_relayout_bytes():
+  """benchmarks/scan_tpu_bytes.py on one tiny shape: libtpu's bytes of the Pallas scan
+  program, the kernels' declared share and what lies outside them."""
+  run = _run_benchmark("scan_tpu_bytes.py", "--shape=2,256,256", "--dtypes=float32")
+  assert run.returncode == 0, run.stderr[-3000:]
+  rows = [line.split() for line in run.stdout.splitlines() if line.startswith("float32")]
+  assert [row[1] for row in rows] == ["forward", "forward+backward"], run.stdout
+  for row in rows:
+    everything, kernels, outside = (float(v) for v in row[2:5])
+    assert 0 < kernels < everything and outside == pytest.approx(everything - kernels, abs=0.2)
+  # The forward kernel moves a (float32), x and h once: 3 x 2 x 256 x 256 x 4 bytes.
+  assert float(rows[0][3]) == pytest.approx(3 * 2 * 256 * 256 * 4 / 1e6, abs=0.05)
+  _assert_usage_error(_run_benchmark("scan_tpu_bytes.py", "--shape=2,256"), "--shape")
