@@ -1,12 +1,16 @@
 """Pallas kernel bodies of the linear scan: forward, chunk summary and fused backward.
 
-Each kernel sees one time chunk of one batch row and one channel block, laid out as
-[C, rows, 128]: time on the leading (untiled) axis, the channel block as `rows`
-sublanes of 128 lanes. A step reads and writes `ref[t]`, one [rows, 128] tile, so
-the time index is a dynamic index on an untiled axis: a plain address offset for
-Mosaic TPU, Triton and Mosaic GPU alike. Nothing slices or concatenates rows inside
-a tile, which Mosaic's (8, 128) vector layouts do not support in general. The state
-lives in float32 registers.
+Each kernel sees one time chunk of one batch row and one channel block, in one of
+two layouts (`pallas_scan` picks the view):
+- rows (chunked launches, GPU): [C, rows, 128], time on the leading (untiled) axis. A
+  step reads and writes `ref[t]`, one [rows, 128] tile at a dynamic time index: a
+  plain address offset for Triton and Mosaic GPU.
+- tiles (sequential launches, TPU): [C/8, rows, 8, 128], XLA:TPU's own (8, 128)
+  tiling of [B, T, D]. A loop iteration loads tile g of every row ([rows, 8, 128]),
+  runs its 8 steps on [rows, 128] slices taken statically in registers, and stores the
+  8 results as one tile: every load and store is whole and aligned (Mosaic proves no
+  unaligned sublane offset for 16-bit types), and no relayout is needed outside.
+The state lives in float32 registers.
 
 A value is a tuple of components, (v,) for real and (re, im) for complex scans, so
 one body serves both; complex products are spelled out on real/imaginary parts.
@@ -169,6 +173,86 @@ def backward_rows(a_refs, dy_refs, h_refs, edge: Value, dx_refs, da_refs, c: Val
   return step(_step_index(tiling.chunk - 1, tiling, not scan_ascending), edge, c)
 
 
+# Time steps per tile of XLA:TPU's (8, 128) tiling of a [B, T, D] array.
+SUBLANES = 8
+
+
+def _load_tile(refs: Sequence, g) -> Value:
+  """Tile g of a [C/8, rows, 8, 128] block: 8 time steps as float32 [rows, 8, 128]."""
+  return tuple(r[g].astype(jnp.float32) for r in refs)
+
+
+def _step_of(tile: Value, i: int) -> Value:
+  """Time step i (static) of a loaded tile, [rows, 128]."""
+  return tuple(v[:, i, :] for v in tile)
+
+
+def _store_tile(refs: Sequence, g, steps: Sequence[Value]) -> None:
+  """Writes 8 steps' [rows, 128] values as tile g."""
+  for c, ref in enumerate(refs):
+    ref[g] = jnp.stack([step[c] for step in steps], axis=1).astype(ref.dtype)
+
+
+def _tile_steps(ascending: bool) -> range:
+  return range(SUBLANES) if ascending else range(SUBLANES - 1, -1, -1)
+
+
+def forward_tiles(a_refs, x_refs, h_refs, h: Value, tiling: Tiling) -> Value:
+  """`forward_rows` on blocks in [B, T, D]'s own TPU tiling ([C/8, rows, 8, 128]: 8
+  time steps of a channel row per tile). A tile is loaded whole and its 8 steps are
+  taken apart statically, so no load or store starts at an unaligned sublane (Mosaic
+  refuses those for 16-bit types) and XLA needs no relayout copy around the kernel."""
+  ascending = not tiling.reverse
+  tiles = tiling.chunk // SUBLANES
+
+  def body(j, h):
+    g = j if ascending else tiles - 1 - j
+    a, x = _load_tile(a_refs, g), _load_tile(x_refs, g)
+    steps = [None] * SUBLANES
+    for i in _tile_steps(ascending):
+      h = complex_add(complex_mul(_step_of(a, i), h), _step_of(x, i))
+      steps[i] = h
+    _store_tile(h_refs, g, steps)
+    return h
+
+  return jax.lax.fori_loop(0, tiles, body, h)
+
+
+def backward_tiles(a_refs, dy_refs, h_refs, edge: Value, dx_refs, da_refs, c: Value,
+                   tiling: Tiling) -> Value:
+  """`backward_rows` on [C/8, rows, 8, 128] blocks (see `forward_tiles`).
+
+  The sweep runs against scan order, a tile at a time. A step's previous state in scan
+  order is the neighbouring step of its tile, or, for the tile's first step in scan
+  order, the boundary step of the tile before it (loaded for that one row), or `edge`
+  for the chunk's very first step: that tile is peeled off the loop.
+  """
+  scan_ascending = not tiling.reverse
+  tiles = tiling.chunk // SUBLANES
+  prev = -1 if scan_ascending else 1
+  boundary = SUBLANES - 1 if scan_ascending else 0
+
+  def sweep_tile(g, before: Value, c: Value) -> Value:
+    a, dy, h = (_load_tile(refs, g) for refs in (a_refs, dy_refs, h_refs))
+    dx_steps, da_steps = [None] * SUBLANES, [None] * SUBLANES
+    for i in _tile_steps(not scan_ascending):
+      h_prev = _step_of(h, i + prev) if 0 <= i + prev < SUBLANES else before
+      g_i = complex_add(_step_of(dy, i), c)
+      dx_steps[i] = g_i
+      da_steps[i] = complex_mul(g_i, complex_conj(h_prev))
+      c = complex_mul(complex_conj(_step_of(a, i)), g_i)
+    _store_tile(dx_refs, g, dx_steps)
+    _store_tile(da_refs, g, da_steps)
+    return c
+
+  def body(j, c):
+    g = tiles - 1 - j if scan_ascending else j
+    return sweep_tile(g, _step_of(_load_tile(h_refs, g + prev), boundary), c)
+
+  c = jax.lax.fori_loop(0, tiles - 1, body, c)
+  return sweep_tile(0 if scan_ascending else tiles - 1, edge, c)
+
+
 def _mul_flops(n: int) -> int:
   """`complex_mul`: one product, or four products and two sums."""
   return 1 if n == 1 else 6
@@ -226,7 +310,7 @@ def forward_kernel(*refs, tiling: Tiling):
     def _():
       _write(state_refs, _read(init_refs))
 
-    h = forward_rows(a_refs, x_refs, h_refs, _read(state_refs), tiling)
+    h = forward_tiles(a_refs, x_refs, h_refs, _read(state_refs), tiling)
     _write(state_refs, h)
 
     @pl.when(k == tiling.num_chunks - 1)
@@ -264,8 +348,8 @@ def backward_kernel(*refs, tiling: Tiling):
     a_refs, dy_refs, h_refs, edge_refs, init_refs, dx_refs, da_refs = _split(
         refs, n, 1, 1, 1, 1, 1, 1, 1)
     c = _read(init_refs)
-  c = backward_rows(a_refs, dy_refs, h_refs, _read(edge_refs), dx_refs, da_refs, c,
-                    tiling)
+  sweep = backward_tiles if tiling.sequential else backward_rows
+  c = sweep(a_refs, dy_refs, h_refs, _read(edge_refs), dx_refs, da_refs, c, tiling)
   if tiling.sequential:
     _write(carry_refs, c)
 

@@ -4,15 +4,19 @@ Why a kernel: the recurrence moves 3 values per element for ~3 FLOPs, so it is m
 bound; a kernel that keeps the state on chip reads a and x once and writes h once.
 
 Layout: [B, T, D] is padded to [B, Tp, 128 R] (T with a = 1, x = 0, which leaves
-the state unchanged, so the last state is still right; D with zeros) and viewed
-as [B, Tp, R, 128]: time on an untiled axis, channels as R rows of 128 lanes. The
-view is a reshape, not free everywhere: XLA:TPU tiles the last two axes by (8, 128),
-so [B, T, D] (8 steps x 128 channels a tile) and [B, T, R, 128] (8 rows x 128 lanes a
-tile) differ in memory, and the compiled program relays a and x out and h back
-(three extra passes over [B, T, D] in the forward; benchmarks/RESULTS.md, "Pallas
-cost estimates"). A block is C time steps by `rows` rows; a step of the kernel is one
-[rows, 128] tile at a dynamic time index (see `pallas_kernels`). On TPU a block
-has 8 rows or more (one full (8, 128) float32 tile; Mosaic's block-shape rule),
+the state unchanged, so the last state is still right; D with zeros), channels being
+R rows of 128 lanes, and handed to the kernels in a view that costs nothing where they
+run (`_Launch.to_kernel`):
+- sequential (TPU): [B, Tp/8, R, 8, 128], a reshape and transpose that is exactly the
+  memory of XLA:TPU's (8, 128)-tiled [B, T, D] (a tile holds 8 time steps of 128
+  channels), so XLA compiles it to a bitcast. A block is C/8 tiles by `rows` rows; the
+  kernels load a tile of every row at once and take its 8 steps apart in registers
+  (`pallas_kernels.forward_tiles`). The earlier [B, Tp, R, 128] view on TPU cost a
+  relayout copy of a and x and of h: 70-77% of the scan program's HBM bytes
+  (benchmarks/RESULTS.md, "Pallas cost estimates").
+- chunked (GPU): [B, Tp, R, 128], free in a row-major layout; a step of the kernel is
+  one [rows, 128] row at a dynamic time index (`pallas_kernels.forward_rows`).
+On TPU a block has 8 rows or more (a step then fills an (8, 128) float32 register),
 unless it spans all R. Mosaic GPU stages whole blocks in shared memory, so there a
 block is one row and the chunk shrinks until the backward's blocks fit. Decays are
 float32 even for bf16 x (bf16 rounds every a above ~0.998 to 1). Complex scans run
@@ -177,10 +181,34 @@ class _Launch:
     return self.tiling.num_chunks - 1 - k if flip else k
 
   def time_block(self, ascending: bool) -> pl.BlockSpec:
-    """[B, Tp, R, 128] block of one chunk: [C, rows, 128] in the kernel."""
+    """One chunk of a time array in the kernels' layout (`to_kernel`): [C/8, rows, 8,
+    128] tiles for sequential launches, [C, rows, 128] steps for chunked ones."""
     sq = pallas_compat.squeezed_dim()
-    return pl.BlockSpec((sq, self.tiling.chunk, self.tiling.rows, _LANES),
+    t = self.tiling
+    if t.sequential:
+      return pl.BlockSpec(
+          (sq, t.chunk // pallas_kernels.SUBLANES, t.rows, pallas_kernels.SUBLANES, _LANES),
+          lambda b, d, k: (b, self._chunk_index(k, ascending), d, 0, 0))
+    return pl.BlockSpec((sq, t.chunk, t.rows, _LANES),
                         lambda b, d, k: (b, self._chunk_index(k, ascending), d, 0))
+
+  def to_kernel(self, v: jax.Array) -> jax.Array:
+    """[B, Tp, Dp] in the kernels' layout. Sequential (TPU) launches see
+    [B, Tp/8, R, 8, 128]: exactly the bytes of XLA:TPU's (8, 128)-tiled [B, T, D], so
+    the reshape and transpose compile to nothing (the [B, Tp, R, 128] view of the
+    chunked kernels would cost a relayout copy there). Chunked (GPU) launches see
+    [B, Tp, R, 128], free in a row-major layout."""
+    b, tp, _ = v.shape
+    r, sub = self.padded_rows, pallas_kernels.SUBLANES
+    if self.tiling.sequential:
+      return v.reshape(b, tp // sub, sub, r, _LANES).transpose(0, 1, 3, 2, 4)
+    return v.reshape(b, tp, r, _LANES)
+
+  def from_kernel(self, v: jax.Array) -> jax.Array:
+    """The inverse of `to_kernel`: [B, Tp, Dp]."""
+    if self.tiling.sequential:
+      v = v.transpose(0, 1, 3, 2, 4)
+    return v.reshape(self.batch, self.padded_time, self.padded_channels)
 
   def state_block(self) -> pl.BlockSpec:
     """[B, R, 128] block: h0, last state, their cotangents."""
@@ -231,6 +259,9 @@ class _Launch:
       return jax.ShapeDtypeStruct((b, r, _LANES), dtype)
     if per_chunk:
       return jax.ShapeDtypeStruct((b, self.tiling.num_chunks, r, _LANES), dtype)
+    if self.tiling.sequential:
+      sub = pallas_kernels.SUBLANES
+      return jax.ShapeDtypeStruct((b, self.padded_time // sub, r, sub, _LANES), dtype)
     return jax.ShapeDtypeStruct((b, self.padded_time, r, _LANES), dtype)
 
 
@@ -288,13 +319,15 @@ def _forward(launch: _Launch, a, x, h0):
 def _chunk_edges(launch: _Launch, h, h0):
   """State before each chunk's first step in scan order: [B, T/C, R, 128] each."""
   c, nc = launch.tiling.chunk, launch.tiling.num_chunks
+  rows = (launch.padded_rows, _LANES)
   edges = []
   for h_c, h0_c in zip(h, h0):
+    h_c = launch.from_kernel(h_c)
     if launch.tiling.reverse:
-      inner = h_c[:, c::c].astype(_F32)
+      inner = h_c[:, c::c].astype(_F32).reshape(launch.batch, nc - 1, *rows)
       edges.append(jnp.concatenate([inner, h0_c[:, None]], axis=1))
     else:
-      inner = h_c[:, c - 1:(nc - 1) * c:c].astype(_F32)
+      inner = h_c[:, c - 1:(nc - 1) * c:c].astype(_F32).reshape(launch.batch, nc - 1, *rows)
       edges.append(jnp.concatenate([h0_c[:, None], inner], axis=1))
   return tuple(edges)
 
@@ -360,7 +393,7 @@ def _run(a: tuple, x: tuple, h0: Optional[tuple], reverse: bool,
   def pad(v, value):
     if pad_t or pad_d:
       v = jnp.pad(v, ((0, 0), (0, pad_t), (0, pad_d)), constant_values=value)
-    return v.reshape(batch, launch.padded_time, *rows)
+    return launch.to_kernel(v)
 
   # Padded steps have a = 1 (real part) and x = 0: the state passes through unchanged.
   a_p = tuple(pad(v.astype(_F32), 1.0 if c == 0 else 0.0) for c, v in enumerate(a))
@@ -371,9 +404,8 @@ def _run(a: tuple, x: tuple, h0: Optional[tuple], reverse: bool,
     h0_p = tuple(jnp.pad(v.astype(_F32), ((0, 0), (0, pad_d))).reshape(batch, *rows)
                  for v in h0)
   h, last = _scan(launch, a_p, x_p, h0_p)
-  flat = lambda v, *lead: v.reshape(*lead, launch.padded_channels)
-  return (tuple(flat(v, batch, launch.padded_time)[:, :time, :channels] for v in h),
-          tuple(flat(v, batch)[:, :channels] for v in last))
+  return (tuple(launch.from_kernel(v)[:, :time, :channels] for v in h),
+          tuple(v.reshape(batch, launch.padded_channels)[:, :channels] for v in last))
 
 
 def pallas_linear_scan(a: jax.Array, x: jax.Array, h0: Optional[jax.Array] = None, *,
