@@ -1,14 +1,16 @@
-"""Ahead-of-time compilation of the trainer's step for a TPU target, and what it costs.
+"""Ahead-of-time compilation of the trainer's step for a TPU or GPU target, and its cost.
 
 `compile_train_step` compiles `pretrain.steps.jit_train_step`, the very program the
-trainer runs (optimizer, microbatches, remat, dtypes, shardings), over a mesh of TPU
-device descriptions (`pretrain.tpu_target`), with the real XLA:TPU and Mosaic compilers
-and no TPU attached. The report holds XLA's own per-device memory and cost figures.
+trainer runs (optimizer, microbatches, remat, dtypes, shardings), over a mesh of device
+descriptions of a TPU slice (`pretrain.tpu_target`: XLA:TPU and Mosaic) or of GPUs
+(`pretrain.gpu_target`: XLA:GPU, Triton, Mosaic GPU and ptxas), with no accelerator
+attached. The report holds XLA's own per-device memory and cost figures.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import resource
 import time
 from typing import Any, Iterator, Optional
 
@@ -16,6 +18,7 @@ import jax
 
 from model.config import ModelConfig
 from pretrain import flops as flops_lib
+from pretrain.gpu_target import GpuTarget
 from pretrain.optimizer import OptimizerConfig, learning_rate_schedule, make_optimizer
 from pretrain.runtime import Runtime
 from pretrain.steps import abstract_batch, jit_train_step
@@ -25,14 +28,25 @@ from sharding import partition
 from sharding import rules as rules_lib
 from sharding.mesh import MeshConfig, create_mesh
 
-# The custom call that carries a Mosaic (Pallas TPU) kernel in a compiled TPU program.
-MOSAIC_CALL = "tpu_custom_call"
+# The custom calls that carry a Pallas kernel in a compiled program, and the kernel
+# compiler each names: Mosaic on TPU, Triton or Mosaic GPU on GPU.
+# (Prefixes of the call target: Mosaic GPU versions its call, `mosaic_gpu_v2` in JAX 0.10.)
+KERNEL_CALLS = {"tpu_custom_call": "Mosaic", "__gpu$xla.gpu.triton": "Triton",
+                "mosaic_gpu": "Mosaic GPU"}
 
 
-def for_target(config: ModelConfig) -> ModelConfig:
-  """`config` as the trainer resolves it on a TPU: the scan lowered for TPU (so "auto"
-  picks the Pallas kernel and no interpret mode), whatever this host's backend is."""
-  return config.replace(scan=dataclasses.replace(config.scan, lowering_platform="tpu"))
+def for_target(config: ModelConfig, platform: str) -> ModelConfig:
+  """`config` as the trainer resolves it on `platform` ("tpu" or "gpu"): the scan
+  lowered for that platform (so "auto" picks what it picks there, and no interpret
+  mode), whatever this host's backend is."""
+  return config.replace(scan=dataclasses.replace(config.scan, lowering_platform=platform))
+
+
+def kernel_calls(hlo_text: str) -> dict[str, int]:
+  """{kernel compiler: custom calls} of the Pallas kernels in a compiled program."""
+  counts = {name: hlo_text.count(f'custom_call_target="{target}')
+            for target, name in KERNEL_CALLS.items()}
+  return {name: count for name, count in counts.items() if count}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,14 +56,18 @@ class CompileReport:
   Memory figures are XLA's buffer assignment (`memory_analysis`): arguments (state and
   batch), outputs (aliasing the donated state), temporaries, and the peak of live
   buffers. `compiled_flops` is XLA's `cost_analysis` of the partitioned per-device
-  program (a loop body counts once per trip XLA knows); `model_flops` is the step's
-  training FLOPs over all devices as the trainer's MFU counts them.
+  program (a loop body counts once per trip XLA knows; None where the compiler gives
+  none, as XLA:GPU does for an ahead-of-time compile); `model_flops` is the step's
+  training FLOPs over all devices as the trainer's MFU counts them. `kernels` counts
+  the Pallas custom calls in the compiled program by kernel compiler (`KERNEL_CALLS`).
   `compile_seconds` is wall time of lowering and compiling; `compile_cpu_seconds` the
-  CPU time this process spent on it (all threads): on a shared host the wall time
-  mostly measures the other jobs (a `nice -n 19` compile on an oversubscribed 2-core
-  machine ran at a fifth of a core), the CPU time what the compile costs.
+  CPU time this process (all threads) and its ptxas children spent on it: on a shared
+  host the wall time mostly measures the other jobs (a `nice -n 19` compile on an
+  oversubscribed 2-core machine ran at a fifth of a core), the CPU time what the
+  compile costs.
   """
   target: str
+  platform: str
   num_slices: int
   devices: int
   mesh: dict[str, int]
@@ -67,7 +85,7 @@ class CompileReport:
   model_flops: float
   compile_seconds: float
   compile_cpu_seconds: float
-  mosaic_kernel: bool
+  kernels: dict[str, int]
 
   @property
   def fits(self) -> bool:
@@ -82,15 +100,16 @@ def target_runtime(config: ModelConfig, mesh_config: MeshConfig, devices: list[A
                    replication_check: partition.ReplicationCheck = partition.ReplicationCheck()
                    ) -> Runtime:
   """The trainer's Runtime over a mesh of the target's device descriptions."""
-  return Runtime(for_target(config), create_mesh(mesh_config, devices), rules,
+  platform = "tpu" if devices[0].platform == "tpu" else "gpu"
+  return Runtime(for_target(config, platform), create_mesh(mesh_config, devices), rules,
                  replication_check)
 
 
 @contextlib.contextmanager
 def _without_persistent_cache() -> Iterator[None]:
   """Keeps JAX's persistent compilation cache (on by default for the trainer) out of an
-  ahead-of-time compile: an executable compiled against TPU descriptions cannot be
-  loaded back without a TPU client (JAX warns and compiles again), and a hit would fake
+  ahead-of-time compile: an executable compiled against TPU or GPU descriptions cannot
+  be loaded back without such a client (JAX warns and compiles again), and a hit would fake
   the compile time reported."""
   enabled = jax.config.jax_enable_compilation_cache
   jax.config.update("jax_enable_compilation_cache", False)
@@ -111,14 +130,21 @@ def compile_train_step(runtime: Runtime, train_config: TrainConfig,
                            train_config.microbatches, train_config.z_loss_weight,
                            train_config.loss_chunks)
   batch = abstract_batch(runtime, train_config.batch_size, train_config.sequence_length)
-  start, cpu_start = time.perf_counter(), time.process_time()
+  start, cpu_start = time.perf_counter(), _cpu_seconds()
   with runtime.activation_context(), _without_persistent_cache():
     compiled = program.step.lower(program.abstract_state, batch).compile()
-  return compiled, time.perf_counter() - start, time.process_time() - cpu_start
+  return compiled, time.perf_counter() - start, _cpu_seconds() - cpu_start
+
+
+def _cpu_seconds() -> float:
+  """CPU seconds of this process and of the children it waited for: XLA:GPU runs
+  ptxas as a child process for every kernel it builds."""
+  children = resource.getrusage(resource.RUSAGE_CHILDREN)
+  return time.process_time() + children.ru_utime + children.ru_stime
 
 
 def report(compiled: Any, seconds: float, cpu_seconds: float, runtime: Runtime,
-           target: TpuTarget, train_config: TrainConfig) -> CompileReport:
+           target: TpuTarget | GpuTarget, train_config: TrainConfig) -> CompileReport:
   """The CompileReport of a train step compiled by `compile_train_step`."""
   memory = compiled.memory_analysis()
   costs = compiled.cost_analysis()
@@ -126,7 +152,8 @@ def report(compiled: Any, seconds: float, cpu_seconds: float, runtime: Runtime,
   tokens = train_config.batch_size * train_config.sequence_length
   config = runtime.config
   return CompileReport(
-      target=target.name, num_slices=target.num_slices, devices=runtime.mesh.size,
+      target=target.name, platform=runtime.config.scan.lowering_platform,
+      num_slices=target.num_slices, devices=runtime.mesh.size,
       mesh=dict(runtime.mesh.shape),
       model={"width": config.width, "depth": config.depth,
              "block_pattern": list(config.block_pattern), "remat": config.remat,
@@ -140,4 +167,4 @@ def report(compiled: Any, seconds: float, cpu_seconds: float, runtime: Runtime,
       model_flops=tokens * flops_lib.training_flops_per_token(config,
                                                                train_config.sequence_length),
       compile_seconds=seconds, compile_cpu_seconds=cpu_seconds,
-      mosaic_kernel=MOSAIC_CALL in compiled.as_text())
+      kernels=kernel_calls(compiled.as_text()))
