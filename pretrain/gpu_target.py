@@ -77,10 +77,10 @@ def spec_text(kind: str) -> str:
 
 def spec_field(kind: str, field: str) -> str:
   """One scalar field of a spec (`device_memory_size`), as written."""
-  match = re.search(rf"^\s*{field}:\s*(\S+)", spec_text(kind), re.MULTILINE)
+  match = re.search(rf'^\s*{field}:\s*(?:"([^"]*)"|(\S+))', spec_text(kind), re.MULTILINE)
   if match is None:
     raise ValueError(f"{spec_path(kind)} has no {field}")
-  return match.group(1).strip('"')
+  return match.group(1) if match.group(1) is not None else match.group(2)
 
 
 def parse_target(name: str, gpus_per_node: int = DEFAULT_GPUS_PER_NODE) -> GpuTarget:
@@ -103,7 +103,11 @@ def parse_target(name: str, gpus_per_node: int = DEFAULT_GPUS_PER_NODE) -> GpuTa
 
 
 def plugin_available() -> bool:
-  return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+  """Whether JAX's CUDA plugin (XLA:GPU) is installed."""
+  try:
+    return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+  except ModuleNotFoundError:  # no jax_plugins package at all
+    return False
 
 
 def target_devices(target: GpuTarget) -> list[Any]:

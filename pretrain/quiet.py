@@ -26,7 +26,9 @@ over descriptor 2 for the life of someone else's process:
   - the Orbax notices are dropped by `install_log_filters`, as in the commands.
 And everywhere, commands included: on a host with libtpu installed (the tpu and test
 extras) but no accelerator, JAX would start libtpu, which probes for a TPU and writes
-a dozen lines about the one it did not find before JAX settles on the CPU. There JAX's
+a dozen lines about the one it did not find before JAX settles on the CPU; with the
+CUDA plugin (the gpu-aot and test extras, to compile for GPUs) it would try to load
+CUDA and print a traceback of the failure. There JAX's
 platform is set to "cpu" before any backend starts, in this process only (an exported
 JAX_PLATFORMS would follow `sbatch` from a login node to GPU nodes). A JAX_PLATFORMS
 the user set, a TPU or GPU device, or the variables that describe a TPU host to libtpu
@@ -255,13 +257,21 @@ class _QuietImport(importlib.abc.MetaPathFinder):
     return spec
 
 
-def _libtpu_would_probe_in_vain() -> bool:
-  """Whether JAX, left to choose its platform, would start libtpu on a host without a
-  TPU: libtpu is installed, no accelerator device is here, and neither JAX_PLATFORMS
-  nor a TPU host's variables are set."""
+def _installed(module: str) -> bool:
+  """Whether `module` can be imported (a dotted name whose parent is missing cannot)."""
+  try:
+    return importlib.util.find_spec(module) is not None
+  except ModuleNotFoundError:
+    return False
+
+
+def _accelerator_would_probe_in_vain() -> bool:
+  """Whether JAX, left to choose its platform, would start libtpu or the CUDA plugin on
+  a host without a TPU or GPU: one of them is installed, no accelerator device is here,
+  and neither JAX_PLATFORMS nor a TPU host's variables are set."""
   return ("JAX_PLATFORMS" not in os.environ
           and not any(name in os.environ for name in TPU_VARIABLES)
-          and importlib.util.find_spec("libtpu") is not None
+          and any(_installed(name) for name in ("libtpu", "jax_plugins.xla_cuda12"))
           and not any(glob.glob(pattern) for pattern in ACCELERATOR_DEVICES))
 
 
@@ -274,7 +284,7 @@ elif not verbose_requested(sys.argv):
   os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
   _filter_native_stderr()
 
-if _libtpu_would_probe_in_vain():
+if _accelerator_would_probe_in_vain():
   # JAX is imported here only on such a host, after the filter above is in place.
   import jax  # pylint: disable=wrong-import-position
   if jax.config.jax_platforms is None:  # an earlier jax.config.update stands
