@@ -70,7 +70,8 @@ def test_train_step_compiles_for_tpu(model_file, bindings, mesh, pallas):
 
 def _readme_command() -> str:
   with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
-    lines = [line.strip() for line in f if line.startswith("    python -m pretrain.compile")]
+    lines = [line.strip() for line in f
+             if line.startswith("    python -m pretrain.compile --topology=v5p")]
   assert len(lines) == 1, lines
   return lines[0]
 
