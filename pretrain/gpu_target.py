@@ -20,6 +20,8 @@ import os
 import re
 from typing import Any
 
+from jax.experimental import topologies
+
 from pretrain.errors import UserError, usage_error
 
 INSTALL_HINT = ('the CUDA plugin is not installed, so GPU programs cannot be compiled '
@@ -120,7 +122,6 @@ def target_devices(target: GpuTarget) -> list[Any]:
     raise UserError(INSTALL_HINT)
   for key, value in _HOST_ENV.items():
     os.environ.setdefault(key, value)
-  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   description = topologies.get_topology_desc(
       platform="cuda", topology_name=target.kind, target_config=spec_text(target.kind),
       topology=f"1x{target.nodes}x{target.gpus_per_node}")
