@@ -170,6 +170,11 @@ def test_bad_gpu_targets_say_what_is_wrong(name, per_node, problem):
     gpu_target.parse_target(name, per_node)
 
 
+def test_compile_reads_any_non_tpu_name_as_gpus():
+  with pytest.raises(UserError, match="not a known target: TPU slices look like v5p-128"):
+    compile_lib.target_and_devices("x100-8")
+
+
 def test_num_slices_is_for_tpus():
   with pytest.raises(UserError, match="--num_slices is for TPU slices"):
     compile_lib.target_and_devices("h100-16", num_slices=2)
