@@ -153,6 +153,22 @@ def test_each_spec_parses_into_devices(kind):
   assert jax.default_backend() == "cpu"
 
 
+@needs_plugin
+def test_the_plugin_stays_out_of_cpu_runs():
+  """With the CUDA plugin installed and no GPU, using the package as the README's
+  snippet does (no JAX_PLATFORMS, no log-level variables) starts only the CPU backend
+  and writes nothing to stderr: `pretrain.quiet` keeps JAX off the plugin."""
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("JAX_PLATFORMS", "TF_CPP_MIN_LOG_LEVEL", "XLA_FLAGS")}
+  env["PYTHONPATH"] = REPO
+  done = subprocess.run(
+      [sys.executable, "-c", "import pretrain, jax, jax.numpy as jnp; "
+       "print(jax.default_backend(), int(jnp.ones(3).sum()))"],
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0 and done.stderr == "", done.stderr[-3000:]
+  assert done.stdout.split() == ["cpu", "3"]
+
+
 @pytest.mark.parametrize("name,gpus,per_node,memory_gib", [
     ("h100-8", 8, 8, 79.6), ("h100-32", 32, 8, 79.6), ("h200-16", 16, 8, 140.4),
     ("a100-4", 4, 4, 80.0), ("b200-64", 64, 8, 167.6)])
