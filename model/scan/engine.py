@@ -18,9 +18,10 @@ kernel can be swapped without touching the layers:
   - NVIDIA GPUs of the compute capabilities in `VERIFIED_CUDA_CAPABILITIES`, whose
     XLA:GPU, Triton / Mosaic GPU and ptxas build the kernels (the "chunked" strategy)
     inside the whole train step of every tiny model and mesh in
-    tests/test_gpu_compile.py (H100; A100 and B200 for the kernel alone; Mosaic GPU
-    needs Hopper or later). Expected to win, from the compiled programs (XLA:GPU for
-    one H100, B=4, T=2048, D=1024, bf16 x; benchmarks/RESULTS.md, "GPU compiles"):
+    tests/test_gpu_compile.py (H100; A100, H200 and B200 for the kernels alone;
+    Mosaic GPU needs Hopper or later). Expected to win, from the compiled programs
+    (XLA:GPU for one H100, B=4, T=2048, D=1024, bf16 x; benchmarks/RESULTS.md, "GPU
+    compile"):
     "lax" compiles to a while loop of 2048 trips, forward and again backward, each
     trip a launch of fused kernels over only B x D = 4096 elements, so its time is
     2048 dependent launches (microseconds each) per layer and direction; the
