@@ -109,14 +109,20 @@ def target_runtime(config: ModelConfig, mesh_config: MeshConfig, devices: list[A
 def _without_persistent_cache() -> Iterator[None]:
   """Keeps JAX's persistent compilation cache (on by default for the trainer) out of an
   ahead-of-time compile: an executable compiled against TPU or GPU descriptions cannot
-  be loaded back without such a client (JAX warns and compiles again), and a hit would fake
-  the compile time reported."""
+  be loaded back without such a client (JAX warns and compiles again), and a hit would
+  fake the compile time reported. JAX reads the enable flag once per process, at its
+  first compile, so where a compile came earlier (the tests) the cache stays on; the
+  minimum compile time of a cache write is then raised past any compile, so nothing
+  is written and nothing can be read back."""
   enabled = jax.config.jax_enable_compilation_cache
+  min_seconds = jax.config.jax_persistent_cache_min_compile_time_secs
   jax.config.update("jax_enable_compilation_cache", False)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
   try:
     yield
   finally:
     jax.config.update("jax_enable_compilation_cache", enabled)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", min_seconds)
 
 
 def compile_train_step(runtime: Runtime, train_config: TrainConfig,
