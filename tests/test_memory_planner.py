@@ -101,7 +101,7 @@ def test_analytic_plan_matches_gpu_compiled_peaks_with_full_remat():
   but the planner is not yet calibrated for them (issue 21, item 4)."""
   with open(GPU_RECORDS) as f:
     records = [r for r in json.load(f) if r["remat"] == "full"]
-  assert {"griffin_1_3b.gin", "hawk_1_3b.gin"} <= {
+  assert {"griffin_1_3b.gin", "hawk_1_3b.gin", "mqa_1_3b.gin"} <= {
       os.path.basename(r["gin_files"][-1]) for r in records}
   for record in records:
     total_ratio, activation_ratio = _plan_over_compiled(record)
