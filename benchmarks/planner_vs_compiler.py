@@ -1,8 +1,9 @@
-"""The memory planner's analytic plan against the TPU compiler's peak, for one run.
+"""The memory planner's analytic plan against the TPU or GPU compiler's peak, for one run.
 
 `model.summary --mesh` answers instantly from `model.memory`'s analytic model; this
-script compiles the trainer's own train step for a TPU slice (`pretrain.compile`,
-libtpu's XLA:TPU and Mosaic on this host, no TPU needed) and prints both per chip, with
+script compiles the trainer's own train step for a TPU slice or GPUs (`pretrain.compile`:
+libtpu's XLA:TPU and Mosaic, or the CUDA plugin's XLA:GPU, Triton and ptxas, on this
+host, no accelerator needed) and prints both per device, with
 the ratio, so the analytic model can be held against the compiler (benchmarks/RESULTS.md,
 "Planner against the compiler"). "compiled activations" is the peak less the arguments
 (parameters, AdamW moments and the batch) and less the float32 gradients (the planner's
@@ -38,6 +39,7 @@ from model import memory
 from pretrain import cli
 from pretrain import compile as compile_lib
 from pretrain import gin_config
+from pretrain import gpu_target
 from sharding.mesh import parse_mesh_flag
 
 FLAGS = flags.FLAGS
@@ -84,9 +86,16 @@ def record(path: str, result: dict[str, Any]) -> None:
     f.write("\n")
 
 
+def _compiler(topology: str) -> str:
+  """The compiler package and release that compiles for `topology`."""
+  if gpu_target.is_gpu_name(topology):
+    return f"jax-cuda12-plugin {importlib.metadata.version('jax-cuda12-plugin')}"
+  return f"libtpu {importlib.metadata.version('libtpu')}"
+
+
 def main(argv: Sequence[str]) -> None:
   cli.reject_extra_arguments(argv)
-  jax.config.update("jax_platforms", "cpu")  # compile only: no TPU runtime here
+  jax.config.update("jax_platforms", "cpu")  # compile only: no TPU or GPU runtime here
   result = compare(FLAGS.topology, FLAGS.gin_file, FLAGS.gin_param, FLAGS.mesh)
   if FLAGS.record:
     kept = {k: v for k, v in result.items() if not k.endswith(("_gib", "_ratio"))}
@@ -95,14 +104,14 @@ def main(argv: Sequence[str]) -> None:
     record(FLAGS.record, {"name": name, **kept,
                           "command": "python " + " ".join(map(shlex.quote, sys.argv)),
                           "date": datetime.date.today().isoformat(),
-                          "compiler": f"libtpu {importlib.metadata.version('libtpu')} "
-                                      f"(jax {jax.__version__}), ahead of time"})
+                          "compiler": f"{_compiler(FLAGS.topology)} (jax {jax.__version__}), "
+                                      "ahead of time"})
   print(json.dumps(result))
 
 
 if __name__ == "__main__":
   cli.define_gin_flags()
-  flags.DEFINE_string("topology", None, "TPU slice type, e.g. v5p-128.")
+  flags.DEFINE_string("topology", None, "TPU slice type (v5p-128) or GPUs (h100-32).")
   flags.DEFINE_string("mesh", None, "Mesh over all chips, e.g. fsdp:16,tensor:4.")
   flags.DEFINE_string("record", None, "Add the compiled figures to this JSON list.")
   flags.mark_flags_as_required(["topology", "mesh"])

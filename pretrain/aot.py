@@ -1,15 +1,17 @@
-"""Ahead-of-time compilation of the trainer's step for a TPU target, and what it costs.
+"""Ahead-of-time compilation of the trainer's step for a TPU or GPU target, and its cost.
 
 `compile_train_step` compiles `pretrain.steps.jit_train_step`, the very program the
-trainer runs (optimizer, microbatches, remat, dtypes, shardings), over a mesh of TPU
-device descriptions (`pretrain.tpu_target`), with the real XLA:TPU and Mosaic compilers
-and no TPU attached. The report holds XLA's own per-device memory and cost figures.
+trainer runs (optimizer, microbatches, remat, dtypes, shardings), over a mesh of device
+descriptions of a TPU slice (`pretrain.tpu_target`: XLA:TPU and Mosaic) or of GPUs
+(`pretrain.gpu_target`: XLA:GPU, Triton, Mosaic GPU and ptxas), with no accelerator
+attached. The report holds XLA's own per-device memory and cost figures.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import re
+import resource
 import time
 from typing import Any, Iterator, Optional
 
@@ -17,6 +19,7 @@ import jax
 
 from model.config import ModelConfig
 from pretrain import flops as flops_lib
+from pretrain.gpu_target import GpuTarget
 from pretrain.optimizer import OptimizerConfig, learning_rate_schedule, make_optimizer
 from pretrain.runtime import Runtime
 from pretrain.steps import abstract_batch, jit_train_step
@@ -26,16 +29,27 @@ from sharding import partition
 from sharding import rules as rules_lib
 from sharding.mesh import MeshConfig, create_mesh
 
-# The custom call that carries a Mosaic (Pallas TPU) kernel in a compiled TPU program.
-MOSAIC_CALL = "tpu_custom_call"
+# The custom calls that carry a Pallas kernel in a compiled program, and the kernel
+# compiler each names: Mosaic on TPU, Triton or Mosaic GPU on GPU.
+# (Prefixes of the call target: Mosaic GPU versions its call, `mosaic_gpu_v2` in JAX 0.10.)
+KERNEL_CALLS = {"tpu_custom_call": "Mosaic", "__gpu$xla.gpu.triton": "Triton",
+                "mosaic_gpu": "Mosaic GPU"}
 # A while loop in compiled HLO text (its body's costs count once in `cost_analysis`).
 _WHILE = re.compile(r" while\(")
 
 
-def for_target(config: ModelConfig) -> ModelConfig:
-  """`config` as the trainer resolves it on a TPU: the scan lowered for TPU (so "auto"
-  picks the Pallas kernel and no interpret mode), whatever this host's backend is."""
-  return config.replace(scan=dataclasses.replace(config.scan, lowering_platform="tpu"))
+def for_target(config: ModelConfig, platform: str) -> ModelConfig:
+  """`config` as the trainer resolves it on `platform` ("tpu" or "gpu"): the scan
+  lowered for that platform (so "auto" picks what it picks there, and no interpret
+  mode), whatever this host's backend is."""
+  return config.replace(scan=dataclasses.replace(config.scan, lowering_platform=platform))
+
+
+def kernel_calls(hlo_text: str) -> dict[str, int]:
+  """{kernel compiler: custom calls} of the Pallas kernels in a compiled program."""
+  counts = {name: hlo_text.count(f'custom_call_target="{target}')
+            for target, name in KERNEL_CALLS.items()}
+  return {name: count for name, count in counts.items() if count}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,19 +59,24 @@ class CompileReport:
   Memory figures are XLA's buffer assignment (`memory_analysis`): arguments (state and
   batch), outputs (aliasing the donated state), temporaries, and the peak of live
   buffers. `compiled_flops` is XLA's `cost_analysis` of the partitioned per-device
-  program (a loop body counts once per trip XLA knows); `model_flops` is the step's
-  training FLOPs over all devices as the trainer's MFU counts them.
+  program (a loop body counts once per trip XLA knows; None where the compiler gives
+  none, as XLA:GPU does for an ahead-of-time compile); `model_flops` is the step's
+  training FLOPs over all devices as the trainer's MFU counts them. `kernels` counts
+  the Pallas custom calls in the compiled program by kernel compiler (`KERNEL_CALLS`).
   `estimated_seconds` and `bytes_accessed` are XLA's cost model of the step on the
-  target (`optimal_seconds`, HBM `bytes accessed`): the compiler's estimate, not a
-  measurement, deterministic, and whole only when `while_loops` is 0 (XLA counts a
-  loop body once, whatever its trip count: a scanned depth or microbatch loop
-  undercounts). Pallas kernels enter it through their declared `CostEstimate`.
+  target (`optimal_seconds`, HBM `bytes accessed`; None where the compiler gives none):
+  the compiler's estimate, not a measurement, deterministic, and whole only when
+  `while_loops` is 0 (XLA counts a loop body once, whatever its trip count: a scanned
+  depth or microbatch loop undercounts). Pallas kernels enter it through their
+  declared `CostEstimate`.
   `compile_seconds` is wall time of lowering and compiling; `compile_cpu_seconds` the
-  CPU time this process spent on it (all threads): on a shared host the wall time
-  mostly measures the other jobs (a `nice -n 19` compile on an oversubscribed 2-core
-  machine ran at a fifth of a core), the CPU time what the compile costs.
+  CPU time this process (all threads) and its ptxas children spent on it: on a shared
+  host the wall time mostly measures the other jobs (a `nice -n 19` compile on an
+  oversubscribed 2-core machine ran at a fifth of a core), the CPU time what the
+  compile costs.
   """
   target: str
+  platform: str
   num_slices: int
   devices: int
   mesh: dict[str, int]
@@ -79,7 +98,7 @@ class CompileReport:
   while_loops: int
   compile_seconds: float
   compile_cpu_seconds: float
-  mosaic_kernel: bool
+  kernels: dict[str, int]
 
   @property
   def fits(self) -> bool:
@@ -119,22 +138,29 @@ def target_runtime(config: ModelConfig, mesh_config: MeshConfig, devices: list[A
                    replication_check: partition.ReplicationCheck = partition.ReplicationCheck()
                    ) -> Runtime:
   """The trainer's Runtime over a mesh of the target's device descriptions."""
-  return Runtime(for_target(config), create_mesh(mesh_config, devices), rules,
+  platform = "tpu" if devices[0].platform == "tpu" else "gpu"
+  return Runtime(for_target(config, platform), create_mesh(mesh_config, devices), rules,
                  replication_check)
 
 
 @contextlib.contextmanager
 def _without_persistent_cache() -> Iterator[None]:
   """Keeps JAX's persistent compilation cache (on by default for the trainer) out of an
-  ahead-of-time compile: an executable compiled against TPU descriptions cannot be
-  loaded back without a TPU client (JAX warns and compiles again), and a hit would fake
-  the compile time reported."""
+  ahead-of-time compile: an executable compiled against TPU or GPU descriptions cannot
+  be loaded back without such a client (JAX warns and compiles again), and a hit would
+  fake the compile time reported. JAX reads the enable flag once per process, at its
+  first compile, so where a compile came earlier (the tests) the cache stays on; the
+  minimum compile time of a cache write is then raised past any compile, so nothing
+  is written and nothing can be read back."""
   enabled = jax.config.jax_enable_compilation_cache
+  min_seconds = jax.config.jax_persistent_cache_min_compile_time_secs
   jax.config.update("jax_enable_compilation_cache", False)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
   try:
     yield
   finally:
     jax.config.update("jax_enable_compilation_cache", enabled)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", min_seconds)
 
 
 def compile_train_step(runtime: Runtime, train_config: TrainConfig,
@@ -148,14 +174,21 @@ def compile_train_step(runtime: Runtime, train_config: TrainConfig,
                            train_config.microbatches, train_config.z_loss_weight,
                            train_config.loss_chunks)
   batch = abstract_batch(runtime, train_config.batch_size, train_config.sequence_length)
-  start, cpu_start = time.perf_counter(), time.process_time()
+  start, cpu_start = time.perf_counter(), _cpu_seconds()
   with runtime.activation_context(), _without_persistent_cache():
     compiled = program.step.lower(program.abstract_state, batch).compile()
-  return compiled, time.perf_counter() - start, time.process_time() - cpu_start
+  return compiled, time.perf_counter() - start, _cpu_seconds() - cpu_start
+
+
+def _cpu_seconds() -> float:
+  """CPU seconds of this process and of the children it waited for: XLA:GPU runs
+  ptxas as a child process for every kernel it builds."""
+  children = resource.getrusage(resource.RUSAGE_CHILDREN)
+  return time.process_time() + children.ru_utime + children.ru_stime
 
 
 def report(compiled: Any, seconds: float, cpu_seconds: float, runtime: Runtime,
-           target: TpuTarget, train_config: TrainConfig) -> CompileReport:
+           target: TpuTarget | GpuTarget, train_config: TrainConfig) -> CompileReport:
   """The CompileReport of a train step compiled by `compile_train_step`."""
   memory = compiled.memory_analysis()
   costs = compiled.cost_analysis()
@@ -164,7 +197,8 @@ def report(compiled: Any, seconds: float, cpu_seconds: float, runtime: Runtime,
   config = runtime.config
   text = compiled.as_text()
   return CompileReport(
-      target=target.name, num_slices=target.num_slices, devices=runtime.mesh.size,
+      target=target.name, platform=runtime.config.scan.lowering_platform,
+      num_slices=target.num_slices, devices=runtime.mesh.size,
       mesh=dict(runtime.mesh.shape),
       model={"width": config.width, "depth": config.depth,
              "block_pattern": list(config.block_pattern), "remat": config.remat,
@@ -182,4 +216,4 @@ def report(compiled: Any, seconds: float, cpu_seconds: float, runtime: Runtime,
       peak_flops=flops_lib.peak_flops_per_device(runtime.mesh.devices.flat[0].device_kind),
       while_loops=len(_WHILE.findall(text)),
       compile_seconds=seconds, compile_cpu_seconds=cpu_seconds,
-      mosaic_kernel=MOSAIC_CALL in text)
+      kernels=kernel_calls(text))

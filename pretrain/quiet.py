@@ -21,12 +21,16 @@ over descriptor 2 for the life of someone else's process:
   - TensorFlow writes its start-up lines while its shared libraries load, whatever
     TF_CPP_MIN_LOG_LEVEL says (TF 2.21); so only the import of `tensorflow` itself,
     wherever SeqIO, clu or TFDS trigger it, runs with descriptor 2 through the filter
-    (`_QuietImport`). TF_CPP_MIN_LOG_LEVEL, unless set, is 3 as in the commands: it
-    does silence TF's later lines, such as the CUDA probe when a first op runs;
+    (`_QuietImport`), and so do the imports of `jax` and of its CUDA plugin, which
+    write lines of their own where the plugin is installed without a GPU. TF_CPP_MIN_LOG_LEVEL, unless
+    set, is 3 as in the commands: it does silence TF's later lines, such as the CUDA
+    probe when a first op runs;
   - the Orbax notices are dropped by `install_log_filters`, as in the commands.
 And everywhere, commands included: on a host with libtpu installed (the tpu and test
 extras) but no accelerator, JAX would start libtpu, which probes for a TPU and writes
-a dozen lines about the one it did not find before JAX settles on the CPU. There JAX's
+a dozen lines about the one it did not find before JAX settles on the CPU; with the
+CUDA plugin (the gpu-aot and test extras, to compile for GPUs) it would try to load
+CUDA and print a traceback of the failure. There JAX's
 platform is set to "cpu" before any backend starts, in this process only (an exported
 JAX_PLATFORMS would follow `sbatch` from a login node to GPU nodes). A JAX_PLATFORMS
 the user set, a TPU or GPU device, or the variables that describe a TPU host to libtpu
@@ -239,15 +243,23 @@ class _QuietLoader(importlib.abc.Loader):
       self.loader.exec_module(module)
 
 
+# Packages whose import writes native start-up lines to descriptor 2: TensorFlow's,
+# and where the CUDA plugin is installed, JAX's and the plugin's (JAX imports it when
+# its first backend starts, CPU included): their CUDA stubs report, whatever
+# TF_CPP_MIN_LOG_LEVEL says, that no driver was found.
+_NOISY_IMPORTS = ("tensorflow", "jax", "jax_plugins.xla_cuda12")
+
+
 class _QuietImport(importlib.abc.MetaPathFinder):
-  """A `sys.meta_path` finder: `tensorflow`, found where Python's path finder finds it,
-  is imported with `_QuietLoader`. TensorFlow loads lazily from many places (SeqIO, clu,
-  TFDS), and its import is the one moment its native start-up lines are written."""
+  """A `sys.meta_path` finder: the `_NOISY_IMPORTS`, found where Python's path finder
+  finds them, are imported with `_QuietLoader`. TensorFlow loads lazily from many places
+  (SeqIO, clu, TFDS), and the import of each is the one moment its native start-up
+  lines are written."""
 
   def find_spec(self, name: str, path: Optional[list[str]] = None,
                 target: Optional[types.ModuleType] = None
                 ) -> Optional[importlib.machinery.ModuleSpec]:
-    if name != "tensorflow":
+    if name not in _NOISY_IMPORTS:
       return None
     spec = importlib.machinery.PathFinder.find_spec(name, path, target)
     if spec is not None and spec.loader is not None:
@@ -255,13 +267,21 @@ class _QuietImport(importlib.abc.MetaPathFinder):
     return spec
 
 
-def _libtpu_would_probe_in_vain() -> bool:
-  """Whether JAX, left to choose its platform, would start libtpu on a host without a
-  TPU: libtpu is installed, no accelerator device is here, and neither JAX_PLATFORMS
-  nor a TPU host's variables are set."""
+def _installed(module: str) -> bool:
+  """Whether `module` can be imported (a dotted name whose parent is missing cannot)."""
+  try:
+    return importlib.util.find_spec(module) is not None
+  except ModuleNotFoundError:
+    return False
+
+
+def _accelerator_would_probe_in_vain() -> bool:
+  """Whether JAX, left to choose its platform, would start libtpu or the CUDA plugin on
+  a host without a TPU or GPU: one of them is installed, no accelerator device is here,
+  and neither JAX_PLATFORMS nor a TPU host's variables are set."""
   return ("JAX_PLATFORMS" not in os.environ
           and not any(name in os.environ for name in TPU_VARIABLES)
-          and importlib.util.find_spec("libtpu") is not None
+          and any(_installed(name) for name in ("libtpu", "jax_plugins.xla_cuda12"))
           and not any(glob.glob(pattern) for pattern in ACCELERATOR_DEVICES))
 
 
@@ -274,8 +294,17 @@ elif not verbose_requested(sys.argv):
   os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
   _filter_native_stderr()
 
-if _libtpu_would_probe_in_vain():
+if _accelerator_would_probe_in_vain():
   # JAX is imported here only on such a host, after the filter above is in place.
   import jax  # pylint: disable=wrong-import-position
   if jax.config.jax_platforms is None:  # an earlier jax.config.update stands
     jax.config.update("jax_platforms", "cpu")
+
+if not _is_command() and _installed("jax_plugins.xla_cuda12"):
+  # JAX loads every installed plugin when its first backend starts, CPU included, and
+  # the CUDA plugin's library then reports the missing driver from native code; so the
+  # plugins are registered here, filtered (`jax.devices()` would do it as well, but
+  # would also fix the backends before the user's own configuration).
+  from jax._src import xla_bridge  # pylint: disable=wrong-import-position
+  with _native_stderr_filtered():
+    xla_bridge._discover_and_register_pjrt_plugins()  # pylint: disable=protected-access

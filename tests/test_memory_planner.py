@@ -17,6 +17,7 @@ from sharding.mesh import parse_mesh_flag
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TPU_RECORDS = os.path.join(REPO, "benchmarks", "results", "planner_vs_compiler.json")
+GPU_RECORDS = os.path.join(REPO, "benchmarks", "results", "planner_vs_gpu_compiler.json")
 
 SMALL = {
     "griffin": ModelConfig(vocab_size=256, width=128, rnn_width=128, num_heads=4, depth=3,
@@ -67,21 +68,43 @@ def test_analytic_plan_matches_tpu_compiled_peaks():
   assert {"griffin_1_3b.gin", "hawk_1_3b.gin", "mqa_1_3b.gin"} <= models
   assert {"full", "none"} <= {r["remat"] for r in records}
   for record in records:
-    gin_config.parse(list(BASE_GIN) + record["gin_files"], record["gin_params"])
-    try:
-      config = gin_config.build_model_config()
-    finally:
-      gin.clear_config()
-    plan = memory.plan_memory(config, parse_mesh_flag(record["mesh"]), record["batch_size"],
-                              record["sequence_length"], method="analytic")
-    peak = record["compiled_peak_bytes"]
-    # XLA's arguments are the parameter and AdamW shards and the batch; the gradients
-    # are live through the backward pass, and the rest is activations.
-    activations = peak - record["compiled_argument_bytes"] - plan["gradients"]
-    total_ratio = plan["total"] / peak
-    activation_ratio = plan["activations"] / activations
-    print(f"{record['name']}: plan / compiled peak {total_ratio:.2f}, "
-          f"activations {activation_ratio:.2f}")
+    total_ratio, activation_ratio = _plan_over_compiled(record)
+    assert 0.75 < total_ratio < 1.25, record["name"]
+    assert 0.75 < activation_ratio < 1.25, record["name"]
+
+
+def _plan_over_compiled(record: dict) -> tuple[float, float]:
+  """(analytic total / compiled peak, analytic / compiled activations) of one record."""
+  gin_config.parse(list(BASE_GIN) + record["gin_files"], record["gin_params"])
+  try:
+    config = gin_config.build_model_config()
+  finally:
+    gin.clear_config()
+  plan = memory.plan_memory(config, parse_mesh_flag(record["mesh"]), record["batch_size"],
+                            record["sequence_length"], method="analytic")
+  peak = record["compiled_peak_bytes"]
+  # XLA's arguments are the parameter and AdamW shards and the batch; the gradients
+  # are live through the backward pass, and the rest is activations.
+  activations = peak - record["compiled_argument_bytes"] - plan["gradients"]
+  total_ratio = plan["total"] / peak
+  activation_ratio = plan["activations"] / activations
+  print(f"{record['name']}: plan / compiled peak {total_ratio:.2f}, "
+        f"activations {activation_ratio:.2f}")
+  return total_ratio, activation_ratio
+
+
+def test_analytic_plan_matches_gpu_compiled_peaks_with_full_remat():
+  """The analytic plan within 25% of XLA:GPU's compiled per-GPU peak for every run with
+  remat "full" that benchmarks/planner_vs_compiler.py --record compiled for H100s.
+  Without remat the GPU compiler keeps 2.1-2.9x what the plan says (griffin_1_3b on
+  32 H100s: 305 GiB against 120; benchmarks/RESULTS.md), so those records are kept
+  but the planner is not yet calibrated for them (issue 21, item 4)."""
+  with open(GPU_RECORDS) as f:
+    records = [r for r in json.load(f) if r["remat"] == "full"]
+  assert {"griffin_1_3b.gin", "hawk_1_3b.gin", "mqa_1_3b.gin"} <= {
+      os.path.basename(r["gin_files"][-1]) for r in records}
+  for record in records:
+    total_ratio, activation_ratio = _plan_over_compiled(record)
     assert 0.75 < total_ratio < 1.25, record["name"]
     assert 0.75 < activation_ratio < 1.25, record["name"]
 

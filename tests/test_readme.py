@@ -107,7 +107,7 @@ def _kind(piece):
   if piece.startswith("python -m launch."):
     return "launcher"
   if piece.startswith("python -m pretrain.compile"):
-    return "compile"  # run verbatim by tests/test_tpu_compile.py (needs libtpu)
+    return "compile"  # run verbatim by tests/test_tpu_compile.py and test_gpu_compile.py
   if piece.startswith("python -m model.summary"):
     return "summary"
   if piece.startswith("python -m pretrain.train"):

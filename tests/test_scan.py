@@ -123,10 +123,11 @@ def test_auto_follows_the_target_platform():
   assert engine.resolve_impl("auto", OPTIONS) == ("lax", None)  # CPU
   assert engine.resolve_impl("lax:16", OPTIONS) == ("lax", 16)
   assert engine.resolve_impl("auto", ScanOptions(lowering_platform="tpu")) == ("pallas", None)
-  # The GPU kernels have not been compiled by a GPU compiler here: XLA's scan.
-  for platform in ("gpu", "cuda", "rocm"):
+  # NVIDIA targets: the kernels tests/test_gpu_compile.py compiles; ROCm: none compiled.
+  for platform in ("gpu", "cuda"):
     options = ScanOptions(lowering_platform=platform)
-    assert engine.resolve_impl("auto", options) == ("lax", None)
+    assert engine.resolve_impl("auto", options) == ("pallas", None)
+  assert engine.resolve_impl("auto", ScanOptions(lowering_platform="rocm")) == ("lax", None)
   assert engine.resolve_platform(ScanOptions(lowering_platform="rocm")) == "gpu"
   assert engine.resolve_platform(OPTIONS) == "cpu"
 

@@ -12,17 +12,30 @@ kernel can be swapped without touching the layers:
 - "pallas": the Pallas kernel of `model.scan.pallas_scan` (state kept on chip, custom
   VJP with a fused backward). On CPU it only runs in interpret mode (slow; for tests).
 - "auto": "pallas" only where the kernel has been compiled by the device's own compiler
-  in this project's tests: TPU, whose Mosaic compiler builds the kernel inside the
-  whole train step for every mesh in tests/test_tpu_compile.py. Elsewhere "lax" with
-  the default unroll of 1, the fastest XLA path measured: in `benchmarks/scan.py
-  --quick` on this project's 2-core CPU machine (B=8, D=1024, float32;
-  benchmarks/RESULTS.md, "## Scan") lax.scan at unroll 1 was the fastest forward and
-  forward+backward: 1.2-2.4x ahead of unroll 8, 1.4-2.2x ahead of the associative
-  scan, 7-18x ahead of unroll 128 (whose huge loop body also compiles for one to two
-  minutes). That includes GPU: the GPU kernels lower (tests/test_scan_lowering.py)
-  but have not yet been compiled and run on a GPU, so a GPU user opts in with
-  `scan_impl="pallas"` (or "associative", often faster than a sequential scan on a
-  GPU) after measuring. Pallas on CPU is interpret mode only.
+  in this project's tests and is expected to beat XLA's scans there:
+  - TPU, whose Mosaic compiler builds the kernel inside the whole train step for every
+    mesh in tests/test_tpu_compile.py;
+  - NVIDIA GPUs of the compute capabilities in `VERIFIED_CUDA_CAPABILITIES`, whose
+    XLA:GPU, Triton / Mosaic GPU and ptxas build the kernels (the "chunked" strategy)
+    inside the whole train step of every tiny model and mesh in
+    tests/test_gpu_compile.py (H100; A100, H200 and B200 for the kernels alone;
+    Mosaic GPU needs Hopper or later). Expected to win, from the compiled programs
+    (XLA:GPU for one H100, B=4, T=2048, D=1024, bf16 x; benchmarks/RESULTS.md, "GPU
+    compile"):
+    "lax" compiles to a while loop of 2048 trips, forward and again backward, each
+    trip a launch of fused kernels over only B x D = 4096 elements, so its time is
+    2048 dependent launches (microseconds each) per layer and direction; the
+    associative scan has no loop but log2(T) passes, and 27 MiB of temporaries
+    forward against the kernel's 16; the Pallas kernel is 2 launches forward
+    and 2 backward, whose bytes (14 per element forward for bf16 x) take tens of
+    microseconds at H100 bandwidth. No GPU has run them in this project yet.
+  Elsewhere (CPU, ROCm, other NVIDIA generations) "lax" with the default unroll of 1,
+  the fastest XLA path measured: in `benchmarks/scan.py --quick` on this project's
+  2-core CPU machine (B=8, D=1024, float32; benchmarks/RESULTS.md, "## Scan")
+  lax.scan at unroll 1 was the fastest forward and forward+backward: 1.2-2.4x ahead
+  of unroll 8, 1.4-2.2x ahead of the associative scan, 7-18x ahead of unroll 128
+  (whose huge loop body also compiles for one to two minutes). Pallas on CPU is
+  interpret mode only.
 
 Numerics: the state is accumulated in float32 (complex64 for complex inputs) whatever
 the input dtype; `h` comes back in x's dtype (complex64 when only `a` is complex) and
@@ -45,9 +58,10 @@ import jax.numpy as jnp
 IMPLS = ("auto", "lax", "associative", "pallas")
 # Platform names `ScanOptions.lowering_platform` accepts, and the kernel target of each.
 PLATFORMS = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "cpu": "cpu"}
-# Kernel targets where "auto" picks Pallas: those whose own compiler has built the
-# kernel in this project's tests (module docstring).
-VERIFIED_PALLAS_TARGETS = ("tpu",)
+# NVIDIA compute capabilities whose compilers built the Pallas kernels in
+# tests/test_gpu_compile.py, per Pallas GPU backend (module docstring, "auto").
+VERIFIED_CUDA_CAPABILITIES = {"triton": ("8.0", "9.0", "10.0"),
+                              "mosaic_gpu": ("9.0", "10.0")}
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -76,7 +90,8 @@ class ScanOptions:
       Triton: single pass, many programs chained by decoupled look-back through
       global atomics; chunks of at most 32 steps and 128 channels, held in
       registers). "auto" is "sequential" on TPU and "chunked" on GPU: "lookback"
-      moves the fewest bytes but has not yet run on a GPU (benchmarks/RESULTS.md).
+      moves the fewest bytes and compiles (tests/test_gpu_compile.py), but its
+      spin-waiting look-back has not yet run on a GPU (benchmarks/RESULTS.md).
     pallas_gpu_backend: "auto" (Triton where this JAX still ships it, else Mosaic
       GPU), "triton" or "mosaic_gpu".
     pallas_interpret: None = interpret mode exactly when the target platform is CPU.
@@ -154,11 +169,33 @@ def parse_impl(impl: str) -> tuple[str, Optional[int]]:
   return name, int(unroll)
 
 
+def _local_cuda_capability() -> Optional[str]:
+  """The compute capability of this host's first GPU ("9.0"; a ROCm GPU's architecture
+  name, if any, matches no entry of `VERIFIED_CUDA_CAPABILITIES`)."""
+  return getattr(jax.local_devices()[0], "compute_capability", None)
+
+
+def _auto_picks_pallas(options: ScanOptions) -> bool:
+  """Whether "auto" is the Pallas kernel for `options`' target (module docstring)."""
+  target = _target(options)
+  if target == "tpu":
+    return True
+  if target != "gpu" or options.lowering_platform == "rocm":
+    return False
+  from model.scan import pallas_compat  # pylint: disable=g-import-not-at-top
+  backend = pallas_compat.resolve_gpu_backend(options.pallas_gpu_backend)
+  if options.lowering_platform is not None:
+    # Cross-lowering for "gpu" / "cuda": the targets this project compiles for
+    # (pretrain/gpu_specs) are the verified generations.
+    return True
+  return _local_cuda_capability() in VERIFIED_CUDA_CAPABILITIES[backend]
+
+
 def resolve_impl(impl: str, options: ScanOptions) -> tuple[str, Optional[int]]:
   """Resolves "auto" for the target platform (see the module docstring for why)."""
   name, unroll = parse_impl(impl)
   if name == "auto":
-    name = "pallas" if _target(options) in VERIFIED_PALLAS_TARGETS else "lax"
+    name = "pallas" if _auto_picks_pallas(options) else "lax"
   return name, unroll
 
 

@@ -159,10 +159,10 @@ def look_back(flags_ref, prod_refs, local_refs, inclusive_refs, grid: Grid, lane
   identity = (jnp.ones_like(base[0]),) + zeros[1:]    # 1, or 1 + 0i
 
   def walking(carry):
-    return jnp.logical_not(carry[1])
+    return jnp.logical_not(carry[4])
 
   def step(carry):
-    j, _, prod, local, start = carry
+    prod, local, start, j, _ = carry
     flag = pltriton.atomic_add(flags_ref, lane * grid.tiling.num_chunks + j, j * 0)
     p_j, l_j = _volatile(prod_refs, lane, j), _volatile(local_refs, lane, j)
     inclusive = _volatile(inclusive_refs, lane, j)
@@ -176,12 +176,17 @@ def look_back(flags_ref, prod_refs, local_refs, inclusive_refs, grid: Grid, lane
     start = pick(use_inclusive, complex_add(complex_mul(prod, inclusive), local), start)
     from_base = complex_add(complex_mul(composed_prod, base), composed_local)
     start = pick(at_start, from_base, start)
-    return (previous, jnp.logical_or(use_inclusive, at_start),
-            pick(use_aggregate, composed_prod, prod),
-            pick(use_aggregate, composed_local, local), start)
+    return (pick(use_aggregate, composed_prod, prod),
+            pick(use_aggregate, composed_local, local), start,
+            previous, jnp.logical_or(use_inclusive, at_start))
 
-  carry = (position - 1, position == 0, identity, zeros, base)
-  return jax.lax.while_loop(walking, step, carry)[4]
+  # The tensors lead the carry: Triton's layout propagation through scf.while
+  # (RemoveLayoutConversions) reads the loop's results at the index of the
+  # yielded value, and a tensor placed after the scalar done-flag falls past the
+  # end of them, which segfaulted XLA:GPU's Triton compile of this kernel
+  # (tests/test_gpu_compile.py keeps the look-back kernels compiling).
+  carry = (identity, zeros, base, position - 1, position == 0)
+  return jax.lax.while_loop(walking, step, carry)[2]
 
 
 def _chain(workspace: Sequence, grid: Grid, program: _Program, prod: Value,
