@@ -269,7 +269,9 @@ def read_runs(path: str, metric: str = "loss") -> Dict[str, scaling_laws.Runs]:
   if missing:
     raise usage_error(f"--runs: {csv_path} has no column {', '.join(missing)}; it needs "
                       f"params, tokens and {metric} (flops, family, flop_budget optional)")
-  rows = [r for r in reader if (r.get(metric) or "").strip()]
+  # A forked study's stable runs end without a cooldown: their forks are the (N, D)
+  # points, each fork's curve its cooldown (launch.wsd_design).
+  rows = [r for r in reader if (r.get(metric) or "").strip() and r.get("role") != "stable"]
   grouped: Dict[str, List[dict]] = {}
   for row in rows:
     grouped.setdefault(row.get("family") or "all", []).append(row)

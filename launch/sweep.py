@@ -61,7 +61,7 @@ import shlex
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from absl import flags
 import gin
@@ -70,6 +70,7 @@ from launch import common
 from launch import scaling_fit
 from launch import sweep_dispatch
 from launch import sweep_progress
+from launch import wsd_design
 from model import counting
 from model.config import ModelConfig, model_config_to_dict
 from pretrain import cli
@@ -94,7 +95,8 @@ ORPHAN_POLL_S = 2.0
 # `flop_budget` are what `launch.scaling_fit` reads.
 CSV_FIELDS = ("run", "family", "size", "target_params", "params", "total_params",
               "width", "depth", "rnn_width", "num_heads", "train_steps", "tokens",
-              "flops_per_token", "flops", "flop_budget", "loss", "bits_per_byte", "workdir")
+              "flops_per_token", "flops", "flop_budget", "loss", "bits_per_byte", "workdir",
+              "role", "own_flops")
 
 
 def parse_size(text: str) -> int:
@@ -169,9 +171,20 @@ class Run:
   flop_budget: Optional[float] = None     # isoFLOP design: the budget this run spends
   eval_loss: Optional[float] = None
   eval_bits_per_byte: Optional[float] = None   # None too where the vocabulary has no text
+  # The forked (WSD) design (launch.wsd_design): "stable" or "fork", the run's name,
+  # its schedule and checkpoint bindings, and for a fork the stable run (directory and
+  # name) and checkpoint step it starts from.
+  role: str = ""
+  label: Optional[str] = None
+  extra_gin: Tuple[str, ...] = ()
+  fork_from: Optional[str] = None
+  fork_step: int = 0
+  source: Optional[str] = None
 
   @property
   def name(self) -> str:
+    if self.label is not None:
+      return self.label
     if self.flop_budget is None:
       return f"{self.family}_{self.size}"
     return f"{self.family}_C{budget_label(self.flop_budget)}_{self.size}"
@@ -186,7 +199,13 @@ class Run:
 
   @property
   def flops(self) -> float:
+    """The compute of the run's end point: all its steps, a fork's stable prefix too."""
     return self.flops_per_token * self.tokens
+
+  @property
+  def own_flops(self) -> float:
+    """The compute this run adds to the study: a fork's steps after its fork step."""
+    return self.flops * (self.train_steps - self.fork_step) / self.train_steps
 
   def row(self) -> Dict[str, object]:
     counts = counting.analytic_param_counts(self.config)
@@ -201,7 +220,8 @@ class Run:
             "loss": "" if self.eval_loss is None else f"{self.eval_loss:.6f}",
             "bits_per_byte": ("" if self.eval_bits_per_byte is None
                               else f"{self.eval_bits_per_byte:.6f}"),
-            "workdir": self.workdir}
+            "workdir": self.workdir, "role": self.role,
+            "own_flops": f"{self.own_flops:.6g}"}
 
 
 def plan(families: Sequence[str], sizes: Sequence[str], *, tokens_per_param: float,
@@ -312,6 +332,9 @@ def run_gin(run: Run) -> str:
             f"OptimizerConfig.warmup_steps = {run.warmup_steps}"]
   if run.peak_learning_rate is not None:
     lines.append(f"OptimizerConfig.peak_learning_rate = {run.peak_learning_rate!r}")
+  if run.extra_gin:
+    lines += ["", f"# The {run.role} run of a forked (WSD) study (launch.wsd_design).",
+              "import pretrain.checkpointing", *run.extra_gin]
   return "\n".join(lines) + "\n"
 
 
@@ -323,11 +346,15 @@ def run_bindings(run: Run) -> List[str]:
 
 def command(run: Run, gin_files: Sequence[str], gin_params: Sequence[str],
             python: str = "python") -> List[str]:
-  """The run's training command: the user's files, the run's bindings, the user's."""
+  """The run's training command: the user's files, the run's bindings, the user's; a
+  fork's starts by copying its stable run's checkpoint (launch.fork)."""
   args = [python, "-m", "pretrain.train"]
   args += [f"--gin_file={f}" for f in gin_files]
   args += [f"--gin_param={p}" for p in run_bindings(run) + list(gin_params)]
   args.append(f"--workdir={run.workdir}")
+  if run.fork_from is not None:
+    args = [python, "-m", "launch.fork", f"--source={run.fork_from}",
+            f"--step={run.fork_step}", f"--workdir={run.workdir}", "--"] + args
   return args
 
 
@@ -365,8 +392,17 @@ def execute(runs: Sequence[Run], gin_files: Sequence[str], gin_params: Sequence[
             cluster: Optional[sweep_dispatch.ClusterOptions] = None, study_dir: str = "",
             dry_run: bool = False, log=print) -> Dict[str, str]:
   """Starts every run that is not finished or running (sweep_dispatch); fills in the
-  final evaluation of the finished ones (`collect`). Returns each run's state."""
+  final evaluation of the finished ones (`collect`). Returns each run's state.
+
+  A cooldown fork starts once its stable run has finished: locally as soon as it has,
+  on a cluster at the next run of the command (a dry run prints those forks' specs
+  after the others')."""
   todo, states, given_up_before = [], {}, 0
+  by_name = {run.name: run for run in runs}
+
+  def ready(job: sweep_dispatch.Job) -> bool:
+    source = by_name[job.name].source
+    return source is None or final_eval(by_name[source]) is not None
   for run in runs:
     state, failures = sweep_dispatch.run_state(run.workdir, collect(run))
     states[run.name] = state
@@ -389,9 +425,10 @@ def execute(runs: Sequence[Run], gin_files: Sequence[str], gin_params: Sequence[
   if backend == "local":
     if dry_run:
       for job in todo:
+        if not ready(job):
+          print(f"# once {by_name[job.name].source} has finished:")
         print(shlex.join(job.wrapped(sys.executable)))
       return states
-    by_name = {run.name: run for run in runs}
     progress = sweep_progress.Progress(
         {job.name: job.work for job in todo}, parallel,
         finished=sum(s == sweep_dispatch.FINISHED for s in states.values()),
@@ -399,7 +436,7 @@ def execute(runs: Sequence[Run], gin_files: Sequence[str], gin_params: Sequence[
         failed=given_up_before)
     given_up = sweep_dispatch.run_local(
         todo, parallel, max_retries, lambda job: final_eval(by_name[job.name]) is not None,
-        log, progress)
+        log, progress, ready)
     for run in runs:
       states[run.name] = sweep_dispatch.run_state(run.workdir, collect(run))[0]
     if given_up:
@@ -408,8 +445,17 @@ def execute(runs: Sequence[Run], gin_files: Sequence[str], gin_params: Sequence[
                       "their logs are sweep_train.log in their directories. Fix the cause "
                       "and run the same command again (finished runs are kept)")
     return states
-  sweep_dispatch.submit_cluster(backend, todo, cluster or sweep_dispatch.ClusterOptions(),
-                                study_dir, dry_run, log)
+  cluster = cluster or sweep_dispatch.ClusterOptions()
+  later = [job for job in todo if not ready(job)]
+  sweep_dispatch.submit_cluster(backend, [j for j in todo if ready(j)], cluster, study_dir,
+                                dry_run, log)
+  if later and dry_run:
+    print("# Submitted by a later run of this command, once each fork's stable run has "
+          "finished (launch.fork copies its checkpoint first):")
+    sweep_dispatch.submit_cluster(backend, later, cluster, study_dir, dry_run, log)
+  elif later:
+    log(f"[sweep] {len(later)} fork(s) wait for their stable runs; run the same command "
+        "again once those have finished")
   return states
 
 
@@ -426,7 +472,9 @@ def write_results(runs: Sequence[Run], workdir: str, log=print) -> Dict[str, obj
         f"`python -m launch.scaling_fit --runs={workdir} --plots={workdir}/plots`")
   points, fits, fit_json = {}, {}, {}
   for family in dict.fromkeys(run.family for run in runs):
-    done = [r for r in runs if r.family == family and r.eval_loss is not None]
+    # A stable run's end point is not cooled down: the forks are the (N, D) points.
+    done = [r for r in runs if r.family == family and r.eval_loss is not None
+            and r.role != wsd_design.STABLE]
     points[family] = ([r.flops for r in done], [r.eval_loss for r in done])
     if len({r.flops for r in done}) >= 2:
       fits[family] = scaling_fit.fit_scaling_law(*points[family])
@@ -435,9 +483,13 @@ def write_results(runs: Sequence[Run], workdir: str, log=print) -> Dict[str, obj
       fit_json[family] = {"error": "fewer than 2 finished runs at distinct compute"}
   storage.write_text(storage.join(workdir, "fit.json"), json.dumps(fit_json, indent=2))
   with tempfile.TemporaryDirectory() as staging:  # matplotlib writes local files
+    if not any(losses for _, losses in points.values()):
+      points = {}   # nothing finished (every run given up): an empty figure
     scaling_fit.plot_scaling(points, fits, os.path.join(staging, "scaling.png"))
     storage.copy(os.path.join(staging, "scaling.png"), storage.join(workdir, "scaling.png"))
   table = runs_table_markdown(runs) + "\n\n" + scaling_fit.fit_table_markdown(fits) + "\n"
+  if any(run.role for run in runs):
+    table += "\n" + wsd_design.cost_markdown(wsd_design.study_cost(runs)) + "\n"
   storage.write_text(storage.join(workdir, "scaling.md"), table)
   log(table)
   return fit_json
@@ -506,6 +558,16 @@ def define_flags() -> None:
   flags.DEFINE_integer("max_steps", None,
                        "Cap on the steps of each run (for smoke tests; breaks the "
                        "compute-optimal budget, which the table then shows).", lower_bound=1)
+  flags.DEFINE_enum("design", "cosine", ("cosine", "wsd"),
+                    "cosine: every run decays to its own end (--sizes or --flop_budgets); "
+                    "wsd: one stable run per size, cooldowns forked from it "
+                    "(launch.wsd_design).")
+  flags.DEFINE_list("cooldown_tokens_per_param", ["5", "10", "20", "40"],
+                    "WSD design: the forks' tokens per non-embedding parameter.")
+  flags.DEFINE_float("cooldown_fraction", 0.2, "WSD design: share of each fork's steps "
+                     "spent cooling down.")
+  flags.DEFINE_enum("cooldown_shape", "1-sqrt", ("linear", "1-sqrt"),
+                    "WSD design: the cooldown's shape (Hägele et al. find 1-sqrt best).")
   flags.DEFINE_list("flop_budgets", [], "IsoFLOP design: training FLOP budgets, e.g. "
                     "1e15,3e15,1e16 (replaces --sizes).")
   flags.DEFINE_integer("points_per_budget", 5, "IsoFLOP design: sizes per budget.",
@@ -588,7 +650,30 @@ def main(argv: Sequence[str]) -> None:
   shared = dict(batch_size=FLAGS.batch_size, sequence_length=FLAGS.sequence_length,
                 vocab_size=vocab_size, workdir=workdir, warmup_fraction=FLAGS.warmup_fraction,
                 peak_learning_rate=FLAGS.peak_learning_rate)
-  if budgets:
+  if FLAGS.design == "wsd":
+    if budgets:
+      raise usage_error("--design=wsd plans its runs from --sizes and "
+                        "--cooldown_tokens_per_param; drop --flop_budgets")
+    try:
+      options = wsd_design.WsdOptions(
+          tuple(float(t) for t in FLAGS.cooldown_tokens_per_param), FLAGS.cooldown_fraction,
+          FLAGS.cooldown_shape)
+    except ValueError as error:
+      raise usage_error(str(error).replace("could not convert string to float",
+                                           "--cooldown_tokens_per_param: not a number")
+                        ) from None
+    runs = wsd_design.plan_wsd(
+        FLAGS.families, FLAGS.sizes, options, batch_size=FLAGS.batch_size,
+        sequence_length=FLAGS.sequence_length, vocab_size=vocab_size, workdir=workdir,
+        warmup_fraction=FLAGS.warmup_fraction,
+        learning_rate=lambda _: FLAGS.peak_learning_rate)
+    if FLAGS.dry_run:
+      print(wsd_design.cost_markdown(wsd_design.study_cost(runs)))
+    else:
+      storage.makedirs(workdir)
+      storage.write_text(storage.join(workdir, "design.json"),
+                         wsd_design.design_json(runs, options))
+  elif budgets:
     runs = plan_isoflop(FLAGS.families, budgets, points_per_budget=FLAGS.points_per_budget,
                         spread=FLAGS.isoflop_spread, tokens_per_param=FLAGS.tokens_per_param,
                         **shared)
