@@ -70,6 +70,7 @@ from launch import common
 from launch import scaling_fit
 from launch import sweep_dispatch
 from launch import sweep_progress
+from launch import size_rule
 from launch import wsd_design
 from model import counting
 from model.config import ModelConfig, model_config_to_dict
@@ -568,6 +569,13 @@ def define_flags() -> None:
                      "spent cooling down.")
   flags.DEFINE_enum("cooldown_shape", "1-sqrt", ("linear", "1-sqrt"),
                     "WSD design: the cooldown's shape (Hägele et al. find 1-sqrt best).")
+  flags.DEFINE_list("lr_sweep", [], "Size rule (launch.size_rule): learning rates probed "
+                    "at the smallest sizes, e.g. 1e-3,3e-3,1e-2; every run then trains at "
+                    "the fitted rate for its size (replaces --peak_learning_rate).")
+  flags.DEFINE_integer("lr_sweep_sizes", 2, "Size rule: how many of the smallest sizes "
+                       "are probed.", lower_bound=1)
+  flags.DEFINE_float("lr_sweep_tokens_per_param", 20.0, "Size rule: the probes' tokens "
+                     "per non-embedding parameter.", lower_bound=0.0)
   flags.DEFINE_list("flop_budgets", [], "IsoFLOP design: training FLOP budgets, e.g. "
                     "1e15,3e15,1e16 (replaces --sizes).")
   flags.DEFINE_integer("points_per_budget", 5, "IsoFLOP design: sizes per budget.",
@@ -647,69 +655,113 @@ def main(argv: Sequence[str]) -> None:
   workdir = FLAGS.workdir if FLAGS.workdir.startswith("gs://") else os.path.abspath(
       os.path.expanduser(FLAGS.workdir))
   vocab_size = FLAGS.vocab_size or vocab_size_from_gin(FLAGS.gin_file, FLAGS.gin_param)
-  shared = dict(batch_size=FLAGS.batch_size, sequence_length=FLAGS.sequence_length,
-                vocab_size=vocab_size, workdir=workdir, warmup_fraction=FLAGS.warmup_fraction,
-                peak_learning_rate=FLAGS.peak_learning_rate)
-  if FLAGS.design == "wsd":
-    if budgets:
-      raise usage_error("--design=wsd plans its runs from --sizes and "
-                        "--cooldown_tokens_per_param; drop --flop_budgets")
-    try:
-      options = wsd_design.WsdOptions(
-          tuple(float(t) for t in FLAGS.cooldown_tokens_per_param), FLAGS.cooldown_fraction,
-          FLAGS.cooldown_shape)
-    except ValueError as error:
-      raise usage_error(str(error).replace("could not convert string to float",
-                                           "--cooldown_tokens_per_param: not a number")
-                        ) from None
-    runs = wsd_design.plan_wsd(
-        FLAGS.families, FLAGS.sizes, options, batch_size=FLAGS.batch_size,
+  runs, probe_gin = _plan_runs(budgets, vocab_size, workdir)
+  if FLAGS.lr_sweep:
+    probes = size_rule.plan_probes(
+        FLAGS.families, FLAGS.sizes, _rates(), count=FLAGS.lr_sweep_sizes,
+        tokens_per_param=FLAGS.lr_sweep_tokens_per_param, batch_size=FLAGS.batch_size,
         sequence_length=FLAGS.sequence_length, vocab_size=vocab_size, workdir=workdir,
-        warmup_fraction=FLAGS.warmup_fraction,
-        learning_rate=lambda _: FLAGS.peak_learning_rate)
+        warmup_fraction=FLAGS.warmup_fraction, extra_gin=probe_gin)
     if FLAGS.dry_run:
-      print(wsd_design.cost_markdown(wsd_design.study_cost(runs)))
-    else:
-      storage.makedirs(workdir)
-      storage.write_text(storage.join(workdir, "design.json"),
-                         wsd_design.design_json(runs, options))
-  elif budgets:
-    runs = plan_isoflop(FLAGS.families, budgets, points_per_budget=FLAGS.points_per_budget,
-                        spread=FLAGS.isoflop_spread, tokens_per_param=FLAGS.tokens_per_param,
-                        **shared)
-  else:
-    runs = plan(FLAGS.families, FLAGS.sizes, tokens_per_param=FLAGS.tokens_per_param,
-                max_steps=FLAGS.max_steps, **shared)
+      print("# The learning-rate probes (launch.size_rule); the study's runs follow at the "
+            "rates of the rule fitted to them:")
+      print(runs_table_markdown(probes))
+    states = _run_all(probes, workdir, cluster)
+    if FLAGS.dry_run or not _all_finished(states):
+      return
+    rules = size_rule.fit_rules(probes)
+    for line in size_rule.warnings(rules):
+      print(line)
+    storage.write_text(storage.join(workdir, "size_rule.json"), size_rule.rules_json(
+        rules, _rates(), FLAGS.lr_sweep_sizes, FLAGS.lr_sweep_tokens_per_param))
+    for run in runs:
+      run.peak_learning_rate = rules[run.family](non_embedding_params(run.config))
   if FLAGS.dry_run:
     print(runs_table_markdown(runs))
     if FLAGS.backend == "local":
       for run in runs:
         print(f"# {run.name}: the run's bindings (--gin_param):")
         print("\n".join("#   " + line for line in run_gin(run).splitlines()))
+  states = _run_all(runs, workdir, cluster)
+  if not FLAGS.dry_run and _all_finished(states):
+    write_results(runs, workdir)
+
+
+def _rates() -> List[float]:
+  try:
+    return size_rule.parse_rates(FLAGS.lr_sweep)
+  except ValueError as error:
+    raise usage_error(str(error)) from None
+
+
+def _plan_runs(budgets: Sequence[float], vocab_size: int, workdir: str
+               ) -> Tuple[List[Run], Tuple[str, ...]]:
+  """The study's runs by the chosen design, and the schedule bindings its LR probes
+  share with them (launch.size_rule)."""
+  shared = dict(batch_size=FLAGS.batch_size, sequence_length=FLAGS.sequence_length,
+                vocab_size=vocab_size, workdir=workdir, warmup_fraction=FLAGS.warmup_fraction)
+  if FLAGS.design != "wsd":
+    if budgets:
+      return plan_isoflop(FLAGS.families, budgets, points_per_budget=FLAGS.points_per_budget,
+                          spread=FLAGS.isoflop_spread,
+                          tokens_per_param=FLAGS.tokens_per_param,
+                          peak_learning_rate=FLAGS.peak_learning_rate, **shared), ()
+    return plan(FLAGS.families, FLAGS.sizes, tokens_per_param=FLAGS.tokens_per_param,
+                max_steps=FLAGS.max_steps, peak_learning_rate=FLAGS.peak_learning_rate,
+                **shared), ()
+  if budgets:
+    raise usage_error("--design=wsd plans its runs from --sizes and "
+                      "--cooldown_tokens_per_param; drop --flop_budgets")
+  try:
+    options = wsd_design.WsdOptions(
+        tuple(float(t) for t in FLAGS.cooldown_tokens_per_param), FLAGS.cooldown_fraction,
+        FLAGS.cooldown_shape)
+  except ValueError as error:
+    raise usage_error(str(error).replace("could not convert string to float",
+                                         "--cooldown_tokens_per_param: not a number")
+                      ) from None
+  runs = wsd_design.plan_wsd(FLAGS.families, FLAGS.sizes, options,
+                             learning_rate=lambda _: FLAGS.peak_learning_rate, **shared)
+  if FLAGS.dry_run:
+    print(wsd_design.cost_markdown(wsd_design.study_cost(runs)))
+  else:
+    storage.makedirs(workdir)
+    storage.write_text(storage.join(workdir, "design.json"),
+                       wsd_design.design_json(runs, options))
+  return runs, ("OptimizerConfig.schedule = 'wsd'",
+                f"OptimizerConfig.cooldown_shape = {options.cooldown_shape!r}",
+                f"OptimizerConfig.cooldown_fraction = {options.cooldown_fraction!r}")
+
+
+def _all_finished(states: Dict[str, str]) -> bool:
+  """Whether every run finished; otherwise one line naming those that did not."""
+  waiting = sorted(name for name, state in states.items()
+                   if state != sweep_dispatch.FINISHED)
+  if waiting:
+    print(f"[sweep] {len(waiting)} run(s) not finished yet ({', '.join(waiting[:5])}"
+          f"{', ...' if len(waiting) > 5 else ''}); run the same command again later")
+  return not waiting
+
+
+def _run_all(runs: Sequence[Run], workdir: str,
+             cluster: Optional[sweep_dispatch.ClusterOptions]) -> Dict[str, str]:
+  """`execute` until nothing is left to start; locally, runs still training from an
+  earlier (killed) sweep are waited for, then looked at again: finished, or resumed."""
   while True:
     states = execute(runs, FLAGS.gin_file, FLAGS.gin_param, backend=FLAGS.backend,
                      parallel=FLAGS.parallel, max_retries=FLAGS.max_retries, cluster=cluster,
                      study_dir=workdir, dry_run=FLAGS.dry_run,
                      log=(lambda _: None) if FLAGS.dry_run else print)
     if FLAGS.dry_run:
-      return
-    # Locally, runs still training from an earlier (killed) sweep are waited for, then
-    # looked at again: finished, or to be resumed.
+      return states
     orphans = [r.name for r in runs if FLAGS.backend == "local"
                and states[r.name] == sweep_dispatch.RUNNING
                and sweep_dispatch.running_here(r.workdir)]
     if not orphans:
-      break
+      return states
     print(f"[sweep] waiting for {', '.join(orphans)}, still running from an earlier sweep")
     while any(sweep_dispatch.running_here(r.workdir) for r in runs if r.name in orphans):
       time.sleep(ORPHAN_POLL_S)
-  if all(state == sweep_dispatch.FINISHED for state in states.values()):
-    write_results(runs, workdir)
-  else:
-    waiting = sorted(name for name, state in states.items()
-                     if state != sweep_dispatch.FINISHED)
-    print(f"[sweep] {len(waiting)} run(s) not finished yet ({', '.join(waiting[:5])}"
-          f"{', ...' if len(waiting) > 5 else ''}); run the same command again later")
 
 
 if __name__ == "__main__":

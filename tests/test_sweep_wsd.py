@@ -5,6 +5,7 @@ unforked run step for step."""
 import csv
 import dataclasses
 import json
+import math
 import os
 import re
 import shlex
@@ -17,6 +18,7 @@ import pytest
 import yaml
 
 from launch import fork as fork_lib
+from launch import size_rule
 from launch import sweep
 from launch import sweep_dispatch
 from launch import wsd_design
@@ -270,3 +272,50 @@ def test_local_wsd_study_is_killed_and_resumed_and_forks_match_unforked_runs(tmp
   assert after and sorted(forked) == after
   for step in after:
     assert forked[step] == pytest.approx(unforked[step], rel=1e-6), step
+
+
+def test_best_rate_is_the_parabola_vertex_when_bracketed():
+  rates = [1e-3, 3e-3, 1e-2, 3e-2]
+  optimum = 5e-3
+  losses = [2.0 + 0.1 * (math.log(r) - math.log(optimum)) ** 2 for r in rates]
+  rate, bracketed = size_rule.best_rate(rates, losses)
+  assert bracketed and rate == pytest.approx(optimum, rel=1e-6)
+  assert size_rule.best_rate(rates, sorted(losses)) == (1e-3, False)   # still falling
+  assert size_rule.best_rate([1e-3, 1e-2], [2.0, 1.9]) == (1e-2, False)
+
+
+def test_rule_recovers_a_power_law_of_size_and_is_written_to_the_study():
+  sizes = []
+  for params in (3e4, 1e5, 3e5):
+    optimum = 0.5 * params ** -0.4
+    rates = [optimum * f for f in (0.25, 0.5, 1.0, 2.0, 4.0)]
+    sizes.append((int(params), rates,
+                  [3.0 + 0.05 * math.log(r / optimum) ** 2 for r in rates]))
+  rule = size_rule.fit_rule("hawk", sizes)
+  assert rule.exponent == pytest.approx(-0.4, abs=1e-6)
+  assert rule(2e6) == pytest.approx(0.5 * 2e6 ** -0.4, rel=1e-5)
+  record = json.loads(size_rule.rules_json({"hawk": rule}, [1e-3, 1e-2], 2, 20.0))
+  assert record["families"]["hawk"]["exponent"] == pytest.approx(-0.4, abs=1e-6)
+  assert len(record["families"]["hawk"]["sizes"]) == 3
+  single = size_rule.fit_rule("mqa", sizes[:1])
+  assert single.exponent == 0 and single(1e9) == pytest.approx(0.5 * 3e4 ** -0.4, rel=1e-5)
+
+
+def test_probes_cover_the_smallest_sizes_at_every_rate(tmp_path):
+  probes = size_rule.plan_probes(["hawk", "mqa"], ["2m", "0.5m", "1m"], [1e-3, 1e-2],
+                                 count=2, tokens_per_param=20, batch_size=8,
+                                 sequence_length=128, vocab_size=259,
+                                 workdir=str(tmp_path), warmup_fraction=0.1,
+                                 extra_gin=("OptimizerConfig.schedule = 'wsd'",))
+  assert sorted(p.name for p in probes if p.family == "hawk") == [
+      "hawk_0.5m_lr0.001", "hawk_0.5m_lr0.01", "hawk_1m_lr0.001", "hawk_1m_lr0.01"]
+  assert all(p.role == "lr_probe" and p.workdir.endswith(p.name) for p in probes)
+  assert _bindings(probes[1])["OptimizerConfig.peak_learning_rate"] == "0.01"
+  assert _bindings(probes[1])["OptimizerConfig.schedule"] == "'wsd'"
+
+
+@pytest.mark.parametrize("rates, fragment", [(["1e-3", "fast"], "'fast' is not a positive"),
+                                             (["1e-3"], "at least 2 distinct")])
+def test_bad_lr_sweeps_name_the_flag(rates, fragment):
+  with pytest.raises(ValueError, match=fragment):
+    size_rule.parse_rates(rates)
