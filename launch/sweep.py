@@ -67,6 +67,7 @@ from absl import flags
 import gin
 
 from launch import common
+from launch import ladder
 from launch import scaling_fit
 from launch import sweep_dispatch
 from launch import sweep_progress
@@ -569,6 +570,14 @@ def define_flags() -> None:
                      "spent cooling down.")
   flags.DEFINE_enum("cooldown_shape", "1-sqrt", ("linear", "1-sqrt"),
                     "WSD design: the cooldown's shape (Hägele et al. find 1-sqrt best).")
+  flags.DEFINE_float("train_optimum", None, "The ladder (launch.ladder): train each "
+                     "family's compute-optimal model for this many FLOPs, as the study's "
+                     "approach-3 fit predicts, and score the forecast.", lower_bound=0.0)
+  flags.DEFINE_enum("metric", "loss", tuple(scaling_fit.METRICS),
+                    "The ladder: the fitted and forecast metric (final eval_loss or "
+                    "eval_bits_per_byte).")
+  flags.DEFINE_integer("replicates", 200, "The ladder: bootstrap replicates of the fit.",
+                       lower_bound=10)
   flags.DEFINE_list("lr_sweep", [], "Size rule (launch.size_rule): learning rates probed "
                     "at the smallest sizes, e.g. 1e-3,3e-3,1e-2; every run then trains at "
                     "the fitted rate for its size (replaces --peak_learning_rate).")
@@ -655,6 +664,9 @@ def main(argv: Sequence[str]) -> None:
   workdir = FLAGS.workdir if FLAGS.workdir.startswith("gs://") else os.path.abspath(
       os.path.expanduser(FLAGS.workdir))
   vocab_size = FLAGS.vocab_size or vocab_size_from_gin(FLAGS.gin_file, FLAGS.gin_param)
+  if FLAGS.train_optimum is not None:
+    _train_optimum(workdir, vocab_size, cluster)
+    return
   runs, probe_gin = _plan_runs(budgets, vocab_size, workdir)
   if FLAGS.lr_sweep:
     probes = size_rule.plan_probes(
@@ -685,6 +697,30 @@ def main(argv: Sequence[str]) -> None:
   states = _run_all(runs, workdir, cluster)
   if not FLAGS.dry_run and _all_finished(states):
     write_results(runs, workdir)
+
+
+def _train_optimum(workdir: str, vocab_size: int,
+                   cluster: Optional[sweep_dispatch.ClusterOptions]) -> None:
+  """The ladder (launch.ladder): each family's compute-optimal model at the budget,
+  forecast written first, trained, then scored."""
+  runs, forecasts = ladder.plan_all(
+      workdir, FLAGS.families, FLAGS.train_optimum, metric=FLAGS.metric,
+      replicates=FLAGS.replicates, batch_size=FLAGS.batch_size,
+      sequence_length=FLAGS.sequence_length, vocab_size=vocab_size,
+      warmup_fraction=FLAGS.warmup_fraction, peak_learning_rate=FLAGS.peak_learning_rate,
+      record=not FLAGS.dry_run)
+  for run in runs:
+    p = forecasts[run.name]["predicted"]
+    print(f"[ladder] {run.name}: {non_embedding_params(run.config):,} non-embedding params, "
+          f"{run.tokens:,} tokens; forecast {FLAGS.metric} {p['value']:.4f} "
+          f"[{p['low']:.4f}, {p['high']:.4f}]")
+  if FLAGS.dry_run:
+    print(runs_table_markdown(runs))
+  states = _run_all(runs, workdir, cluster)
+  if FLAGS.dry_run or not _all_finished(states):
+    return
+  for run in runs:
+    print(ladder.report_line(run.name, ladder.score(run, forecasts[run.name], FLAGS.metric)))
 
 
 def _rates() -> List[float]:

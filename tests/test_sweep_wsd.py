@@ -207,11 +207,18 @@ def test_gke_and_tpu_vm_dry_runs_hold_forks_back(tmp_path, capsys):
 
 STUDY = ["--design=wsd", "--families=hawk", "--sizes=20k",
          "--cooldown_tokens_per_param=0.05,0.1", "--vocab_size=259", "--batch_size=2",
-         "--sequence_length=32", "--parallel=1", "--peak_learning_rate=3e-3",
+         "--sequence_length=32", "--parallel=1", "--lr_sweep=1e-3,1e-2",
+         "--lr_sweep_sizes=1", "--lr_sweep_tokens_per_param=0.05",
          "--gin_file=configs/base/trainer.gin", "--gin_file=configs/data/text_files.gin",
          "--gin_param=TRAIN_FILES='{stdlib}/json/*.py'",
          "--gin_param=text_files_task.validation_fraction=0.5", "--gin_param=EVAL_EVERY=0",
          "--gin_param=TrainConfig.eval_batches=1", "--gin_param=LOG_EVERY=1"]
+
+
+def _bindings_of(run_dir):
+  """The Gin bindings the run's command line gave it (from its config.gin)."""
+  text = (run_dir / "config.gin").read_text()
+  return dict(l.split(" = ", 1) for l in text.splitlines() if " = " in l)
 
 
 def _losses(run_dir):
@@ -222,10 +229,11 @@ def _losses(run_dir):
 
 @pytest.mark.slow
 def test_local_wsd_study_is_killed_and_resumed_and_forks_match_unforked_runs(tmp_path):
-  """Hawk at its smallest size: a stable run and two forks. The sweep is SIGKILLed as
-  soon as the stable run has finished, then resumed: the stable run is not redone, the
-  forks start from its checkpoints and finish; sweep.csv, design.json and the fit skip
-  the stable run. The longer fork's losses and learning rates equal, step for step,
+  """Hawk at its smallest size: two learning-rate probes, then a stable run and two
+  forks at the rate of the rule fitted to the probes. The sweep is SIGKILLed as soon as
+  the stable run has finished, then resumed: the stable run is not redone, the forks
+  start from its checkpoints and finish; sweep.csv, design.json and the fit skip the
+  stable run; size_rule.json records the rule the runs used. The longer fork's losses and learning rates equal, step for step,
   those of the same run trained from scratch without forking."""
   workdir = tmp_path / "study"
   env = dict(os.environ, GRIFFIN_DATA_CACHE=str(tmp_path / "cache"))
@@ -254,12 +262,18 @@ def test_local_wsd_study_is_killed_and_resumed_and_forks_match_unforked_runs(tmp
   design = json.loads((workdir / "design.json").read_text())
   assert design["cost"]["total"]["ratio"] < 1
   fit = json.loads((workdir / "fit.json").read_text())
-  assert fit["hawk"]["points"] == 2          # the two forks, not the stable run
+  assert fit["hawk"]["n_points"] == 2        # the two forks, not the stable run
+  rule = json.loads((workdir / "size_rule.json").read_text())["families"]["hawk"]
+  assert [p["rates"] for p in rule["sizes"]] == [[1e-3, 1e-2]] and rule["exponent"] == 0
+  rate = rule["coefficient"]
+  assert rate in (1e-3, 1e-2)       # two probes: the better one (not bracketed)
+  assert _bindings_of(workdir / "runs" / "hawk_20k_stable")[
+      "OptimizerConfig.peak_learning_rate"] == repr(rate)
   # The longer fork against the same run unforked.
   runs = wsd_design.plan_wsd(["hawk"], ["20k"], wsd_design.WsdOptions((0.05, 0.1), 0.2,
                                                                       "1-sqrt"),
                              batch_size=2, sequence_length=32, vocab_size=259,
-                             workdir=str(workdir), learning_rate=lambda _: 3e-3)
+                             workdir=str(workdir), learning_rate=lambda _: rate)
   fork = max((r for r in runs if r.role == "fork"), key=lambda r: r.train_steps)
   reference = str(tmp_path / "unforked")
   argv = sweep.command(dataclasses.replace(fork, fork_from=None, workdir=reference),
@@ -319,3 +333,64 @@ def test_probes_cover_the_smallest_sizes_at_every_rate(tmp_path):
 def test_bad_lr_sweeps_name_the_flag(rates, fragment):
   with pytest.raises(ValueError, match=fragment):
     size_rule.parse_rates(rates)
+
+
+def _synthetic_study(study):
+  """A finished study's sweep.csv drawn from L = 1.5 + 40/N^0.3 + 40/D^0.3 (C = 6ND),
+  whose compute-optimal N at C is sqrt(C/6): 35k parameters at 7.35e9 FLOPs."""
+  study.mkdir()
+  rows = ["run,family,params,tokens,flops,loss,role"]
+  for budget in (1e8, 3e8, 1e9):
+    for factor in (0.25, 0.5, 1.0, 2.0, 4.0):
+      n = factor * math.sqrt(budget / 6)
+      d = budget / (6 * n)
+      loss = 1.5 + 40 / n ** 0.3 + 40 / d ** 0.3
+      rows.append(f"r{budget:g}_{factor},hawk,{n:.1f},{d:.1f},{budget:g},{loss:.6f},fork")
+  rows.append("stable,hawk,1000,1000,6e6,9.9,stable")    # skipped by the fit
+  (study / "sweep.csv").write_text("\n".join(rows) + "\n")
+
+
+LADDER = ["--families=hawk", "--train_optimum=7.35e9", "--replicates=20",
+          "--batch_size=4", "--sequence_length=32", "--vocab_size=259",
+          "--gin_file=configs/base/trainer.gin", "--gin_file=configs/data/text_files.gin",
+          "--gin_param=TRAIN_FILES='{stdlib}/json/*.py'",
+          "--gin_param=text_files_task.validation_fraction=0.5", "--gin_param=EVAL_EVERY=0",
+          "--gin_param=TrainConfig.eval_batches=1"]
+
+
+def test_ladder_dry_run_plans_the_fitted_optimum_and_writes_nothing(tmp_path):
+  study = tmp_path / "study"
+  _synthetic_study(study)
+  result = subprocess.run([sys.executable, "-m", "launch.sweep", f"--workdir={study}",
+                           "--dry_run", *LADDER], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  line = next(l for l in result.stdout.splitlines() if l.startswith("[ladder] hawk_optimum"))
+  assert "forecast loss" in line
+  assert "launch.sweep_job" in result.stdout and "hawk_optimum_C7.35e9" in result.stdout
+  assert not (study / "ladder").exists()
+
+
+@pytest.mark.slow
+def test_ladder_trains_the_optimum_and_scores_the_forecast_made_before(tmp_path):
+  study = tmp_path / "study"
+  _synthetic_study(study)
+  env = dict(os.environ, GRIFFIN_DATA_CACHE=str(tmp_path / "cache"))
+  args = [sys.executable, "-m", "launch.sweep", f"--workdir={study}", *LADDER]
+  result = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  run_dir = study / "ladder" / "hawk_optimum_C7.35e9"
+  forecast = json.loads((run_dir / "forecast.json").read_text())
+  predicted = forecast["predicted"]
+  assert forecast["n_opt"]["value"] == pytest.approx(math.sqrt(7.35e9 / 6), rel=0.05)
+  assert predicted["low"] <= predicted["value"] <= predicted["high"]
+  assert forecast["error"] == pytest.approx(forecast["measured"] - predicted["value"])
+  assert f"[ladder] hawk_optimum_C7.35e9: forecast {predicted['value']:.4f}" in result.stdout
+  assert "measured" in result.stdout and "the interval" in result.stdout
+  stamp = (run_dir / "metrics.jsonl").stat().st_mtime_ns
+  again = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=300)
+  assert again.returncode == 0
+  assert (run_dir / "metrics.jsonl").stat().st_mtime_ns == stamp     # not retrained
+  assert json.loads((run_dir / "forecast.json").read_text())["predicted"] == predicted
