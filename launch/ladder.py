@@ -19,14 +19,14 @@ printed.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
-import math
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Optional, Tuple
 
 from launch import scaling_fit
 from launch import scaling_laws
 from launch import size_rule
-from pretrain import flops as flops_lib
+from model import counting
 from pretrain import storage
 from pretrain.errors import usage_error
 
@@ -59,52 +59,53 @@ def study_learning_rate(study_dir: str, family: str, params: int,
   return size_rule.LrRule(family, rule["coefficient"], rule["exponent"])(params)
 
 
-def plan_optimum(study_dir: str, family: str, budget: float, *, metric: str,
-                 replicates: int, batch_size: int, sequence_length: int, vocab_size: int,
-                 warmup_fraction: float, peak_learning_rate: Optional[float],
-                 record: bool = True):
-  """The `launch.sweep.Run` of the compute-optimal model at `budget`, and its forecast
-  (the one already on disk if the run was planned before; written there if `record`,
-  which a dry run is not)."""
-  from launch import sweep  # the Run and size rule live there; it imports this module
+def optimum_size(study_dir: str, name: str, family: str, budget: float, *, metric: str,
+                 replicates: int) -> Tuple[scaling_laws.Estimate, Optional[dict],
+                                           Optional[scaling_laws.ParametricFit]]:
+  """Approach 3's N_opt at `budget` for `family`, and either the forecast already made
+  for the run `name` (a resumed ladder: nothing is refitted) or the fit to make it
+  with."""
+  forecast = _study_json(run_dir(study_dir, name), FORECAST)
+  if forecast is not None:
+    return scaling_laws.Estimate(**forecast["n_opt"]), forecast, None
   families = scaling_fit.read_runs(study_dir, metric)
   if family not in families:
     raise usage_error(f"--train_optimum: the study in {study_dir} has no finished {family} "
                       f"runs; finish the study first or drop {family} from --families")
-  name = f"{family}_optimum_C{sweep.budget_label(budget)}"
-  workdir = storage.join(study_dir, "ladder", name)
-  forecast = _study_json(workdir, FORECAST)
-  if forecast is None:
-    try:
-      fit = scaling_laws.fit_parametric(families[family], budget, replicates=replicates)
-    except ValueError as error:
-      raise usage_error(f"--train_optimum: cannot fit approach 3 to {family}: {error}; "
-                        "the study needs more finished runs") from None
-    n_opt = fit.frontier.n_opt
-  else:
-    n_opt = scaling_laws.Estimate(**forecast["n_opt"])
-  config = sweep.config_for_size(family, max(1000, int(round(n_opt.value))), vocab_size,
-                                 sequence_length)
-  per_step = flops_lib.training_flops_per_token(config, sequence_length) * (
-      batch_size * sequence_length)
-  steps = max(1, int(round(budget / per_step)))
-  params = sweep.non_embedding_params(config)
-  run = sweep.Run(family, sweep.size_label(n_opt.value), int(round(n_opt.value)), config,
-                  steps, batch_size, sequence_length, workdir,
-                  warmup_steps=int(math.ceil(warmup_fraction * steps)),
-                  peak_learning_rate=study_learning_rate(study_dir, family, params,
-                                                         peak_learning_rate),
-                  flop_budget=float(budget), role="optimum", label=name,
-                  extra_gin=schedule_bindings(study_dir))
-  if forecast is None:
-    predicted = fit.loss_at(params, run.tokens)
-    forecast = {"family": family, "flop_budget": budget, "metric": metric,
-                "n_opt": n_opt.to_json(), "params": params, "tokens": run.tokens,
-                "flops": run.flops, "peak_learning_rate": run.peak_learning_rate,
-                "predicted": predicted.to_json(), "fit": fit.to_json()}
-    if record:
-      storage.write_text(storage.join(workdir, FORECAST), json.dumps(forecast, indent=2))
-  return run, forecast
+  try:
+    fit = scaling_laws.fit_parametric(families[family], budget, replicates=replicates)
+  except ValueError as error:
+    raise usage_error(f"--train_optimum: cannot fit approach 3 to {family}: {error}; "
+                      "the study needs more finished runs") from None
+  return fit.frontier.n_opt, None, fit
+
+
+def run_dir(study_dir: str, name: str) -> str:
+  return storage.join(study_dir, "ladder", name)
+
+
+def ladder_run(base, study_dir: str, name: str, default_rate: Optional[float]):
+  """`base` (the `launch.sweep.Run` that spends the budget at N_opt) as the ladder's
+  run: its own directory, the study's schedule and learning rate."""
+  params = counting.analytic_param_counts(base.config).non_embedding
+  return dataclasses.replace(
+      base, role="optimum", label=name, workdir=run_dir(study_dir, name),
+      extra_gin=schedule_bindings(study_dir),
+      peak_learning_rate=study_learning_rate(study_dir, base.family, params, default_rate))
+
+
+def make_forecast(run, fit: scaling_laws.ParametricFit, n_opt: scaling_laws.Estimate,
+                  metric: str, record: bool) -> Dict[str, object]:
+  """The fit's loss at the run's actual N and D with its interval; written beside the
+  run if `record` (a dry run does not)."""
+  params = counting.analytic_param_counts(run.config).non_embedding
+  forecast = {"family": run.family, "flop_budget": run.flop_budget, "metric": metric,
+              "n_opt": n_opt.to_json(), "params": params, "tokens": run.tokens,
+              "flops": run.flops, "peak_learning_rate": run.peak_learning_rate,
+              "predicted": fit.loss_at(params, run.tokens).to_json(), "fit": fit.to_json()}
+  if record:
+    storage.write_text(storage.join(run.workdir, FORECAST), json.dumps(forecast, indent=2))
+  return forecast
 
 
 def score(run, forecast: Dict[str, object], metric: str) -> Dict[str, object]:
@@ -128,13 +129,3 @@ def report_line(name: str, scored: Dict[str, object]) -> str:
           f"measured {scored['measured']:.4f}, error {scored['error']:+.4f} "
           f"({100 * scored['relative_error']:+.2f}%), "
           f"{'inside' if scored['inside_interval'] else 'outside'} the interval")
-
-
-def plan_all(study_dir: str, families: Sequence[str], budget: float, **kwargs):
-  """`plan_optimum` for every family: the runs and their forecasts by run name."""
-  runs, forecasts = [], {}
-  for family in families:
-    run, forecast = plan_optimum(study_dir, family, budget, **kwargs)
-    runs.append(run)
-    forecasts[run.name] = forecast
-  return runs, forecasts

@@ -32,6 +32,8 @@ from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
+from model import counting
+
 PROBE = "lr_probe"
 
 
@@ -103,36 +105,32 @@ def fit_rule(family: str, sizes: Sequence[Tuple[int, Sequence[float], Sequence[f
   return LrRule(family, float(np.exp(intercept)), float(exponent), tuple(points))
 
 
-def plan_probes(families: Sequence[str], sizes: Sequence[str], rates: Sequence[float], *,
-                count: int, tokens_per_param: float, batch_size: int, sequence_length: int,
-                vocab_size: int, workdir: str, warmup_fraction: float,
+def plan_probes(sizes: Sequence, rates: Sequence[float], *, count: int, workdir: str,
                 extra_gin: Tuple[str, ...] = ()) -> list:
-  """The probe runs: each family's `count` smallest sizes at every rate."""
-  from launch import sweep  # the Run and size rule live there; it imports this module
-  smallest = sorted(sizes, key=sweep.parse_size)[:count]
+  """The probe runs: of `sizes` (`launch.sweep.Run`s of one family and size each, at
+  the probes' tokens per parameter), each family's `count` smallest at every rate."""
   probes = []
-  for run in sweep.plan(families, smallest, tokens_per_param=tokens_per_param,
-                        batch_size=batch_size, sequence_length=sequence_length,
-                        vocab_size=vocab_size, workdir=workdir,
-                        warmup_fraction=warmup_fraction):
-    for rate in rates:
-      name = f"{run.family}_{run.size}_lr{rate:g}"
-      probes.append(dataclasses.replace(
-          run, peak_learning_rate=rate, role=PROBE, label=name, extra_gin=extra_gin,
-          workdir=os.path.join(workdir, "runs", name)))
+  for family in dict.fromkeys(run.family for run in sizes):
+    members = sorted((run for run in sizes if run.family == family),
+                     key=lambda run: run.target_params)[:count]
+    for run in members:
+      for rate in rates:
+        name = f"{run.family}_{run.size}_lr{rate:g}"
+        probes.append(dataclasses.replace(
+            run, peak_learning_rate=rate, role=PROBE, label=name, extra_gin=extra_gin,
+            workdir=os.path.join(workdir, "runs", name)))
   return probes
 
 
 def fit_rules(probes: Sequence) -> Dict[str, LrRule]:
   """Per family, the rule from finished probes (`eval_loss` collected)."""
-  from launch import sweep
   rules = {}
   for family in dict.fromkeys(p.family for p in probes):
     by_size: Dict[str, list] = {}
     for probe in probes:
       if probe.family == family:
         by_size.setdefault(probe.size, []).append(probe)
-    sizes = [(sweep.non_embedding_params(members[0].config),
+    sizes = [(counting.analytic_param_counts(members[0].config).non_embedding,
               [m.peak_learning_rate for m in members], [m.eval_loss for m in members])
              for members in by_size.values()]
     rules[family] = fit_rule(family, sizes)

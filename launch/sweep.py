@@ -670,10 +670,10 @@ def main(argv: Sequence[str]) -> None:
   runs, probe_gin = _plan_runs(budgets, vocab_size, workdir)
   if FLAGS.lr_sweep:
     probes = size_rule.plan_probes(
-        FLAGS.families, FLAGS.sizes, _rates(), count=FLAGS.lr_sweep_sizes,
-        tokens_per_param=FLAGS.lr_sweep_tokens_per_param, batch_size=FLAGS.batch_size,
-        sequence_length=FLAGS.sequence_length, vocab_size=vocab_size, workdir=workdir,
-        warmup_fraction=FLAGS.warmup_fraction, extra_gin=probe_gin)
+        plan(FLAGS.families, FLAGS.sizes, tokens_per_param=FLAGS.lr_sweep_tokens_per_param,
+             batch_size=FLAGS.batch_size, sequence_length=FLAGS.sequence_length,
+             vocab_size=vocab_size, workdir=workdir, warmup_fraction=FLAGS.warmup_fraction),
+        _rates(), count=FLAGS.lr_sweep_sizes, workdir=workdir, extra_gin=probe_gin)
     if FLAGS.dry_run:
       print("# The learning-rate probes (launch.size_rule); the study's runs follow at the "
             "rates of the rule fitted to them:")
@@ -703,13 +703,23 @@ def _train_optimum(workdir: str, vocab_size: int,
                    cluster: Optional[sweep_dispatch.ClusterOptions]) -> None:
   """The ladder (launch.ladder): each family's compute-optimal model at the budget,
   forecast written first, trained, then scored."""
-  runs, forecasts = ladder.plan_all(
-      workdir, FLAGS.families, FLAGS.train_optimum, metric=FLAGS.metric,
-      replicates=FLAGS.replicates, batch_size=FLAGS.batch_size,
-      sequence_length=FLAGS.sequence_length, vocab_size=vocab_size,
-      warmup_fraction=FLAGS.warmup_fraction, peak_learning_rate=FLAGS.peak_learning_rate,
-      record=not FLAGS.dry_run)
-  for run in runs:
+  budget = FLAGS.train_optimum
+  runs, forecasts = [], {}
+  for family in FLAGS.families:
+    name = f"{family}_optimum_C{budget_label(budget)}"
+    n_opt, forecast, fit = ladder.optimum_size(workdir, name, family, budget,
+                                               metric=FLAGS.metric,
+                                               replicates=FLAGS.replicates)
+    # One isoFLOP point puts N* = sqrt(C / (6·tokens_per_param)) on N_opt.
+    (base,) = plan_isoflop([family], [budget], points_per_budget=1, spread=1.0,
+                           tokens_per_param=budget / (6 * n_opt.value ** 2),
+                           batch_size=FLAGS.batch_size,
+                           sequence_length=FLAGS.sequence_length, vocab_size=vocab_size,
+                           workdir=workdir, warmup_fraction=FLAGS.warmup_fraction)
+    run = ladder.ladder_run(base, workdir, name, FLAGS.peak_learning_rate)
+    forecasts[run.name] = forecast or ladder.make_forecast(run, fit, n_opt, FLAGS.metric,
+                                                           record=not FLAGS.dry_run)
+    runs.append(run)
     p = forecasts[run.name]["predicted"]
     print(f"[ladder] {run.name}: {non_embedding_params(run.config):,} non-embedding params, "
           f"{run.tokens:,} tokens; forecast {FLAGS.metric} {p['value']:.4f} "
@@ -756,8 +766,10 @@ def _plan_runs(budgets: Sequence[float], vocab_size: int, workdir: str
     raise usage_error(str(error).replace("could not convert string to float",
                                          "--cooldown_tokens_per_param: not a number")
                       ) from None
-  runs = wsd_design.plan_wsd(FLAGS.families, FLAGS.sizes, options,
-                             learning_rate=lambda _: FLAGS.peak_learning_rate, **shared)
+  runs = wsd_design.plan_wsd(
+      plan(FLAGS.families, FLAGS.sizes, tokens_per_param=1.0,
+           peak_learning_rate=FLAGS.peak_learning_rate, **shared),
+      options, workdir=workdir, warmup_fraction=FLAGS.warmup_fraction)
   if FLAGS.dry_run:
     print(wsd_design.cost_markdown(wsd_design.study_cost(runs)))
   else:

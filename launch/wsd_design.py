@@ -33,9 +33,9 @@ import dataclasses
 import json
 import math
 import os
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence
 
-from model.config import ModelConfig
+from model import counting
 from pretrain import optimizer as optimizer_lib
 
 GRAIN_DIVISOR = 8
@@ -87,53 +87,43 @@ def fork_schedule(target_steps: Sequence[int], fraction: float, warmup: int
   return pairs
 
 
-def plan_wsd(families: Sequence[str], sizes: Sequence[str], options: WsdOptions, *,
-             batch_size: int, sequence_length: int, vocab_size: int, workdir: str,
-             warmup_fraction: float = 0.1,
-             learning_rate: Callable[[ModelConfig], Optional[float]] = lambda _: None
-             ) -> list:
-  """The stable run and forks of every (family, size), as `launch.sweep.Run`s.
-  `learning_rate` gives the peak rate of a size's runs (the size rule), None: the Gin
-  config's."""
-  from launch import sweep  # the Run and size rule live there; it imports this module
+def plan_wsd(sizes: Sequence, options: WsdOptions, *, workdir: str,
+             warmup_fraction: float = 0.1) -> list:
+  """The stable run and forks of every run in `sizes` (one `launch.sweep.Run` per
+  family and size, as `launch.sweep.plan` gives them: its model, batch and peak rate
+  are kept, its steps replaced)."""
   runs = []
-  tokens_per_step = batch_size * sequence_length
-  for family in families:
-    for size in sizes:
-      target = sweep.parse_size(size)
-      config = sweep.config_for_size(family, target, vocab_size, sequence_length)
-      params = sweep.non_embedding_params(config)
-      targets = [max(1, math.ceil(t * params / tokens_per_step))
-                 for t in options.cooldown_tokens_per_param]
-      warmup = int(math.ceil(warmup_fraction * min(targets)))
-      pairs = fork_schedule(targets, options.cooldown_fraction, warmup)
-      stride = math.gcd(*[fork for fork, _ in pairs])
-      peak = learning_rate(config)
-      common = ["OptimizerConfig.schedule = 'wsd'",
-                f"OptimizerConfig.cooldown_shape = {options.cooldown_shape!r}"]
-      stable_name = f"{family}_{size}_{STABLE}"
-      stable_dir = os.path.join(workdir, "runs", stable_name)
-      runs.append(sweep.Run(
-          family, size, target, config, max(fork for fork, _ in pairs), batch_size,
-          sequence_length, stable_dir, warmup_steps=warmup, peak_learning_rate=peak,
-          role=STABLE, label=stable_name,
-          extra_gin=tuple(common + ["OptimizerConfig.cooldown_fraction = 0.0",
-                                    f"CHECKPOINT_EVERY = {stride}",
-                                    "TrainConfig.checkpoint_every = %CHECKPOINT_EVERY",
-                                    f"CheckpointConfig.keep_every = {stride}"])))
-      seen = set()
-      for tokens, (fork, total) in zip(options.cooldown_tokens_per_param, pairs):
-        if total in seen:   # tiny sizes: two targets on one step count
-          continue
-        seen.add(total)
-        name = f"{family}_{size}_wsd{tokens_label(tokens)}"
-        runs.append(sweep.Run(
-            family, size, target, config, total, batch_size, sequence_length,
-            os.path.join(workdir, "runs", name), warmup_steps=warmup,
-            peak_learning_rate=peak, role=FORK, label=name,
-            extra_gin=tuple(common + [
-                f"OptimizerConfig.cooldown_fraction = {options.cooldown_fraction!r}"]),
-            fork_from=stable_dir, fork_step=fork, source=stable_name))
+  for base in sizes:
+    params = counting.analytic_param_counts(base.config).non_embedding
+    tokens_per_step = base.batch_size * base.sequence_length
+    targets = [max(1, math.ceil(t * params / tokens_per_step))
+               for t in options.cooldown_tokens_per_param]
+    warmup = int(math.ceil(warmup_fraction * min(targets)))
+    pairs = fork_schedule(targets, options.cooldown_fraction, warmup)
+    stride = math.gcd(*[fork for fork, _ in pairs])
+    common = ("OptimizerConfig.schedule = 'wsd'",
+              f"OptimizerConfig.cooldown_shape = {options.cooldown_shape!r}")
+    stable = dataclasses.replace(
+        base, train_steps=max(fork for fork, _ in pairs), warmup_steps=warmup, role=STABLE,
+        label=f"{base.family}_{base.size}_{STABLE}",
+        workdir=os.path.join(workdir, "runs", f"{base.family}_{base.size}_{STABLE}"),
+        extra_gin=common + ("OptimizerConfig.cooldown_fraction = 0.0",
+                            f"CHECKPOINT_EVERY = {stride}",
+                            "TrainConfig.checkpoint_every = %CHECKPOINT_EVERY",
+                            f"CheckpointConfig.keep_every = {stride}"))
+    runs.append(stable)
+    seen = set()
+    for tokens, (fork, total) in zip(options.cooldown_tokens_per_param, pairs):
+      if total in seen:   # tiny sizes: two targets on one step count
+        continue
+      seen.add(total)
+      name = f"{base.family}_{base.size}_wsd{tokens_label(tokens)}"
+      runs.append(dataclasses.replace(
+          stable, train_steps=total, role=FORK, label=name,
+          workdir=os.path.join(workdir, "runs", name),
+          extra_gin=common + (
+              f"OptimizerConfig.cooldown_fraction = {options.cooldown_fraction!r}",),
+          fork_from=stable.workdir, fork_step=fork, source=stable.name))
   return runs
 
 

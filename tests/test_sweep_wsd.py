@@ -31,9 +31,9 @@ OPTIONS = wsd_design.WsdOptions((5.0, 10.0, 20.0, 40.0), 0.2, "1-sqrt")
 
 
 def _plan(tmp_path, families=("hawk", "mqa"), sizes=("0.5m", "1m"), options=OPTIONS):
-  return wsd_design.plan_wsd(families, sizes, options, batch_size=8, sequence_length=128,
-                             vocab_size=259, workdir=str(tmp_path),
-                             learning_rate=lambda config: 1e-3)
+  base = sweep.plan(families, sizes, tokens_per_param=1, batch_size=8, sequence_length=128,
+                    vocab_size=259, workdir=str(tmp_path), peak_learning_rate=1e-3)
+  return wsd_design.plan_wsd(base, options, workdir=str(tmp_path))
 
 
 def _bindings(run):
@@ -270,10 +270,11 @@ def test_local_wsd_study_is_killed_and_resumed_and_forks_match_unforked_runs(tmp
   assert _bindings_of(workdir / "runs" / "hawk_20k_stable")[
       "OptimizerConfig.peak_learning_rate"] == repr(rate)
   # The longer fork against the same run unforked.
-  runs = wsd_design.plan_wsd(["hawk"], ["20k"], wsd_design.WsdOptions((0.05, 0.1), 0.2,
-                                                                      "1-sqrt"),
-                             batch_size=2, sequence_length=32, vocab_size=259,
-                             workdir=str(workdir), learning_rate=lambda _: rate)
+  base = sweep.plan(["hawk"], ["20k"], tokens_per_param=1, batch_size=2,
+                    sequence_length=32, vocab_size=259, workdir=str(workdir),
+                    peak_learning_rate=rate)
+  runs = wsd_design.plan_wsd(base, wsd_design.WsdOptions((0.05, 0.1), 0.2, "1-sqrt"),
+                             workdir=str(workdir))
   fork = max((r for r in runs if r.role == "fork"), key=lambda r: r.train_steps)
   reference = str(tmp_path / "unforked")
   argv = sweep.command(dataclasses.replace(fork, fork_from=None, workdir=reference),
@@ -316,10 +317,10 @@ def test_rule_recovers_a_power_law_of_size_and_is_written_to_the_study():
 
 
 def test_probes_cover_the_smallest_sizes_at_every_rate(tmp_path):
-  probes = size_rule.plan_probes(["hawk", "mqa"], ["2m", "0.5m", "1m"], [1e-3, 1e-2],
-                                 count=2, tokens_per_param=20, batch_size=8,
-                                 sequence_length=128, vocab_size=259,
-                                 workdir=str(tmp_path), warmup_fraction=0.1,
+  sizes = sweep.plan(["hawk", "mqa"], ["2m", "0.5m", "1m"], tokens_per_param=20,
+                     batch_size=8, sequence_length=128, vocab_size=259,
+                     workdir=str(tmp_path))
+  probes = size_rule.plan_probes(sizes, [1e-3, 1e-2], count=2, workdir=str(tmp_path),
                                  extra_gin=("OptimizerConfig.schedule = 'wsd'",))
   assert sorted(p.name for p in probes if p.family == "hawk") == [
       "hawk_0.5m_lr0.001", "hawk_0.5m_lr0.01", "hawk_1m_lr0.001", "hawk_1m_lr0.01"]
