@@ -99,8 +99,8 @@ def fit_rule(family: str, sizes: Sequence[Tuple[int, Sequence[float], Sequence[f
                    "rates": list(rates), "losses": list(losses)})
     logs_n.append(math.log(params))
     logs_lr.append(math.log(rate))
-  if len(set(logs_n)) < 2:
-    return LrRule(family, float(np.exp(np.mean(logs_lr))), 0.0, tuple(points))
+  if len(set(logs_n)) < 2:   # one size: its best rate for every size
+    return LrRule(family, points[0]["best_learning_rate"], 0.0, tuple(points))
   exponent, intercept = np.polyfit(logs_n, logs_lr, 1)
   return LrRule(family, float(np.exp(intercept)), float(exponent), tuple(points))
 

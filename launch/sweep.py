@@ -6,8 +6,16 @@ r"""Scaling-law studies: plan the runs, run them here or on a cluster, collect, 
   python -m launch.sweep --families=griffin,hawk,mqa --flop_budgets=1e15,3e15,1e16 \
       --points_per_budget=5 [--isoflop_spread=3] --workdir=DIR \
       [--backend=local|slurm|gke|tpu_vm] [--parallel=N] [--max_retries=1] [--dry_run]
+  python -m launch.sweep --design=wsd --families=griffin,hawk,mqa --sizes=0.5m,1m,2m \
+      --cooldown_tokens_per_param=5,10,20,40 [--cooldown_fraction=0.2] --workdir=DIR
+  python -m launch.sweep ... [--lr_sweep=1e-3,3e-3,1e-2 [--lr_sweep_sizes=2]]
+  python -m launch.sweep --train_optimum=C --workdir=DIR [the study's flags]
 
-Two designs. With `--sizes`, every (family, size) gets a model by the size rule below
+`--design=wsd` is the forked design (`launch.wsd_design`: one constant-rate run per
+size, cooldowns forked from its checkpoints); `--lr_sweep` fits a learning rate per
+size before the study (`launch.size_rule`); `--train_optimum` trains the model the
+study's fit recommends for a larger budget and scores its forecast (`launch.ladder`).
+With the default `--design=cosine`, two designs. With `--sizes`, every (family, size) gets a model by the size rule below
 and the compute-optimal budget `tokens_per_param` x non-embedding parameters
 (Chinchilla's ~20 by default). With `--flop_budgets` (the isoFLOP design,
 `plan_isoflop`), every budget gets `--points_per_budget` sizes around its expected
@@ -678,7 +686,7 @@ def main(argv: Sequence[str]) -> None:
       print("# The learning-rate probes (launch.size_rule); the study's runs follow at the "
             "rates of the rule fitted to them:")
       print(runs_table_markdown(probes))
-    states = _run_all(probes, workdir, cluster)
+    states = _run_all(probes, storage.join(workdir, "lr_sweep"), cluster)
     if FLAGS.dry_run or not _all_finished(states):
       return
     rules = size_rule.fit_rules(probes)
@@ -726,7 +734,7 @@ def _train_optimum(workdir: str, vocab_size: int,
           f"[{p['low']:.4f}, {p['high']:.4f}]")
   if FLAGS.dry_run:
     print(runs_table_markdown(runs))
-  states = _run_all(runs, workdir, cluster)
+  states = _run_all(runs, storage.join(workdir, "ladder"), cluster)
   if FLAGS.dry_run or not _all_finished(states):
     return
   for run in runs:
@@ -791,14 +799,16 @@ def _all_finished(states: Dict[str, str]) -> bool:
   return not waiting
 
 
-def _run_all(runs: Sequence[Run], workdir: str,
+def _run_all(runs: Sequence[Run], study_dir: str,
              cluster: Optional[sweep_dispatch.ClusterOptions]) -> Dict[str, str]:
   """`execute` until nothing is left to start; locally, runs still training from an
-  earlier (killed) sweep are waited for, then looked at again: finished, or resumed."""
+  earlier (killed) sweep are waited for, then looked at again: finished, or resumed.
+  `study_dir` gets the cluster logs and, if runs are given up, their partial results
+  (the LR probes and the ladder keep theirs apart from the study's)."""
   while True:
     states = execute(runs, FLAGS.gin_file, FLAGS.gin_param, backend=FLAGS.backend,
                      parallel=FLAGS.parallel, max_retries=FLAGS.max_retries, cluster=cluster,
-                     study_dir=workdir, dry_run=FLAGS.dry_run,
+                     study_dir=study_dir, dry_run=FLAGS.dry_run,
                      log=(lambda _: None) if FLAGS.dry_run else print)
     if FLAGS.dry_run:
       return states
