@@ -1,4 +1,4 @@
-"""Starts a cooldown fork from its stable run's checkpoint, then runs its training.
+r"""Starts a cooldown fork from its stable run's checkpoint, then runs its training.
 
   python -m launch.fork --source=STABLE_RUN_DIR --step=S --workdir=FORK_DIR -- \
       python -m pretrain.train ... --workdir=FORK_DIR

@@ -1,4 +1,4 @@
-"""The ladder: train the model a study's fit recommends for a larger budget, and score
+r"""The ladder: train the model a study's fit recommends for a larger budget, and score
 the forecast.
 
   python -m launch.sweep --train_optimum=1e13 --workdir=STUDY [the study's flags] \

@@ -1,4 +1,4 @@
-"""A learning rate that follows the model's size, fitted from a small LR sweep.
+r"""A learning rate that follows the model's size, fitted from a small LR sweep.
 
   python -m launch.sweep ... --lr_sweep=1e-3,3e-3,1e-2 [--lr_sweep_sizes=2] \
       [--lr_sweep_tokens_per_param=20]

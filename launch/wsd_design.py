@@ -1,4 +1,4 @@
-"""The forked (warmup-stable-decay) design of a scaling study.
+r"""The forked (warmup-stable-decay) design of a scaling study.
 
   python -m launch.sweep --design=wsd --sizes=0.5m,1m,2m \
       --cooldown_tokens_per_param=5,10,20,40 [--cooldown_fraction=0.2] --workdir=DIR
