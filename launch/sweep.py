@@ -182,11 +182,13 @@ class Run:
   eval_loss: Optional[float] = None
   eval_bits_per_byte: Optional[float] = None   # None too where the vocabulary has no text
   # The forked (WSD) design (launch.wsd_design): "stable" or "fork", the run's name,
-  # its schedule and checkpoint bindings, and for a fork the stable run (directory and
-  # name) and checkpoint step it starts from.
+  # its schedule bindings, bindings the user's may not override (a stable run's
+  # checkpoint steps), and for a fork the stable run (directory and name) and
+  # checkpoint step it starts from.
   role: str = ""
   label: Optional[str] = None
   extra_gin: Tuple[str, ...] = ()
+  final_gin: Tuple[str, ...] = ()
   fork_from: Optional[str] = None
   fork_step: int = 0
   source: Optional[str] = None
@@ -345,6 +347,9 @@ def run_gin(run: Run) -> str:
   if run.extra_gin:
     lines += ["", f"# The {run.role} run of a forked (WSD) study (launch.wsd_design).",
               "import pretrain.checkpointing", *run.extra_gin]
+  if run.final_gin:
+    lines += ["# Also after the user's bindings, which may not override them:",
+              *run.final_gin]
   return "\n".join(lines) + "\n"
 
 
@@ -360,7 +365,8 @@ def command(run: Run, gin_files: Sequence[str], gin_params: Sequence[str],
   fork's starts by copying its stable run's checkpoint (launch.fork)."""
   args = [python, "-m", "pretrain.train"]
   args += [f"--gin_file={f}" for f in gin_files]
-  args += [f"--gin_param={p}" for p in run_bindings(run) + list(gin_params)]
+  args += [f"--gin_param={p}" for p in run_bindings(run) + list(gin_params)
+            + list(run.final_gin)]
   args.append(f"--workdir={run.workdir}")
   if run.fork_from is not None:
     args = [python, "-m", "launch.fork", f"--source={run.fork_from}",

@@ -108,9 +108,8 @@ def plan_wsd(sizes: Sequence, options: WsdOptions, *, workdir: str,
         label=f"{base.family}_{base.size}_{STABLE}",
         workdir=os.path.join(workdir, "runs", f"{base.family}_{base.size}_{STABLE}"),
         extra_gin=common + ("OptimizerConfig.cooldown_fraction = 0.0",
-                            f"CHECKPOINT_EVERY = {stride}",
-                            "TrainConfig.checkpoint_every = %CHECKPOINT_EVERY",
-                            f"CheckpointConfig.keep_every = {stride}"))
+                            "TrainConfig.checkpoint_every = %CHECKPOINT_EVERY"),
+        final_gin=(f"CHECKPOINT_EVERY = {stride}", f"CheckpointConfig.keep_every = {stride}"))
     runs.append(stable)
     seen = set()
     for tokens, (fork, total) in zip(options.cooldown_tokens_per_param, pairs):
@@ -123,6 +122,7 @@ def plan_wsd(sizes: Sequence, options: WsdOptions, *, workdir: str,
           workdir=os.path.join(workdir, "runs", name),
           extra_gin=common + (
               f"OptimizerConfig.cooldown_fraction = {options.cooldown_fraction!r}",),
+          final_gin=(),
           fork_from=stable.workdir, fork_step=fork, source=stable.name))
   return runs
 

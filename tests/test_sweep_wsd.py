@@ -51,6 +51,10 @@ def test_each_fork_cools_down_from_a_checkpoint_its_stable_run_keeps(tmp_path):
     every = int(_bindings(stable)["CHECKPOINT_EVERY"])
     assert _bindings(stable)["CheckpointConfig.keep_every"] == str(every)
     assert _bindings(stable)["OptimizerConfig.cooldown_fraction"] == "0.0"
+    argv = sweep.command(stable, ["configs/quickstart.gin"], ["CHECKPOINT_EVERY=1000"])
+    assert argv[-3:-1] == [f"--gin_param=CHECKPOINT_EVERY = {every}",   # the user's lose
+                           f"--gin_param=CheckpointConfig.keep_every = {every}"]
+    assert argv[-4] == "--gin_param=CHECKPOINT_EVERY=1000"
     assert stable.train_steps == max(f.fork_step for f in forks)
     params = sweep.non_embedding_params(stable.config)
     for tokens, fork in zip(OPTIONS.cooldown_tokens_per_param, forks):
@@ -212,7 +216,8 @@ STUDY = ["--design=wsd", "--families=hawk", "--sizes=20k",
          "--gin_file=configs/base/trainer.gin", "--gin_file=configs/data/text_files.gin",
          "--gin_param=TRAIN_FILES='{stdlib}/json/*.py'",
          "--gin_param=text_files_task.validation_fraction=0.5", "--gin_param=EVAL_EVERY=0",
-         "--gin_param=TrainConfig.eval_batches=1", "--gin_param=LOG_EVERY=1"]
+         "--gin_param=TrainConfig.eval_batches=1", "--gin_param=LOG_EVERY=1",
+         "--gin_param=CHECKPOINT_EVERY=1000"]   # the stable run's own steps still win
 
 
 def _bindings_of(run_dir):
@@ -377,6 +382,7 @@ def test_ladder_trains_the_optimum_and_scores_the_forecast_made_before(tmp_path)
   study = tmp_path / "study"
   _synthetic_study(study)
   env = dict(os.environ, GRIFFIN_DATA_CACHE=str(tmp_path / "cache"))
+  env.pop("XLA_FLAGS", None)   # one CPU device, as a user runs it
   args = [sys.executable, "-m", "launch.sweep", f"--workdir={study}", *LADDER]
   result = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)
