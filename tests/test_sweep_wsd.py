@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from launch import fork as fork_lib
+from launch import ladder
 from launch import size_rule
 from launch import sweep
 from launch import sweep_dispatch
@@ -25,6 +26,7 @@ from launch import wsd_design
 from pretrain import optimizer as optimizer_lib
 from pretrain.errors import UserError
 from pretrain.integrity import COMMIT_MARKER
+from tiers import slow_after_first
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OPTIONS = wsd_design.WsdOptions((5.0, 10.0, 20.0, 40.0), 0.2, "1-sqrt")
@@ -401,3 +403,34 @@ def test_ladder_trains_the_optimum_and_scores_the_forecast_made_before(tmp_path)
   assert again.returncode == 0
   assert (run_dir / "metrics.jsonl").stat().st_mtime_ns == stamp     # not retrained
   assert json.loads((run_dir / "forecast.json").read_text())["predicted"] == predicted
+
+
+@pytest.mark.parametrize("flags, fragment", slow_after_first([
+    (["--cooldown_tokens_per_param=5,lots"], "--cooldown_tokens_per_param: not a number"),
+    (["--flop_budgets=1e15"], "drop --flop_budgets"),
+    (["--cooldown_fraction=1"], "--cooldown_fraction must lie strictly between 0 and 1"),
+    (["--lr_sweep=1e-3"], "--lr_sweep needs at least 2 distinct rates"),
+]))
+def test_bad_wsd_flags_are_one_line_and_exit_code_2(tmp_path, flags, fragment):
+  result = subprocess.run(
+      [sys.executable, "-m", "launch.sweep", "--design=wsd", "--families=hawk",
+       "--vocab_size=259", f"--workdir={tmp_path}", "--dry_run", *flags], cwd=REPO,
+      capture_output=True, text=True, timeout=120)
+  assert result.returncode == 2, (result.stdout, result.stderr)
+  errors = [l for l in result.stderr.splitlines() if l.startswith("error: ")]
+  assert len(errors) == 1 and fragment in errors[0], result.stderr
+
+
+@pytest.mark.parametrize("metric, measured", [("loss", 2.0), ("bits_per_byte", 2.9)])
+def test_ladder_scores_the_metric_it_forecast(tmp_path, metric, measured):
+  run = dataclasses.replace(_plan(tmp_path)[0], eval_loss=2.0, eval_bits_per_byte=2.9,
+                            workdir=str(tmp_path / "run"))
+  forecast = {"predicted": {"value": 2.5, "low": 2.4, "high": 3.0}}
+  scored = ladder.score(run, forecast, metric)
+  assert scored["measured"] == measured
+  assert scored["error"] == pytest.approx(measured - 2.5)
+  assert scored["inside_interval"] == (metric == "bits_per_byte")
+  assert json.loads((tmp_path / "run" / "forecast.json").read_text()) == scored
+  with pytest.raises(UserError, match="no final bits_per_byte"):
+    ladder.score(dataclasses.replace(run, eval_bits_per_byte=None), forecast,
+                 "bits_per_byte")
