@@ -432,6 +432,11 @@ def execute(runs: Sequence[Run], gin_files: Sequence[str], gin_params: Sequence[
                 else "started elsewhere")
       log(f"[sweep] {run.name}: {state} ({detail}), skipped")
       continue
+    if run.source is not None and states.get(run.source) == sweep_dispatch.RUNNING:
+      # Its stable run trains outside this sweep (an earlier, killed one): looked at
+      # again once that has ended.
+      log(f"[sweep] {run.name}: waits for {run.source}, which is still running")
+      continue
     log(f"[sweep] {run.name}: {state}; {non_embedding_params(run.config):,} non-embedding "
         f"params, {run.train_steps} steps, {run.tokens:,} tokens, {run.flops:.3g} FLOPs")
     # Locally, this interpreter; on a cluster, the nodes' `python` (after --setup).

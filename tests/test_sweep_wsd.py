@@ -22,6 +22,7 @@ from launch import ladder
 from launch import size_rule
 from launch import sweep
 from launch import sweep_dispatch
+from launch import sweep_job
 from launch import wsd_design
 from pretrain import optimizer as optimizer_lib
 from pretrain.errors import UserError
@@ -434,3 +435,19 @@ def test_ladder_scores_the_metric_it_forecast(tmp_path, metric, measured):
   with pytest.raises(UserError, match="no final bits_per_byte"):
     ladder.score(dataclasses.replace(run, eval_bits_per_byte=None), forecast,
                  "bits_per_byte")
+
+
+def test_forks_of_a_stable_run_training_elsewhere_wait_instead_of_giving_up(tmp_path):
+  """A resumed sweep finds the stable run still training (left by a killed sweep, or
+  on another host): its forks are neither started nor given up."""
+  runs = _plan(tmp_path, families=("hawk",), sizes=("0.5m",))
+  stable = runs[0]
+  sweep_job.write_status(stable.workdir, {"state": "running", "host": "another-node",
+                                          "pid": 1, "failures": 0})
+  lines = []
+  states = sweep.execute(runs, ["configs/quickstart.gin"], [], backend="local",
+                         study_dir=str(tmp_path), log=lines.append)
+  assert states[stable.name] == "running"
+  assert all(states[r.name] == "pending" for r in runs[1:])
+  assert f"[sweep] {runs[1].name}: waits for {stable.name}, which is still running" in lines
+  assert not any(os.path.exists(r.workdir) for r in runs[1:])
