@@ -15,9 +15,10 @@ r"""Scaling-law studies: plan the runs, run them here or on a cluster, collect, 
 size, cooldowns forked from its checkpoints); `--lr_sweep` fits a learning rate per
 size before the study (`launch.size_rule`); `--train_optimum` trains the model the
 study's fit recommends for a larger budget and scores its forecast (`launch.ladder`).
-With the default `--design=cosine`, two designs. With `--sizes`, every (family, size) gets a model by the size rule below
-and the compute-optimal budget `tokens_per_param` x non-embedding parameters
-(Chinchilla's ~20 by default). With `--flop_budgets` (the isoFLOP design,
+
+With the default `--design=cosine`, two designs. With `--sizes`, every (family, size)
+gets a model by the size rule below and the compute-optimal budget `tokens_per_param`
+x non-embedding parameters (Chinchilla's ~20 by default). With `--flop_budgets` (the isoFLOP design,
 `plan_isoflop`), every budget gets `--points_per_budget` sizes around its expected
 optimum, each trained for the steps that spend the budget by the trainer's own FLOPs
 count (`pretrain.flops`, the numerator of MFU). Each run is `python -m pretrain.train`
@@ -345,7 +346,7 @@ def run_gin(run: Run) -> str:
   if run.peak_learning_rate is not None:
     lines.append(f"OptimizerConfig.peak_learning_rate = {run.peak_learning_rate!r}")
   if run.extra_gin:
-    lines += ["", f"# The {run.role} run of a forked (WSD) study (launch.wsd_design).",
+    lines += ["", f"# The schedule of a {run.role} run (launch.wsd_design, size_rule, ladder).",
               "import pretrain.checkpointing", *run.extra_gin]
   if run.final_gin:
     lines += ["# Also after the user's bindings, which may not override them:",

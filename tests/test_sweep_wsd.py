@@ -241,8 +241,9 @@ def test_local_wsd_study_is_killed_and_resumed_and_forks_match_unforked_runs(tmp
   forks at the rate of the rule fitted to the probes. The sweep is SIGKILLed as soon as
   the stable run has finished, then resumed: the stable run is not redone, the forks
   start from its checkpoints and finish; sweep.csv, design.json and the fit skip the
-  stable run; size_rule.json records the rule the runs used. The longer fork's losses and learning rates equal, step for step,
-  those of the same run trained from scratch without forking."""
+  stable run; size_rule.json records the rule the runs used. The longer fork's losses
+  and learning rates equal, step for step, those of the same run trained from scratch
+  without forking."""
   workdir = tmp_path / "study"
   env = dict(os.environ, GRIFFIN_DATA_CACHE=str(tmp_path / "cache"))
   env.pop("XLA_FLAGS", None)
