@@ -8,7 +8,8 @@ r"""Scaling-law analysis of a study or of any runs: `python -m launch.scaling_fi
 or `bits_per_byte` with `--metric=bits_per_byte`; and `flops` where known, otherwise
 6·N·D; `family` to fit families separately; `flop_budget` to name a run's isoFLOP
 budget, otherwise runs within 10% of each other's compute share one; rows with an empty
-metric are unfinished and skipped), or a study directory written by `launch.sweep`,
+metric are unfinished and skipped; rows whose `role` is `stable`, a forked study's
+uncooled constant-rate runs, are skipped too), or a study directory written by `launch.sweep`,
 whose `sweep.csv` is read and whose runs' `metrics.jsonl` evaluation rows (`eval_loss`
 or `eval_bits_per_byte`) give approach 1 its training curves. Bits per byte compare runs
 whose vocabularies differ; the fits treat either metric as "the loss". It prints, per
@@ -269,7 +270,9 @@ def read_runs(path: str, metric: str = "loss") -> Dict[str, scaling_laws.Runs]:
   if missing:
     raise usage_error(f"--runs: {csv_path} has no column {', '.join(missing)}; it needs "
                       f"params, tokens and {metric} (flops, family, flop_budget optional)")
-  rows = [r for r in reader if (r.get(metric) or "").strip()]
+  # A forked study's stable runs end without a cooldown: their forks are the (N, D)
+  # points, each fork's curve its cooldown (launch.wsd_design).
+  rows = [r for r in reader if (r.get(metric) or "").strip() and r.get("role") != "stable"]
   grouped: Dict[str, List[dict]] = {}
   for row in rows:
     grouped.setdefault(row.get("family") or "all", []).append(row)

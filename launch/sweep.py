@@ -6,10 +6,19 @@ r"""Scaling-law studies: plan the runs, run them here or on a cluster, collect, 
   python -m launch.sweep --families=griffin,hawk,mqa --flop_budgets=1e15,3e15,1e16 \
       --points_per_budget=5 [--isoflop_spread=3] --workdir=DIR \
       [--backend=local|slurm|gke|tpu_vm] [--parallel=N] [--max_retries=1] [--dry_run]
+  python -m launch.sweep --design=wsd --families=griffin,hawk,mqa --sizes=0.5m,1m,2m \
+      --cooldown_tokens_per_param=5,10,20,40 [--cooldown_fraction=0.2] --workdir=DIR
+  python -m launch.sweep ... [--lr_sweep=1e-3,3e-3,1e-2 [--lr_sweep_sizes=2]]
+  python -m launch.sweep --train_optimum=C --workdir=DIR [the study's flags]
 
-Two designs. With `--sizes`, every (family, size) gets a model by the size rule below
-and the compute-optimal budget `tokens_per_param` x non-embedding parameters
-(Chinchilla's ~20 by default). With `--flop_budgets` (the isoFLOP design,
+`--design=wsd` is the forked design (`launch.wsd_design`: one constant-rate run per
+size, cooldowns forked from its checkpoints); `--lr_sweep` fits a learning rate per
+size before the study (`launch.size_rule`); `--train_optimum` trains the model the
+study's fit recommends for a larger budget and scores its forecast (`launch.ladder`).
+
+With the default `--design=cosine`, two designs. With `--sizes`, every (family, size)
+gets a model by the size rule below and the compute-optimal budget `tokens_per_param`
+x non-embedding parameters (Chinchilla's ~20 by default). With `--flop_budgets` (the isoFLOP design,
 `plan_isoflop`), every budget gets `--points_per_budget` sizes around its expected
 optimum, each trained for the steps that spend the budget by the trainer's own FLOPs
 count (`pretrain.flops`, the numerator of MFU). Each run is `python -m pretrain.train`
@@ -61,15 +70,18 @@ import shlex
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from absl import flags
 import gin
 
 from launch import common
+from launch import ladder
 from launch import scaling_fit
 from launch import sweep_dispatch
 from launch import sweep_progress
+from launch import size_rule
+from launch import wsd_design
 from model import counting
 from model.config import ModelConfig, model_config_to_dict
 from pretrain import cli
@@ -94,7 +106,8 @@ ORPHAN_POLL_S = 2.0
 # `flop_budget` are what `launch.scaling_fit` reads.
 CSV_FIELDS = ("run", "family", "size", "target_params", "params", "total_params",
               "width", "depth", "rnn_width", "num_heads", "train_steps", "tokens",
-              "flops_per_token", "flops", "flop_budget", "loss", "bits_per_byte", "workdir")
+              "flops_per_token", "flops", "flop_budget", "loss", "bits_per_byte", "workdir",
+              "role", "own_flops")
 
 
 def parse_size(text: str) -> int:
@@ -169,9 +182,22 @@ class Run:
   flop_budget: Optional[float] = None     # isoFLOP design: the budget this run spends
   eval_loss: Optional[float] = None
   eval_bits_per_byte: Optional[float] = None   # None too where the vocabulary has no text
+  # The forked (WSD) design (launch.wsd_design): "stable" or "fork", the run's name,
+  # its schedule bindings, bindings the user's may not override (a stable run's
+  # checkpoint steps), and for a fork the stable run (directory and name) and
+  # checkpoint step it starts from.
+  role: str = ""
+  label: Optional[str] = None
+  extra_gin: Tuple[str, ...] = ()
+  final_gin: Tuple[str, ...] = ()
+  fork_from: Optional[str] = None
+  fork_step: int = 0
+  source: Optional[str] = None
 
   @property
   def name(self) -> str:
+    if self.label is not None:
+      return self.label
     if self.flop_budget is None:
       return f"{self.family}_{self.size}"
     return f"{self.family}_C{budget_label(self.flop_budget)}_{self.size}"
@@ -186,7 +212,13 @@ class Run:
 
   @property
   def flops(self) -> float:
+    """The compute of the run's end point: all its steps, a fork's stable prefix too."""
     return self.flops_per_token * self.tokens
+
+  @property
+  def own_flops(self) -> float:
+    """The compute this run adds to the study: a fork's steps after its fork step."""
+    return self.flops * (self.train_steps - self.fork_step) / self.train_steps
 
   def row(self) -> Dict[str, object]:
     counts = counting.analytic_param_counts(self.config)
@@ -201,7 +233,8 @@ class Run:
             "loss": "" if self.eval_loss is None else f"{self.eval_loss:.6f}",
             "bits_per_byte": ("" if self.eval_bits_per_byte is None
                               else f"{self.eval_bits_per_byte:.6f}"),
-            "workdir": self.workdir}
+            "workdir": self.workdir, "role": self.role,
+            "own_flops": f"{self.own_flops:.6g}"}
 
 
 def plan(families: Sequence[str], sizes: Sequence[str], *, tokens_per_param: float,
@@ -312,6 +345,12 @@ def run_gin(run: Run) -> str:
             f"OptimizerConfig.warmup_steps = {run.warmup_steps}"]
   if run.peak_learning_rate is not None:
     lines.append(f"OptimizerConfig.peak_learning_rate = {run.peak_learning_rate!r}")
+  if run.extra_gin:
+    lines += ["", f"# The schedule of a {run.role} run (launch.wsd_design, size_rule, ladder).",
+              "import pretrain.checkpointing", *run.extra_gin]
+  if run.final_gin:
+    lines += ["# Also after the user's bindings, which may not override them:",
+              *run.final_gin]
   return "\n".join(lines) + "\n"
 
 
@@ -323,11 +362,16 @@ def run_bindings(run: Run) -> List[str]:
 
 def command(run: Run, gin_files: Sequence[str], gin_params: Sequence[str],
             python: str = "python") -> List[str]:
-  """The run's training command: the user's files, the run's bindings, the user's."""
+  """The run's training command: the user's files, the run's bindings, the user's; a
+  fork's starts by copying its stable run's checkpoint (launch.fork)."""
   args = [python, "-m", "pretrain.train"]
   args += [f"--gin_file={f}" for f in gin_files]
-  args += [f"--gin_param={p}" for p in run_bindings(run) + list(gin_params)]
+  args += [f"--gin_param={p}" for p in run_bindings(run) + list(gin_params)
+            + list(run.final_gin)]
   args.append(f"--workdir={run.workdir}")
+  if run.fork_from is not None:
+    args = [python, "-m", "launch.fork", f"--source={run.fork_from}",
+            f"--step={run.fork_step}", f"--workdir={run.workdir}", "--"] + args
   return args
 
 
@@ -365,8 +409,17 @@ def execute(runs: Sequence[Run], gin_files: Sequence[str], gin_params: Sequence[
             cluster: Optional[sweep_dispatch.ClusterOptions] = None, study_dir: str = "",
             dry_run: bool = False, log=print) -> Dict[str, str]:
   """Starts every run that is not finished or running (sweep_dispatch); fills in the
-  final evaluation of the finished ones (`collect`). Returns each run's state."""
+  final evaluation of the finished ones (`collect`). Returns each run's state.
+
+  A cooldown fork starts once its stable run has finished: locally as soon as it has,
+  on a cluster at the next run of the command (a dry run prints those forks' specs
+  after the others')."""
   todo, states, given_up_before = [], {}, 0
+  by_name = {run.name: run for run in runs}
+
+  def ready(job: sweep_dispatch.Job) -> bool:
+    source = by_name[job.name].source
+    return source is None or final_eval(by_name[source]) is not None
   for run in runs:
     state, failures = sweep_dispatch.run_state(run.workdir, collect(run))
     states[run.name] = state
@@ -380,6 +433,11 @@ def execute(runs: Sequence[Run], gin_files: Sequence[str], gin_params: Sequence[
                 else "started elsewhere")
       log(f"[sweep] {run.name}: {state} ({detail}), skipped")
       continue
+    if run.source is not None and states.get(run.source) == sweep_dispatch.RUNNING:
+      # Its stable run trains outside this sweep (an earlier, killed one): looked at
+      # again once that has ended.
+      log(f"[sweep] {run.name}: waits for {run.source}, which is still running")
+      continue
     log(f"[sweep] {run.name}: {state}; {non_embedding_params(run.config):,} non-embedding "
         f"params, {run.train_steps} steps, {run.tokens:,} tokens, {run.flops:.3g} FLOPs")
     # Locally, this interpreter; on a cluster, the nodes' `python` (after --setup).
@@ -389,9 +447,10 @@ def execute(runs: Sequence[Run], gin_files: Sequence[str], gin_params: Sequence[
   if backend == "local":
     if dry_run:
       for job in todo:
+        if not ready(job):
+          print(f"# once {by_name[job.name].source} has finished:")
         print(shlex.join(job.wrapped(sys.executable)))
       return states
-    by_name = {run.name: run for run in runs}
     progress = sweep_progress.Progress(
         {job.name: job.work for job in todo}, parallel,
         finished=sum(s == sweep_dispatch.FINISHED for s in states.values()),
@@ -399,7 +458,7 @@ def execute(runs: Sequence[Run], gin_files: Sequence[str], gin_params: Sequence[
         failed=given_up_before)
     given_up = sweep_dispatch.run_local(
         todo, parallel, max_retries, lambda job: final_eval(by_name[job.name]) is not None,
-        log, progress)
+        log, progress, ready)
     for run in runs:
       states[run.name] = sweep_dispatch.run_state(run.workdir, collect(run))[0]
     if given_up:
@@ -408,8 +467,17 @@ def execute(runs: Sequence[Run], gin_files: Sequence[str], gin_params: Sequence[
                       "their logs are sweep_train.log in their directories. Fix the cause "
                       "and run the same command again (finished runs are kept)")
     return states
-  sweep_dispatch.submit_cluster(backend, todo, cluster or sweep_dispatch.ClusterOptions(),
-                                study_dir, dry_run, log)
+  cluster = cluster or sweep_dispatch.ClusterOptions()
+  later = [job for job in todo if not ready(job)]
+  sweep_dispatch.submit_cluster(backend, [j for j in todo if ready(j)], cluster, study_dir,
+                                dry_run, log)
+  if later and dry_run:
+    print("# Submitted by a later run of this command, once each fork's stable run has "
+          "finished (launch.fork copies its checkpoint first):")
+    sweep_dispatch.submit_cluster(backend, later, cluster, study_dir, dry_run, log)
+  elif later:
+    log(f"[sweep] {len(later)} fork(s) wait for their stable runs; run the same command "
+        "again once those have finished")
   return states
 
 
@@ -426,7 +494,9 @@ def write_results(runs: Sequence[Run], workdir: str, log=print) -> Dict[str, obj
         f"`python -m launch.scaling_fit --runs={workdir} --plots={workdir}/plots`")
   points, fits, fit_json = {}, {}, {}
   for family in dict.fromkeys(run.family for run in runs):
-    done = [r for r in runs if r.family == family and r.eval_loss is not None]
+    # A stable run's end point is not cooled down: the forks are the (N, D) points.
+    done = [r for r in runs if r.family == family and r.eval_loss is not None
+            and r.role != wsd_design.STABLE]
     points[family] = ([r.flops for r in done], [r.eval_loss for r in done])
     if len({r.flops for r in done}) >= 2:
       fits[family] = scaling_fit.fit_scaling_law(*points[family])
@@ -435,9 +505,13 @@ def write_results(runs: Sequence[Run], workdir: str, log=print) -> Dict[str, obj
       fit_json[family] = {"error": "fewer than 2 finished runs at distinct compute"}
   storage.write_text(storage.join(workdir, "fit.json"), json.dumps(fit_json, indent=2))
   with tempfile.TemporaryDirectory() as staging:  # matplotlib writes local files
+    if not any(losses for _, losses in points.values()):
+      points = {}   # nothing finished (every run given up): an empty figure
     scaling_fit.plot_scaling(points, fits, os.path.join(staging, "scaling.png"))
     storage.copy(os.path.join(staging, "scaling.png"), storage.join(workdir, "scaling.png"))
   table = runs_table_markdown(runs) + "\n\n" + scaling_fit.fit_table_markdown(fits) + "\n"
+  if any(run.role for run in runs):
+    table += "\n" + wsd_design.cost_markdown(wsd_design.study_cost(runs)) + "\n"
   storage.write_text(storage.join(workdir, "scaling.md"), table)
   log(table)
   return fit_json
@@ -506,6 +580,31 @@ def define_flags() -> None:
   flags.DEFINE_integer("max_steps", None,
                        "Cap on the steps of each run (for smoke tests; breaks the "
                        "compute-optimal budget, which the table then shows).", lower_bound=1)
+  flags.DEFINE_enum("design", "cosine", ("cosine", "wsd"),
+                    "cosine: every run decays to its own end (--sizes or --flop_budgets); "
+                    "wsd: one stable run per size, cooldowns forked from it "
+                    "(launch.wsd_design).")
+  flags.DEFINE_list("cooldown_tokens_per_param", ["5", "10", "20", "40"],
+                    "WSD design: the forks' tokens per non-embedding parameter.")
+  flags.DEFINE_float("cooldown_fraction", 0.2, "WSD design: share of each fork's steps "
+                     "spent cooling down.")
+  flags.DEFINE_enum("cooldown_shape", "1-sqrt", ("linear", "1-sqrt"),
+                    "WSD design: the cooldown's shape (Hägele et al. find 1-sqrt best).")
+  flags.DEFINE_float("train_optimum", None, "The ladder (launch.ladder): train each "
+                     "family's compute-optimal model for this many FLOPs, as the study's "
+                     "approach-3 fit predicts, and score the forecast.", lower_bound=0.0)
+  flags.DEFINE_enum("metric", "loss", tuple(scaling_fit.METRICS),
+                    "The ladder: the fitted and forecast metric (final eval_loss or "
+                    "eval_bits_per_byte).")
+  flags.DEFINE_integer("replicates", 200, "The ladder: bootstrap replicates of the fit.",
+                       lower_bound=10)
+  flags.DEFINE_list("lr_sweep", [], "Size rule (launch.size_rule): learning rates probed "
+                    "at the smallest sizes, e.g. 1e-3,3e-3,1e-2; every run then trains at "
+                    "the fitted rate for its size (replaces --peak_learning_rate).")
+  flags.DEFINE_integer("lr_sweep_sizes", 2, "Size rule: how many of the smallest sizes "
+                       "are probed.", lower_bound=1)
+  flags.DEFINE_float("lr_sweep_tokens_per_param", 20.0, "Size rule: the probes' tokens "
+                     "per non-embedding parameter.", lower_bound=0.0)
   flags.DEFINE_list("flop_budgets", [], "IsoFLOP design: training FLOP budgets, e.g. "
                     "1e15,3e15,1e16 (replaces --sizes).")
   flags.DEFINE_integer("points_per_budget", 5, "IsoFLOP design: sizes per budget.",
@@ -585,46 +684,154 @@ def main(argv: Sequence[str]) -> None:
   workdir = FLAGS.workdir if FLAGS.workdir.startswith("gs://") else os.path.abspath(
       os.path.expanduser(FLAGS.workdir))
   vocab_size = FLAGS.vocab_size or vocab_size_from_gin(FLAGS.gin_file, FLAGS.gin_param)
-  shared = dict(batch_size=FLAGS.batch_size, sequence_length=FLAGS.sequence_length,
-                vocab_size=vocab_size, workdir=workdir, warmup_fraction=FLAGS.warmup_fraction,
-                peak_learning_rate=FLAGS.peak_learning_rate)
-  if budgets:
-    runs = plan_isoflop(FLAGS.families, budgets, points_per_budget=FLAGS.points_per_budget,
-                        spread=FLAGS.isoflop_spread, tokens_per_param=FLAGS.tokens_per_param,
-                        **shared)
-  else:
-    runs = plan(FLAGS.families, FLAGS.sizes, tokens_per_param=FLAGS.tokens_per_param,
-                max_steps=FLAGS.max_steps, **shared)
+  if FLAGS.train_optimum is not None:
+    _train_optimum(workdir, vocab_size, cluster)
+    return
+  runs, probe_gin = _plan_runs(budgets, vocab_size, workdir)
+  if FLAGS.lr_sweep:
+    probes = size_rule.plan_probes(
+        plan(FLAGS.families, FLAGS.sizes, tokens_per_param=FLAGS.lr_sweep_tokens_per_param,
+             batch_size=FLAGS.batch_size, sequence_length=FLAGS.sequence_length,
+             vocab_size=vocab_size, workdir=workdir, warmup_fraction=FLAGS.warmup_fraction),
+        _rates(), count=FLAGS.lr_sweep_sizes, workdir=workdir, extra_gin=probe_gin)
+    if FLAGS.dry_run:
+      print("# The learning-rate probes (launch.size_rule); the study's runs follow at the "
+            "rates of the rule fitted to them:")
+      print(runs_table_markdown(probes))
+    states = _run_all(probes, storage.join(workdir, "lr_sweep"), cluster)
+    if FLAGS.dry_run or not _all_finished(states):
+      return
+    rules = size_rule.fit_rules(probes)
+    for line in size_rule.warnings(rules):
+      print(line)
+    storage.write_text(storage.join(workdir, "size_rule.json"), size_rule.rules_json(
+        rules, _rates(), FLAGS.lr_sweep_sizes, FLAGS.lr_sweep_tokens_per_param))
+    for run in runs:
+      run.peak_learning_rate = rules[run.family](non_embedding_params(run.config))
   if FLAGS.dry_run:
     print(runs_table_markdown(runs))
     if FLAGS.backend == "local":
       for run in runs:
         print(f"# {run.name}: the run's bindings (--gin_param):")
         print("\n".join("#   " + line for line in run_gin(run).splitlines()))
+  states = _run_all(runs, workdir, cluster)
+  if not FLAGS.dry_run and _all_finished(states):
+    write_results(runs, workdir)
+
+
+def _train_optimum(workdir: str, vocab_size: int,
+                   cluster: Optional[sweep_dispatch.ClusterOptions]) -> None:
+  """The ladder (launch.ladder): each family's compute-optimal model at the budget,
+  forecast written first, trained, then scored."""
+  budget = FLAGS.train_optimum
+  runs, forecasts = [], {}
+  for family in FLAGS.families:
+    name = f"{family}_optimum_C{budget_label(budget)}"
+    n_opt, forecast, fit = ladder.optimum_size(workdir, name, family, budget,
+                                               metric=FLAGS.metric,
+                                               replicates=FLAGS.replicates)
+    # One isoFLOP point puts N* = sqrt(C / (6·tokens_per_param)) on N_opt.
+    (base,) = plan_isoflop([family], [budget], points_per_budget=1, spread=1.0,
+                           tokens_per_param=budget / (6 * n_opt.value ** 2),
+                           batch_size=FLAGS.batch_size,
+                           sequence_length=FLAGS.sequence_length, vocab_size=vocab_size,
+                           workdir=workdir, warmup_fraction=FLAGS.warmup_fraction)
+    run = ladder.ladder_run(base, workdir, name, FLAGS.peak_learning_rate)
+    forecasts[run.name] = forecast or ladder.make_forecast(run, fit, n_opt, FLAGS.metric,
+                                                           record=not FLAGS.dry_run)
+    runs.append(run)
+    p = forecasts[run.name]["predicted"]
+    print(f"[ladder] {run.name}: {non_embedding_params(run.config):,} non-embedding params, "
+          f"{run.tokens:,} tokens; forecast {FLAGS.metric} {p['value']:.4f} "
+          f"[{p['low']:.4f}, {p['high']:.4f}]")
+  if FLAGS.dry_run:
+    print(runs_table_markdown(runs))
+  states = _run_all(runs, storage.join(workdir, "ladder"), cluster)
+  if FLAGS.dry_run or not _all_finished(states):
+    return
+  for run in runs:
+    print(ladder.report_line(run.name, ladder.score(run, forecasts[run.name], FLAGS.metric)))
+
+
+def _rates() -> List[float]:
+  try:
+    return size_rule.parse_rates(FLAGS.lr_sweep)
+  except ValueError as error:
+    raise usage_error(str(error)) from None
+
+
+def _plan_runs(budgets: Sequence[float], vocab_size: int, workdir: str
+               ) -> Tuple[List[Run], Tuple[str, ...]]:
+  """The study's runs by the chosen design, and the schedule bindings its LR probes
+  share with them (launch.size_rule)."""
+  shared = dict(batch_size=FLAGS.batch_size, sequence_length=FLAGS.sequence_length,
+                vocab_size=vocab_size, workdir=workdir, warmup_fraction=FLAGS.warmup_fraction)
+  if FLAGS.design != "wsd":
+    if budgets:
+      return plan_isoflop(FLAGS.families, budgets, points_per_budget=FLAGS.points_per_budget,
+                          spread=FLAGS.isoflop_spread,
+                          tokens_per_param=FLAGS.tokens_per_param,
+                          peak_learning_rate=FLAGS.peak_learning_rate, **shared), ()
+    return plan(FLAGS.families, FLAGS.sizes, tokens_per_param=FLAGS.tokens_per_param,
+                max_steps=FLAGS.max_steps, peak_learning_rate=FLAGS.peak_learning_rate,
+                **shared), ()
+  if budgets:
+    raise usage_error("--design=wsd plans its runs from --sizes and "
+                      "--cooldown_tokens_per_param; drop --flop_budgets")
+  try:
+    options = wsd_design.WsdOptions(
+        tuple(float(t) for t in FLAGS.cooldown_tokens_per_param), FLAGS.cooldown_fraction,
+        FLAGS.cooldown_shape)
+  except ValueError as error:
+    raise usage_error(str(error).replace("could not convert string to float",
+                                         "--cooldown_tokens_per_param: not a number")
+                      ) from None
+  runs = wsd_design.plan_wsd(
+      plan(FLAGS.families, FLAGS.sizes, tokens_per_param=1.0,
+           peak_learning_rate=FLAGS.peak_learning_rate, **shared),
+      options, workdir=workdir, warmup_fraction=FLAGS.warmup_fraction)
+  if FLAGS.dry_run:
+    print(wsd_design.cost_markdown(wsd_design.study_cost(runs)))
+  else:
+    storage.makedirs(workdir)
+    storage.write_text(storage.join(workdir, "design.json"),
+                       wsd_design.design_json(runs, options))
+  return runs, ("OptimizerConfig.schedule = 'wsd'",
+                f"OptimizerConfig.cooldown_shape = {options.cooldown_shape!r}",
+                f"OptimizerConfig.cooldown_fraction = {options.cooldown_fraction!r}")
+
+
+def _all_finished(states: Dict[str, str]) -> bool:
+  """Whether every run finished; otherwise one line naming those that did not."""
+  waiting = sorted(name for name, state in states.items()
+                   if state != sweep_dispatch.FINISHED)
+  if waiting:
+    print(f"[sweep] {len(waiting)} run(s) not finished yet ({', '.join(waiting[:5])}"
+          f"{', ...' if len(waiting) > 5 else ''}); run the same command again later")
+  return not waiting
+
+
+def _run_all(runs: Sequence[Run], study_dir: str,
+             cluster: Optional[sweep_dispatch.ClusterOptions]) -> Dict[str, str]:
+  """`execute` until nothing is left to start; locally, runs still training from an
+  earlier (killed) sweep are waited for, then looked at again: finished, or resumed.
+  `study_dir` gets the cluster logs and, if runs are given up, their partial results
+  (the LR probes and the ladder keep theirs apart from the study's)."""
   while True:
     states = execute(runs, FLAGS.gin_file, FLAGS.gin_param, backend=FLAGS.backend,
                      parallel=FLAGS.parallel, max_retries=FLAGS.max_retries, cluster=cluster,
-                     study_dir=workdir, dry_run=FLAGS.dry_run,
+                     study_dir=study_dir, dry_run=FLAGS.dry_run,
                      log=(lambda _: None) if FLAGS.dry_run else print)
     if FLAGS.dry_run:
-      return
-    # Locally, runs still training from an earlier (killed) sweep are waited for, then
-    # looked at again: finished, or to be resumed.
+      return states
     orphans = [r.name for r in runs if FLAGS.backend == "local"
                and states[r.name] == sweep_dispatch.RUNNING
                and sweep_dispatch.running_here(r.workdir)]
     if not orphans:
-      break
+      return states
     print(f"[sweep] waiting for {', '.join(orphans)}, still running from an earlier sweep")
     while any(sweep_dispatch.running_here(r.workdir) for r in runs if r.name in orphans):
       time.sleep(ORPHAN_POLL_S)
-  if all(state == sweep_dispatch.FINISHED for state in states.values()):
-    write_results(runs, workdir)
-  else:
-    waiting = sorted(name for name, state in states.items()
-                     if state != sweep_dispatch.FINISHED)
-    print(f"[sweep] {len(waiting)} run(s) not finished yet ({', '.join(waiting[:5])}"
-          f"{', ...' if len(waiting) > 5 else ''}); run the same command again later")
 
 
 if __name__ == "__main__":

@@ -98,13 +98,17 @@ def default_parallel() -> int:
 
 def run_local(jobs: Sequence[Job], parallel: int, max_retries: int,
               is_finished: Callable[[Job], bool], log=print,
-              progress: Optional[sweep_progress.Progress] = None) -> List[str]:
+              progress: Optional[sweep_progress.Progress] = None,
+              ready: Callable[[Job], bool] = lambda job: True) -> List[str]:
   """Runs `jobs` on this machine, at most `parallel` at once, retrying failures.
 
   Each job's output goes to `sweep_train.log` in its directory. SIGINT/SIGTERM are passed
   on to the running trainings (which checkpoint) before the sweep exits. `progress`
   (created here if None) writes the counts and ETA to stderr as runs start and end.
-  Returns the names of the jobs that failed more than `max_retries` times.
+  A job starts only once `ready` says so (a cooldown fork: once its stable run has
+  finished); jobs that can never become ready (what they wait for gave up) are given
+  up too. Returns the names of the jobs that failed more than `max_retries` times, or
+  were never ready.
   """
   if progress is None:
     progress = sweep_progress.Progress({job.name: job.work for job in jobs}, parallel)
@@ -121,8 +125,11 @@ def run_local(jobs: Sequence[Job], parallel: int, max_retries: int,
   previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
   try:
     while queue or running:
-      while queue and len(running) < parallel:
-        job = queue.pop(0)
+      while len(running) < parallel:
+        job = next((j for j in queue if ready(j)), None)
+        if job is None:
+          break
+        queue.remove(job)
         os.makedirs(job.run_dir, exist_ok=True)
         log(f"[sweep] start {job.name}")
         with open(os.path.join(job.run_dir, "sweep_train.log"), "a",
@@ -159,6 +166,13 @@ def run_local(jobs: Sequence[Job], parallel: int, max_retries: int,
               f"{failures} failures), starting again")
           queue.append(job)
           progress.ended(job.name, "retry")
+      if queue and not running and not any(ready(j) for j in queue):
+        for job in queue:
+          log(f"[sweep] {job.name}: what it starts from never finished; not started")
+          given_up.append(job.name)
+          progress.started(job.name)   # counted as failed, like a run given up
+          progress.ended(job.name, "failed")
+        queue.clear()
     progress.tick()
   finally:
     for s, handler in previous.items():

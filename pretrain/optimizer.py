@@ -1,10 +1,18 @@
-"""AdamW with warm-up + cosine decay, clipping and a weight-decay mask, built with optax.
+"""AdamW with warm-up + cosine or warmup-stable-decay (WSD), clipping and a weight-decay
+mask, built with optax.
 
 Defaults follow docs/model.md#optimizer (Chinchilla-style): β2 = 0.95, weight decay 0.1, linear
 warm-up then cosine decay to 10% of the peak, global-norm clipping at 1.0. Weight decay
 only applies to matrices that mix features: norms, biases, embeddings and the RG-LRU's
 Λ (`a_param`) are left alone, because decaying them pulls the model towards a
 degenerate point (unit-free scales, zero decay rates) rather than regularising it.
+
+The WSD schedule (Hägele et al. 2024) holds the peak after warm-up and cools down over
+the last `cooldown_fraction` of the run. Its value is a function of the global step
+and the run's own length only, so a run that restores a stable-phase checkpoint of
+step S and trains on to T (a cooldown fork, `launch.wsd_design`) follows exactly the
+curve of a run trained to T from the start: before its cooldown starts, every WSD run
+with the same warm-up and peak has the same learning rate.
 
 Gradient accumulation is not an optax wrapper here: the train step scans over
 microbatches itself (pretrain/steps.py), which keeps the loss and the gradient exactly
@@ -17,6 +25,7 @@ import re
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 import optax
 
 # Path components (matched as whole names, case-insensitive) of parameters that get no
@@ -26,6 +35,8 @@ import optax
 NO_DECAY_PATTERNS = (
     r"bias", r".*norm.*", r"scale", r".*embed.*", r"a_param", r"theta", r"fixed_.*",
 )
+SCHEDULES = ("cosine", "wsd")
+COOLDOWN_SHAPES = ("linear", "1-sqrt")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,8 +46,14 @@ class OptimizerConfig:
   Attributes:
     peak_learning_rate: learning rate at the end of warm-up.
     warmup_steps: linear warm-up from 0 to the peak over this many steps.
-    final_learning_rate_fraction: the cosine decays to this fraction of the peak at the
-      last training step.
+    final_learning_rate_fraction: the decay (cosine, or WSD's cooldown) ends at this
+      fraction of the peak at the last training step.
+    schedule: "cosine" (warm-up, cosine decay over the rest of the run) or "wsd"
+      (warm-up, constant at the peak, cooldown over the last `cooldown_fraction`).
+    cooldown_fraction: WSD: share of the run's steps spent cooling down (0: constant to
+      the end, what the stable run of a forked study uses).
+    cooldown_shape: WSD: "linear" or "1-sqrt" (lr ∝ 1 − sqrt(progress), which Hägele et
+      al. find slightly better than linear).
     b1: Adam β1.
     b2: Adam β2 (0.95 is the usual choice for language-model pretraining).
     eps: Adam ε.
@@ -54,6 +71,9 @@ class OptimizerConfig:
   weight_decay: float = 0.1
   clip_norm: float | None = 1.0
   no_decay_patterns: Sequence[str] = NO_DECAY_PATTERNS
+  schedule: str = "cosine"
+  cooldown_fraction: float = 0.2
+  cooldown_shape: str = "linear"
 
   def __post_init__(self):
     if self.peak_learning_rate <= 0:
@@ -69,17 +89,57 @@ class OptimizerConfig:
                        f"{self.b1}, {self.b2}")
     if self.weight_decay < 0:
       raise ValueError(f"OptimizerConfig.weight_decay must be >= 0, got {self.weight_decay}")
+    if self.schedule not in SCHEDULES:
+      raise ValueError(f"OptimizerConfig.schedule must be one of {SCHEDULES}, got "
+                       f"{self.schedule!r}")
+    if not 0 <= self.cooldown_fraction <= 1:
+      raise ValueError("OptimizerConfig.cooldown_fraction must lie in [0, 1], got "
+                       f"{self.cooldown_fraction}")
+    if self.cooldown_shape not in COOLDOWN_SHAPES:
+      raise ValueError(f"OptimizerConfig.cooldown_shape must be one of {COOLDOWN_SHAPES}, "
+                       f"got {self.cooldown_shape!r}")
     object.__setattr__(self, "no_decay_patterns", tuple(self.no_decay_patterns))
 
 
+def cooldown_start(config: OptimizerConfig, total_steps: int) -> int:
+  """The step at which a WSD run of `total_steps` leaves its peak: total minus
+  round(cooldown_fraction · total), never inside the warm-up. A forked study
+  (`launch.wsd_design`) restores its stable run's checkpoint of exactly this step."""
+  warmup = min(config.warmup_steps, total_steps)
+  cooldown = min(int(round(config.cooldown_fraction * total_steps)), total_steps - warmup)
+  return total_steps - cooldown
+
+
+def wsd_schedule(config: OptimizerConfig, total_steps: int) -> optax.Schedule:
+  """Linear warm-up to the peak, constant to `cooldown_start`, then a linear or 1−sqrt
+  cooldown to `final_fraction · peak` at `total_steps` (constant after)."""
+  warmup = min(config.warmup_steps, total_steps)
+  start = cooldown_start(config, total_steps)
+  cooldown = total_steps - start
+  peak, final = config.peak_learning_rate, config.final_learning_rate_fraction
+  shape = config.cooldown_shape
+
+  def schedule(step):
+    step = jnp.asarray(step, jnp.float32)
+    warm = peak * step / warmup if warmup else jnp.float32(peak)
+    progress = jnp.clip((step - start) / max(cooldown, 1), 0.0, 1.0)
+    left = 1.0 - (progress if shape == "linear" else jnp.sqrt(progress))
+    cool = peak * (final + (1.0 - final) * left)
+    return jnp.where(step < warmup, warm, jnp.where(step < start, peak, cool))
+  return schedule
+
+
 def learning_rate_schedule(config: OptimizerConfig, total_steps: int) -> optax.Schedule:
-  """Linear warm-up to the peak, then cosine decay to `final_fraction * peak` at `total_steps`.
+  """Linear warm-up to the peak, then cosine decay to `final_fraction * peak` at
+  `total_steps`, or WSD's constant phase and cooldown (`wsd_schedule`).
 
   With fewer total steps than warm-up steps the warm-up is shortened to the run, so a
   short smoke run still reaches its peak instead of training at a tiny rate throughout.
   """
   if total_steps < 1:
     raise ValueError(f"total_steps must be >= 1, got {total_steps}")
+  if config.schedule == "wsd":
+    return wsd_schedule(config, total_steps)
   warmup = min(config.warmup_steps, total_steps)
   peak = config.peak_learning_rate
   return optax.warmup_cosine_decay_schedule(

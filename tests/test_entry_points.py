@@ -12,6 +12,7 @@ ENTRY_POINTS = [
     "pretrain.tokenizer", "pretrain.extrapolation", "model.summary", "launch.local",
     "launch.sweep", "launch.tpu_vm", "launch.gke", "launch.slurm", "launch.scaling_fit",
     "launch.sweep_job", "launch.chaos", "pretrain.report", "pretrain.export",
+    "launch.fork",
 ]
 
 

@@ -1,4 +1,6 @@
 """Optimizer: schedule values, the weight-decay mask on the real model tree, accumulation."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,9 +35,92 @@ def test_schedule_short_run_still_reaches_peak():
   np.testing.assert_allclose(float(schedule(20)), 2e-3, rtol=1e-6)
 
 
+def _wsd_reference(step, *, peak, warmup, total, fraction, final, shape):
+  """WSD written out by hand, in float64, for the tests below."""
+  start = total - min(round(fraction * total), total - min(warmup, total))
+  if step < warmup:
+    return peak * step / warmup
+  if step < start:
+    return peak
+  progress = min(1.0, (step - start) / max(total - start, 1))
+  left = 1 - (progress if shape == "linear" else progress ** 0.5)
+  return peak * (final + (1 - final) * left)
+
+
+@pytest.mark.parametrize("shape", ["linear", "1-sqrt"])
+def test_wsd_schedule_matches_the_hand_computed_curve(shape):
+  config = opt_lib.OptimizerConfig(peak_learning_rate=2e-3, warmup_steps=10,
+                                   final_learning_rate_fraction=0.1, schedule="wsd",
+                                   cooldown_fraction=0.25, cooldown_shape=shape)
+  schedule = opt_lib.learning_rate_schedule(config, total_steps=100)
+  assert opt_lib.cooldown_start(config, 100) == 75
+  for step in range(0, 106):
+    expected = _wsd_reference(step, peak=2e-3, warmup=10, total=100, fraction=0.25,
+                              final=0.1, shape=shape)
+    np.testing.assert_allclose(float(schedule(step)), expected, rtol=1e-6, err_msg=step)
+  # Spot values: half-way through the cooldown.
+  half = 2e-3 * (0.1 + 0.9 * (0.5 if shape == "linear" else 1 - 0.5 ** 0.5))
+  np.testing.assert_allclose(float(schedule(87.5)), half, rtol=1e-6)
+  np.testing.assert_allclose(float(schedule(100)), 2e-4, rtol=1e-6)
+
+
+def test_wsd_without_cooldown_stays_at_the_peak():
+  config = opt_lib.OptimizerConfig(peak_learning_rate=1e-3, warmup_steps=4, schedule="wsd",
+                                   cooldown_fraction=0.0)
+  schedule = opt_lib.learning_rate_schedule(config, total_steps=50)
+  assert opt_lib.cooldown_start(config, 50) == 50
+  np.testing.assert_allclose([float(schedule(s)) for s in (4, 30, 50)], 1e-3, rtol=1e-7)
+
+
+def test_wsd_cooldown_never_eats_the_warmup():
+  config = opt_lib.OptimizerConfig(warmup_steps=8, schedule="wsd", cooldown_fraction=0.9)
+  assert opt_lib.cooldown_start(config, 10) == 8
+
+
+def test_wsd_fork_from_a_stable_checkpoint_continues_the_unforked_run():
+  """A stable run (no cooldown) to step S, whose optimizer state is handed to a run
+  of T steps that cools down from S (what launch.wsd_design's forks do through the
+  checkpoint), gives bit for bit the parameters and learning rates of one run trained
+  to T with the same cooldown."""
+  fork = opt_lib.OptimizerConfig(peak_learning_rate=0.05, warmup_steps=3, schedule="wsd",
+                                 cooldown_fraction=0.3, cooldown_shape="1-sqrt",
+                                 weight_decay=0.1)
+  stable = dataclasses.replace(fork, cooldown_fraction=0.0)
+  total = 20
+  start = opt_lib.cooldown_start(fork, total)
+  assert start == 14
+  target = jnp.linspace(-1.0, 1.0, 6)
+  grad_fn = jax.jit(jax.grad(lambda p, k: jnp.sum((p["w"] * k - target) ** 2)))
+
+  def train(tx, schedule, params, state, first, last):
+    curve = []
+    for step in range(first, last):
+      scale = 1.0 + 0.1 * step       # a different "batch" every step, by global step
+      updates, state = tx.update(grad_fn(params, scale), state, params)
+      params = optax.apply_updates(params, updates)
+      curve.append((float(schedule(step)), np.asarray(params["w"])))
+    return params, state, curve
+
+  params = {"w": jnp.zeros(6)}
+  tx_full = opt_lib.make_optimizer(fork, total)
+  _, _, unforked = train(tx_full, opt_lib.learning_rate_schedule(fork, total), params,
+                         tx_full.init(params), 0, total)
+  tx_stable = opt_lib.make_optimizer(stable, 50)   # the stable run is longer: no matter
+  p_s, s_s, stable_curve = train(tx_stable, opt_lib.learning_rate_schedule(stable, 50),
+                                 params, tx_stable.init(params), 0, start)
+  _, _, forked = train(tx_full, opt_lib.learning_rate_schedule(fork, total), p_s, s_s,
+                       start, total)
+  for (lr_a, w_a), (lr_b, w_b) in zip(unforked, stable_curve + forked):
+    assert lr_a == lr_b
+    np.testing.assert_array_equal(w_a, w_b)
+  assert unforked[start - 1][0] == pytest.approx(0.05) and unforked[-1][0] < 0.01   # it did cool down
+
+
 @pytest.mark.parametrize("bad", [dict(peak_learning_rate=0.0), dict(b2=1.0),
                                  dict(final_learning_rate_fraction=1.5),
-                                 dict(weight_decay=-1.0)])
+                                 dict(weight_decay=-1.0), dict(schedule="step"),
+                                 dict(cooldown_fraction=1.5),
+                                 dict(cooldown_shape="cosine")])
 def test_config_rejects_bad_values(bad):
   with pytest.raises(ValueError, match="OptimizerConfig"):
     opt_lib.OptimizerConfig(**bad)
