@@ -15,7 +15,7 @@ Reading a step is checked (`pretrain.integrity`) and agreed by every process
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional, Protocol, Sequence, TypeVar
+from typing import Any, Callable, Optional, Protocol, Sequence, TypeVar, runtime_checkable
 
 import jax
 import numpy as np
@@ -48,8 +48,10 @@ class Restored:
   tier: "CheckpointTier"
 
 
+@runtime_checkable
 class CheckpointTier(Protocol):
-  """One place a run's training state is saved to and restored from.
+  """One place a run's training state is saved to and restored from (`isinstance`
+  checks that a class has every member).
 
   Attributes:
     name: names the tier in messages, `UnreadableCheckpointError.tier` and the
