@@ -417,6 +417,12 @@ class Checkpointer:
     holds; of two tiers holding the same step, the earlier in `tiers` (the persistent
     one first) is read. Every process takes the same step.
     """
+    if jax.process_count() > 1:
+      # The processes start the restore together, whatever the tiers. This is also the
+      # run's first cross-process collective, which sets up the collectives' context
+      # under a deadline (30 s with gloo on CPU): here the processes are in step; at
+      # the first train step they can be tens of seconds apart after compiling.
+      multihost_utils.sync_global_devices("restore newest checkpoint")
     leaves = jax.tree.leaves((abstract_params, abstract_opt_state))
     tiers = self.tiers
     # Newest step first; on a tie, the lower rank (the persistent tier's is 0) first.
