@@ -49,8 +49,7 @@ from pretrain.checkpoint_tier import CheckpointTier, Restored, checked_read
 from pretrain.errors import (CheckpointMismatchError, CheckpointSaveError,
                              UnreadableCheckpointError, UserError, warn)
 from pretrain.integrity import COMMIT_MARKER
-from pretrain.local_checkpoints import (MAX_LOCAL_KEEP, LocalCheckpointer, common_steps,
-                                        process_directory)
+from pretrain.local_checkpoints import MAX_LOCAL_KEEP, LocalCheckpointer, process_directory
 from sharding.partition import path_str
 
 T = TypeVar("T")

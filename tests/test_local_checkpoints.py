@@ -11,6 +11,7 @@ import pytest
 
 from model.config import ModelConfig
 from pretrain import checkpointing as ckpt
+from pretrain import local_checkpoints
 from pretrain.optimizer import OptimizerConfig, make_optimizer
 from pretrain.runtime import Runtime
 from sharding.mesh import MeshConfig
@@ -177,7 +178,7 @@ def test_keep_policy_and_no_local_tier(run_dir, state):
     ([[4, 6]], 6), ([[4, 6], [4, 6]], 6), ([[4, 6], [4]], 4), ([[4, 6], []], None),
     ([[6, 8], [4, 6], [6]], 6), ([[]], None)])
 def test_processes_agree_on_their_newest_common_step(steps, newest):
-  assert (ckpt.common_steps(steps) or [None])[-1] == newest
+  assert (local_checkpoints.common_steps(steps) or [None])[-1] == newest
 
 
 @pytest.mark.parametrize("field, value", [("local_every", 0), ("local_keep", 0),
