@@ -77,7 +77,7 @@ def diagonal():
   block_registry.unregister(NAME)
 
 
-def test_a_registered_block_trains_counts_plans_and_decodes(diagonal, tmp_path):
+def test_a_registered_block_counts_plans_decodes_and_sweeps(diagonal):
   config = diagonal
   with pytest.raises(ValueError, match="rnn_width=256 must be at most 4 x width"):
     config.replace(rnn_width=256)
@@ -104,6 +104,15 @@ def test_a_registered_block_trains_counts_plans_and_decodes(diagonal, tmp_path):
   np.testing.assert_allclose(step[:, 0], full[:, 9], rtol=1e-5, atol=1e-5)
   assert counting.decode_state_bytes(config, 16) > 0
 
+  # A sweep family of its own.
+  assert sweep.FAMILY_PATTERNS["diagonal_lm"] == (NAME,)
+  sized = sweep.config_for_size("diagonal_lm", 200_000, vocab_size=259, sequence_length=64)
+  assert sized.block_pattern == (NAME,)
+
+
+@pytest.mark.slow   # compiles and runs the real train step (CI runs it)
+def test_a_registered_block_trains(diagonal, tmp_path):
+  config = diagonal
   # Trains: the real trainer, sharded over data, fsdp and tensor.
   trainer, checkpointer, writer = make_trainer(str(tmp_path), config, train_steps=8,
                                                checkpoint_every=8)
@@ -115,11 +124,6 @@ def test_a_registered_block_trains_counts_plans_and_decodes(diagonal, tmp_path):
     checkpointer.close()
     writer.close()
   assert result.last_step == 8 and losses[-1] < losses[0]
-
-  # A sweep family of its own.
-  assert sweep.FAMILY_PATTERNS["diagonal_lm"] == (NAME,)
-  sized = sweep.config_for_size("diagonal_lm", 200_000, vocab_size=259, sequence_length=64)
-  assert sized.block_pattern == (NAME,)
 
 
 def test_unregistered_block_types_are_errors_not_zeros(diagonal):

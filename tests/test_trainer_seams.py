@@ -122,6 +122,7 @@ def _run(workdir, steps, store=None, crash_at=None, every=None):
   return result, infos, tier, reporter
 
 
+@pytest.mark.slow   # three short in-process runs (CI runs it)
 def test_a_third_tier_is_one_class_and_a_restart_resumes_from_it(tmp_path):
   reference, infos, _, reporter = _run(tmp_path / "reference", 6, every=2)
   # Added hooks run on top of the defaults: functions get one StepInfo per due step,
@@ -156,6 +157,18 @@ def test_every_tier_implements_the_protocol(tmp_path):
     assert [tier.name for tier in checkpointer.tiers] == ["persistent", "local"]
   finally:
     checkpointer.close()
+
+
+def test_a_function_hook_sees_each_due_step_with_its_metrics():
+  infos = []
+  hook = hooks_lib.CallbackHook(infos.append, every=2)
+  for step in range(1, 5):
+    hook.on_metrics(step, {"loss": float(step)})
+    if hook.is_due(step):
+      hook.on_step(step, state=f"state {step}")
+  assert [(i.step, i.state, i.metrics["loss"]) for i in infos] == [
+      (2, "state 2", 2.0), (4, "state 4", 4.0)]
+  assert hook.results() == {}
 
 
 @pytest.mark.parametrize("every", [0, -1])
