@@ -417,10 +417,9 @@ class Checkpointer:
     one first) is read. Every process takes the same step.
     """
     if jax.process_count() > 1:
-      # The processes start the restore together, whatever the tiers. This is also the
-      # run's first cross-process collective, which sets up the collectives' context
-      # under a deadline (30 s with gloo on CPU): here the processes are in step; at
-      # the first train step they can be tens of seconds apart after compiling.
+      # The processes start the restore together, whatever the tiers: the collective
+      # the local tier's agreement always ran here (with or without a local tier)
+      # before the tiers were pluggable, kept so a run's collectives stay as they were.
       multihost_utils.sync_global_devices("restore newest checkpoint")
     leaves = jax.tree.leaves((abstract_params, abstract_opt_state))
     tiers = self.tiers
