@@ -59,6 +59,7 @@ coarse: a family may land up to ~15% from the target, which the FLOPs axis absor
 from __future__ import annotations
 
 from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
+import collections
 import csv
 import dataclasses
 import io
@@ -82,6 +83,7 @@ from launch import sweep_dispatch
 from launch import sweep_progress
 from launch import size_rule
 from launch import wsd_design
+from model import block_registry
 from model import counting
 from model.config import ModelConfig, model_config_to_dict
 from pretrain import cli
@@ -90,12 +92,10 @@ from pretrain import gin_config
 from pretrain import storage
 from pretrain.errors import UserError, usage_error
 
-FAMILY_PATTERNS = {
-    "griffin": ("recurrent", "recurrent", "attention"),
-    "hawk": ("recurrent",),
-    "mqa": ("attention",),
-    "gateloop": ("gateloop",),
-}
+# Griffin mixes two block types; every other family is one registered block type alone
+# (its registry entry's `family`: hawk, mqa, gateloop, ...), read live from the registry.
+FAMILY_PATTERNS = collections.ChainMap({"griffin": ("recurrent", "recurrent", "attention")},
+                                       block_registry.FAMILIES)
 ASPECT_RATIO = 64
 ASPECT_TOLERANCE = 3   # depths with D/depth in [64/3, 64*3] are candidates
 WIDTH_STEP = 32

@@ -13,11 +13,13 @@ import dataclasses
 import enum
 from typing import Any, Mapping, Optional, Sequence
 
+from model import block_registry
 from model.scan.engine import ScanOptions
 
 
 class BlockType(str, enum.Enum):
-  """Temporal-mixing block types a block pattern may name."""
+  """The built-in temporal-mixing block types (`model.blocks`). A block pattern may name
+  any type registered with `model.block_registry`, these and others."""
   RECURRENT = "recurrent"   # Conv1D + RG-LRU (Hawk, Griffin)
   ATTENTION = "attention"   # MQA; local when `attention_window` is set, else global
   GATELOOP = "gateloop"     # GateLoop data-controlled complex recurrence
@@ -42,7 +44,8 @@ class ModelConfig:
     num_heads: query heads of MQA, and the number of blocks of the RG-LRU's
       block-diagonal gates unless `num_gate_blocks` is set.
     depth: number of residual blocks.
-    block_pattern: temporal block types, repeated cyclically over depth.
+    block_pattern: temporal block types (names registered with `model.block_registry`),
+      repeated cyclically over depth.
     attention_window: local-attention window (keys t-window..t); None = global.
     mlp_expansion: MLP inner width = mlp_expansion * width.
     conv_width: temporal width of the causal depthwise Conv1D.
@@ -115,20 +118,15 @@ class ModelConfig:
           f"RG-LRU gate blocks ({self.gate_blocks}; num_gate_blocks or num_heads)")
     if not self.block_pattern:
       raise ValueError("ModelConfig.block_pattern must name at least one block type")
-    known = {b.value for b in BlockType}
     for block in self.block_pattern:
-      if block not in known:
+      if block not in block_registry.names():
         raise ValueError(
             f"ModelConfig.block_pattern has unknown block type {block!r}; "
-            f"expected one of {sorted(known)}")
+            f"expected one of {block_registry.names()}")
     if self.attention_window is not None and self.attention_window < 1:
       raise ValueError(
           f"ModelConfig.attention_window must be >= 1 or None (global), "
           f"got {self.attention_window}")
-    if BlockType.ATTENTION.value in self.block_pattern and self.head_dim % 4:
-      raise ValueError(
-          f"ModelConfig: head dimension width/num_heads = {self.head_dim} must be divisible "
-          "by 4: rotary embeddings rotate pairs of channels in the first half of each head")
     if self.lru_variant not in LRU_VARIANTS:
       raise ValueError(f"ModelConfig.lru_variant must be one of {LRU_VARIANTS}, "
                        f"got {self.lru_variant!r}")
@@ -137,9 +135,8 @@ class ModelConfig:
           f"ModelConfig.rnn_width={self.rnn_width} must be divisible by 2 x gate blocks "
           f"({2 * self.gate_blocks}) for the complex CG-LRU: its channels are real and "
           "imaginary halves, and each half is split into the gates' blocks")
-    if BlockType.GATELOOP.value in self.block_pattern and self.width % self.gateloop_head_dim:
-      raise ValueError(f"ModelConfig.width={self.width} must be divisible by "
-                       f"gateloop_head_dim={self.gateloop_head_dim}")
+    for block in dict.fromkeys(self.block_pattern):   # each type's own constraints
+      block_registry.get(block).validate(self)
     if self.dtype not in DTYPES:
       raise ValueError(f"ModelConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
     if self.scan_impl not in SCAN_IMPLS:

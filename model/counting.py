@@ -18,6 +18,10 @@ Training FLOPs per token (docs/model.md#training-flops), with the usual "6N" con
                                            4·D FLOPs per attended key forward
   + 3 · F_rec · state per recurrent layer  element-wise recurrence work
 
+Each block type states its own terms (matmul and vector parameters, the attention or
+recurrence FLOPs) in its registry entry (`model.block_registry`, built-ins in
+`model.blocks`); this module adds them up.
+
 S̄(T) is the mean number of keys a query attends to in a row of T tokens, counted
 exactly for the causal mask: min(t + 1, W + 1) keys at position t for a local window W
 (keys t-W..t, as in the reference), t + 1 for global attention, so global attention
@@ -48,10 +52,12 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
-from model.config import BlockType, ModelConfig
+from model import block_registry
+from model.config import ModelConfig
 from model import lm
 from model import residual_block
 
+# The conventions above, used by the blocks' registry entries (`model.blocks`).
 RECURRENCE_FORWARD_FLOPS = 10     # per RG-LRU state element and token, see above
 RECURRENT_OUTPUT_GATE_FLOPS = 1   # x-branch ⊙ y-branch, per RG-LRU channel and token
 GATELOOP_FORWARD_FLOPS = 10       # complex multiply-add (8) + real readout (2)
@@ -93,33 +99,12 @@ def count_params(config: ModelConfig) -> ParamCounts:
 # -- the architecture restated by hand -------------------------------------------------
 def block_matmul_params(config: ModelConfig, block: str) -> int:
   """Weights of one temporal-mixing block that multiply each token once."""
-  d, r = config.width, config.rnn_width
-  if block == BlockType.RECURRENT.value:
-    gate_out = r // 2 if config.lru_variant == "complex" else r
-    gates = 2 * r * gate_out // config.gate_blocks         # block-diagonal W_a, W_x
-    return 3 * d * r + config.conv_width * r + gates       # W_x, W_y, W_out, Conv1D
-  if block == BlockType.ATTENTION.value:
-    return 2 * d * d + 2 * d * config.head_dim             # W_q, W_out; one K/V head
-  if block == BlockType.GATELOOP.value:
-    transitions = 0 if config.gateloop_fixed_transitions else 2 * d * d
-    return 4 * d * d + transitions                         # q, k, v, out (+ γ, θ)
-  raise ValueError(f"unknown block type {block!r}")
+  return block_registry.get(block).matmul_params(config)
 
 
 def _block_vector_params(config: ModelConfig, block: str) -> int:
   """Biases, norm scales and per-channel parameters of one temporal-mixing block."""
-  d, r = config.width, config.rnn_width
-  if block == BlockType.RECURRENT.value:
-    if config.lru_variant == "complex":
-      lru = 2 * (r // 2) + r // 2 + r // 2                 # gate biases, a_param, θ
-    else:
-      lru = 2 * r + r                                      # gate biases, a_param
-    return 2 * r + d + r + lru                             # W_x, W_y, W_out, conv biases
-  if block == BlockType.ATTENTION.value:
-    return d                                               # output bias
-  if block == BlockType.GATELOOP.value:
-    return 2 * d                                           # γ, θ biases or fixed values
-  raise ValueError(f"unknown block type {block!r}")
+  return block_registry.get(block).vector_params(config)
 
 
 def mlp_matmul_params(config: ModelConfig) -> int:
@@ -154,14 +139,6 @@ def mean_attended_keys(window: Optional[int], seq_len: int) -> float:
   return float(keys.mean())
 
 
-def _recurrence_flops(config: ModelConfig, block: str) -> float:
-  if block == BlockType.RECURRENT.value:
-    return (RECURRENCE_FORWARD_FLOPS + RECURRENT_OUTPUT_GATE_FLOPS) * config.rnn_width
-  if block == BlockType.GATELOOP.value:
-    return GATELOOP_FORWARD_FLOPS * config.width * config.gateloop_head_dim
-  return 0.0
-
-
 @dataclasses.dataclass(frozen=True)
 class FlopsBreakdown:
   """Training FLOPs per token, by term (see the module docstring)."""
@@ -179,13 +156,16 @@ def training_flops_breakdown(config: ModelConfig, seq_len: int) -> FlopsBreakdow
   """Training (forward + backward) FLOPs per token for rows of `seq_len` tokens."""
   if seq_len < 1:
     raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-  attention_layers = config.block_types.count(BlockType.ATTENTION.value)
-  keys = mean_attended_keys(config.attention_window, seq_len)
+  mixing = dict.fromkeys(block_registry.FLOP_TERMS, 0.0)
+  for block, layers in block_registry.count_by_type(config.block_types).items():
+    for term, flops in block_registry.get(block).mixing_flops(config, seq_len).items():
+      if term not in mixing:
+        raise ValueError(f"block type {block!r} counts FLOPs as {term!r}; the terms are "
+                         f"{block_registry.FLOP_TERMS}")
+      mixing[term] += layers * flops
   return FlopsBreakdown(
       matmul=6.0 * analytic_matmul_params(config),
-      output_projection=6.0 * config.width * config.vocab_size,
-      attention=12.0 * attention_layers * config.width * keys,
-      recurrence=3.0 * sum(_recurrence_flops(config, b) for b in config.block_types))
+      output_projection=6.0 * config.width * config.vocab_size, **mixing)
 
 
 def training_flops_per_token(config: ModelConfig, seq_len: int) -> float:

@@ -39,7 +39,8 @@ Where the two models' conventions differ, the export adapts the config, never th
   `gate_blocks_need_remote_code` asks for (`pretrain/hf_remote/`). Hawk has no
   attention, so its head count is set to the gate blocks; MQA has no gates.
 
-CG-LRU and GateLoop have no transformers counterpart: `check_exportable` says so.
+CG-LRU and GateLoop have no transformers counterpart: `check_exportable` says so. What
+each block type maps to is its registry entry's `hf_export` (`model.blocks`).
 Everything here is numpy on the host.
 """
 from __future__ import annotations
@@ -48,6 +49,7 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
+from model import block_registry
 from model import recurrentgemma_params as rg
 from model.config import BlockType, ModelConfig
 from model.embedder import embedding_scale
@@ -60,13 +62,14 @@ RMS_NORM_EPS = 1e-6
 
 
 def check_exportable(config: ModelConfig) -> None:
-  """Raises ValueError naming why `config` has no transformers counterpart."""
-  if BlockType.GATELOOP.value in config.block_pattern:
-    raise ValueError("GateLoop blocks have no transformers implementation; only Griffin, "
-                     "Hawk and MQA (recurrent and attention blocks) export")
-  if config.lru_variant != "real":
-    raise ValueError("the complex CG-LRU has no transformers implementation (its "
-                     "RecurrentGemma class has the real RG-LRU only)")
+  """Raises ValueError naming why `config` has no transformers counterpart: a block type
+  whose registry entry has no `hf_export`, or a configuration of one it rejects."""
+  for block in dict.fromkeys(config.block_pattern):
+    spec = block_registry.get(block)
+    if spec.hf_export is None:
+      raise ValueError(f"{spec.title} blocks have no transformers implementation; only "
+                       "Griffin, Hawk and MQA (recurrent and attention blocks) export")
+    spec.hf_export.check(config)
 
 
 def _has(config: ModelConfig, block_type: BlockType) -> bool:
@@ -170,25 +173,7 @@ def _layer_leaves(block_type: str) -> list[tuple[tuple[str, ...], str, bool]]:
             (("channel_pre_norm", "scale"), "channel_pre_norm.weight", False),
             (("mlp_block", "ffw_down", "kernel"), "mlp_block.down_proj.weight", True),
             (("mlp_block", "ffw_down", "bias"), "mlp_block.down_proj.bias", False)]
-  if block_type == BlockType.RECURRENT.value:
-    for name in ("linear_x", "linear_y", "linear_out"):
-      leaves += [(("recurrent_block", name, "kernel"), f"temporal_block.{name}.weight", True),
-                 (("recurrent_block", name, "bias"), f"temporal_block.{name}.bias", False)]
-    leaves += [(("recurrent_block", "conv_1d", "b"), "temporal_block.conv_1d.bias", False)]
-    for ours, theirs in (("a_param", "recurrent_param"), ("input_gate/w", "input_gate_weight"),
-                         ("input_gate/b", "input_gate_bias"),
-                         ("a_gate/w", "recurrent_gate_weight"),
-                         ("a_gate/b", "recurrent_gate_bias")):
-      leaves.append((("recurrent_block", "rg_lru") + tuple(ours.split("/")),
-                     f"temporal_block.rg_lru.{theirs}", False))
-  else:
-    for ours, theirs in (("proj_q", "q_proj"), ("proj_k", "k_proj"), ("proj_v", "v_proj"),
-                         ("proj_final", "o_proj")):
-      leaves.append((("attention_block", ours, "kernel"), f"temporal_block.{theirs}.weight",
-                     True))
-    leaves.append((("attention_block", "proj_final", "bias"), "temporal_block.o_proj.bias",
-                   False))
-  return leaves
+  return leaves + block_registry.get(block_type).hf_export.leaves()
 
 
 def ours_to_hf(params: Mapping[str, Any], config: ModelConfig) -> dict[str, np.ndarray]:
@@ -217,9 +202,8 @@ def ours_to_hf(params: Mapping[str, Any], config: ModelConfig) -> dict[str, np.n
     for i, name in enumerate(("gate_proj", "up_proj")):
       state[prefix + f"mlp_block.{name}.weight"] = np.asarray(up_w[i]).T
       state[prefix + f"mlp_block.{name}.bias"] = np.asarray(up_b[i, 0, 0])
-    if block_type == BlockType.RECURRENT.value:
-      conv = np.asarray(block["recurrent_block"]["conv_1d"]["w"])   # [W, R], oldest tap first
-      state[prefix + "temporal_block.conv_1d.weight"] = conv.T[:, None, :]
+    for name, value in block_registry.get(block_type).hf_export.to_hf(block).items():
+      state[prefix + name] = value
   return state
 
 
@@ -252,9 +236,7 @@ def hf_to_ours(state: Mapping[str, np.ndarray], config: ModelConfig) -> dict:
     biases = [take(prefix + f"mlp_block.{n}.bias") for n in ("gate_proj", "up_proj")]
     rg.set_path(block, ("mlp_block", "ffw_up", "w"), np.stack([gate, up]))
     rg.set_path(block, ("mlp_block", "ffw_up", "b"), np.stack(biases)[:, None, None, :])
-    if block_type == BlockType.RECURRENT.value:
-      conv = take(prefix + "temporal_block.conv_1d.weight")   # [R, 1, W]
-      rg.set_path(block, ("recurrent_block", "conv_1d", "w"), conv[:, 0, :].T)
+    block_registry.get(block_type).hf_export.from_hf(lambda n, p=prefix: take(p + n), block)
     tree[f"blocks.{layer}"] = block
   return rg.recurrentgemma_to_ours(tree, config)
 

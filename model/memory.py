@@ -31,6 +31,8 @@ token, in buffers of that width (c: compute dtype, f: float32):
   recurrent           3·R/t c + 10·R/t f  (branch outputs; gates, decay, normaliser, h)
   attention           (2·D/t + 2·d) c + 2·S f   (q, k, v; masked scores, probabilities)
   GateLoop            3·D/t c + 12·D/t f
+(each temporal block states its row, and what "save_matmuls" keeps of it, in its
+registry entry: `model.block_registry`, built-ins in `model.blocks`)
 S = (N/t)·K is the score matrix's entries per query: K = 2·window on the blocked local
 path (T > window), else T. The output's backward holds one float32 V/t copy (the
 logits' gradient). Then, per token:
@@ -79,8 +81,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from model import block_registry
 from model import counting, lm
-from model.config import BlockType, ModelConfig
+from model.config import ModelConfig
 from sharding import mesh as mesh_lib
 from sharding import partition
 from sharding import rules as rules_lib
@@ -155,42 +158,22 @@ def param_bytes_per_device(config: ModelConfig, mesh: Mapping[str, int],
   return total
 
 
-def _score_columns(config: ModelConfig, seq: int) -> int:
-  """Key columns of the float32 score matrix one query materialises: 2·window on the
-  blocked local path (T > window), else T (global, or a call within the window)."""
-  window = config.attention_window
-  return 2 * window if window is not None and seq > window else seq
-
-
 def _block_kept(config: ModelConfig, block_type: str, seq: int, tensor: int
                 ) -> tuple[float, float, float]:
   """What one residual block keeps for its backward pass, per token on one device:
-  (compute-dtype elements, float32 elements, of which float32 attention scores)."""
-  d, r, m, t = config.width, config.rnn_width, config.mlp_width, tensor
-  compute, float32, scores = KEEP_RESIDUAL * d + KEEP_MLP * m / t, 0.0, 0.0
-  if block_type == BlockType.RECURRENT.value:
-    compute, float32 = compute + KEEP_RNN[0] * r / t, KEEP_RNN[1] * r / t
-  elif block_type == BlockType.ATTENTION.value:
-    scores = KEEP_SCORES * config.num_heads / t * _score_columns(config, seq)
-    compute, float32 = compute + 2 * d / t + 2 * config.head_dim, scores
-  elif block_type == BlockType.GATELOOP.value:
-    compute, float32 = compute + 3 * d / t, 12 * d / t
-  else:
-    raise ValueError(f"unknown block type {block_type!r}")
-  return compute, float32, scores
+  (compute-dtype elements, float32 elements, of which float32 attention scores); the
+  temporal block's part comes from its registry entry."""
+  compute = KEEP_RESIDUAL * config.width + KEEP_MLP * config.mlp_width / tensor
+  temporal = block_registry.get(block_type).kept_activations(config, seq, tensor)
+  return compute + temporal[0], temporal[1], temporal[2]
 
 
 def _saved_matmul_outputs(config: ModelConfig, block_type: str, seq: int, tensor: int
                           ) -> tuple[float, float]:
   """What remat "save_matmuls" keeps of one block per token: its weight matmuls' outputs
   (and the Conv1D's) in the compute dtype, and the attention's float32 scores."""
-  d, r, m, t = config.width, config.rnn_width, config.mlp_width, tensor
-  temporal = {BlockType.RECURRENT.value: (3 * r / t + d, 0.0),
-              BlockType.ATTENTION.value: (
-                  d / t + 2 * config.head_dim + d,
-                  KEEP_SCORES * config.num_heads / t * _score_columns(config, seq)),
-              BlockType.GATELOOP.value: (3 * d / t + d, 0.0)}[block_type]
-  return temporal[0] + 2 * m / t + d, temporal[1]
+  temporal = block_registry.get(block_type).saved_matmul_outputs(config, seq, tensor)
+  return temporal[0] + 2 * config.mlp_width / tensor + config.width, temporal[1]
 
 
 def activation_bytes_per_token(config: ModelConfig, seq: int, tensor: int) -> float:

@@ -2,13 +2,14 @@
 
     r = x + Temporal(RMSNorm(x)),   out = r + MLP(RMSNorm(r)).
 
-The temporal block is chosen by type: "recurrent" (Conv1D + RG-LRU), "attention" (local or
-global MQA) or "gateloop" (imported lazily from `model.gateloop`). All three share one
-interface, so caches and depth scanning treat them alike:
+The temporal block is whatever `ModelConfig.block_pattern` names, looked up in
+`model.block_registry` ("recurrent": Conv1D + RG-LRU, "attention": local or global MQA,
+"gateloop", or a registered block of one's own). All share one interface, so caches and
+depth scanning treat them alike:
 
-    block = Cls(config)
+    block = spec.layer(config)
     y, cache = block(x [B, T, D], segment_pos [B, T], cache=None, return_cache=False)
-    Cls.init_cache(config, batch_size, dtype)      # attention also takes max_length
+    spec.init_cache(config, batch_size, dtype, max_length)
 """
 from __future__ import annotations
 
@@ -17,33 +18,17 @@ from typing import Any, Optional
 import flax.linen as nn
 import jax
 
+from model import block_registry
 from model import partitioning as P
-from model.attention import AttentionBlock
-from model.config import BlockType, ModelConfig
+from model.config import ModelConfig
 from model.mlp import GatedMLP
 from model.norms import RMSNorm
-from model.recurrent_block import RecurrentBlock
-from model.gateloop import GateLoopBlock
-
-
-def temporal_block_class(block_type: str) -> type[nn.Module]:
-  """The module class implementing a block type of `ModelConfig.block_pattern`."""
-  if block_type == BlockType.RECURRENT.value:
-    return RecurrentBlock
-  if block_type == BlockType.ATTENTION.value:
-    return AttentionBlock
-  if block_type == BlockType.GATELOOP.value:
-    return GateLoopBlock
-  raise ValueError(f"unknown block type {block_type!r}; expected one of "
-                   f"{sorted(b.value for b in BlockType)}")
 
 
 def init_block_cache(config: ModelConfig, block_type: str, batch_size: int, dtype: Any,
                      max_length: Optional[int] = None) -> Any:
   """Empty decoding cache of one residual block."""
-  if block_type == BlockType.ATTENTION.value:
-    return AttentionBlock.init_cache(config, batch_size, dtype, max_length)
-  return temporal_block_class(block_type).init_cache(config, batch_size, dtype)
+  return block_registry.get(block_type).init_cache(config, batch_size, dtype, max_length)
 
 
 class ResidualBlock(nn.Module):
@@ -60,7 +45,7 @@ class ResidualBlock(nn.Module):
   def __call__(self, x: jax.Array, segment_pos: jax.Array, cache: Any = None,
                return_cache: bool = False) -> tuple[jax.Array, Any]:
     cfg = self.config
-    temporal = temporal_block_class(self.block_type)(cfg, name=self.block_type)
+    temporal = block_registry.get(self.block_type).layer(cfg, name=self.block_type)
     mixed, cache = temporal(RMSNorm(cfg.dtype, name="temporal_norm")(x), segment_pos,
                             cache, return_cache)
     residual = mixed + x

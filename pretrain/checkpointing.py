@@ -23,10 +23,12 @@ fails the check or cannot be read (and sets it aside as `<step>.corrupt-<kind>`)
 that fails in the background is reported by `poll`, `wait` and the next `save` as a
 `CheckpointSaveError`.
 
-With `CheckpointConfig.local_dir` set, a second, local tier (`pretrain.local_checkpoints`)
-saves every `local_every` steps to each host's own disk; `restore_newest` takes the
-newest good step of either tier, a local one only if every process holds it. A failed
-local save turns the local tier off for the rest of the run, with one line.
+`Checkpointer` is the persistent `pretrain.checkpoint_tier.CheckpointTier` and holds the
+run's secondary tiers (`add_tier`). With `CheckpointConfig.local_dir` set, one is the
+local tier (`pretrain.local_checkpoints`), saving every `local_every` steps to each host's
+own disk; `restore_newest` takes the newest good step of any tier, a secondary one only
+if every process holds it. A failed secondary save turns that tier off for the rest of
+the run, with one line.
 """
 from __future__ import annotations
 
@@ -43,16 +45,13 @@ from jax.experimental import multihost_utils
 
 from pretrain import integrity
 from pretrain import storage
+from pretrain.checkpoint_tier import CheckpointTier, Restored, checked_read
 from pretrain.errors import (CheckpointMismatchError, CheckpointSaveError,
                              UnreadableCheckpointError, UserError, warn)
 from pretrain.integrity import COMMIT_MARKER
-from pretrain.local_checkpoints import LocalCheckpointer, process_directory
+from pretrain.local_checkpoints import MAX_LOCAL_KEEP, LocalCheckpointer, process_directory
 from sharding.partition import path_str
 
-# Local steps each process reports when the processes agree on one (a fixed-size gather).
-MAX_LOCAL_KEEP = 4
-# What can be wrong with a step (`integrity.Problem.kind`), numbered for a gather.
-PROBLEM_KINDS = ("size", "checksum", "missing", "manifest", "unreadable")
 T = TypeVar("T")
 
 
@@ -125,23 +124,6 @@ def unmarked_step_dirs(directory: epath.PathLike) -> list[epath.Path]:
                 if _step_of(path) is not None and not _committed(path))
 
 
-def common_steps(steps_per_process: list[list[int]]) -> list[int]:
-  """The steps that every process lists, ascending."""
-  common = set(steps_per_process[0])
-  for steps in steps_per_process[1:]:
-    common &= set(steps)
-  return sorted(common)
-
-
-def agreed_problem(problem: Optional[integrity.Problem]) -> Optional[str]:
-  """The kind of problem any process found with a step, the same on every process
-  (a step is restored by all of them or by none); a gather when there are several."""
-  code = PROBLEM_KINDS.index(problem.kind) + 1 if problem else 0
-  if jax.process_count() > 1:
-    code = int(np.max(multihost_utils.process_allgather(np.int32(code))))
-  return PROBLEM_KINDS[code - 1] if code else None
-
-
 def shapes_by_path(tree: Any) -> dict[str, tuple[int, ...]]:
   leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
   return {path_str(path): tuple(leaf.shape) for path, leaf in leaves}
@@ -167,7 +149,9 @@ def describe_mismatch(saved: Mapping[str, tuple[int, ...]],
 
 
 class Checkpointer:
-  """Saves and restores training state under `workdir/checkpoints` with Orbax."""
+  """Saves and restores training state under `workdir/checkpoints` with Orbax: the
+  "persistent" CheckpointTier, which also drives the run's secondary tiers."""
+  name = "persistent"
 
   def __init__(self, workdir: str, config: CheckpointConfig = CheckpointConfig(),
                read_only: bool = False):
@@ -206,11 +190,27 @@ class Checkpointer:
                       "pretrain.train ... --workdir=...) or convert one (pretrain.convert)")
     self._options = options
     self._manager = self._open_manager()
-    self.local_every = config.local_every
-    self.local: Optional[LocalCheckpointer] = None
+    self._secondary: list[tuple[CheckpointTier, int]] = []   # (tier, save interval)
     if config.local_dir and not read_only:
-      self.local = LocalCheckpointer(process_directory(config.local_dir, workdir),
-                                     config.local_keep, config.async_save)
+      self.add_tier(LocalCheckpointer(process_directory(config.local_dir, workdir),
+                                      config.local_keep, config.async_save),
+                    every=config.local_every)
+
+  def add_tier(self, tier: CheckpointTier, every: int) -> None:
+    """Adds a secondary tier that saves every `every` steps (`save_secondary`) and is
+    restored from when it holds the newest good step (`restore_newest`)."""
+    if every < 1:
+      raise ValueError(f"a checkpoint tier's interval must be >= 1, got {every}")
+    self._secondary.append((tier, every))
+
+  @property
+  def tiers(self) -> list[CheckpointTier]:
+    """Every tier in use: this (persistent) one first, then the secondary ones."""
+    return [self] + [tier for tier, _ in self._secondary]
+
+  def secondary_intervals(self) -> list[int]:
+    """The save intervals of the secondary tiers (`CheckpointHook` saves at them)."""
+    return [every for _, every in self._secondary]
 
   def _open_manager(self, options: Optional[ocp.CheckpointManagerOptions] = None
                     ) -> ocp.CheckpointManager:
@@ -263,13 +263,21 @@ class Checkpointer:
   def step_dir(self, step: int) -> str:
     return str(self.directory / str(step))
 
+  def describe(self, step: int) -> str:
+    return f"checkpoint of step {step} in {self.directory.parent}"
+
+  def restorable_steps(self, abstract_leaves: Any) -> list[int]:
+    """Every complete step: the storage is shared, so every process sees the same."""
+    del abstract_leaves  # resharded on restore
+    return self.all_steps()
+
   def metadata(self, step: int) -> dict[str, Any]:
     """The step's JSON metadata (`pretrain.metadata.RunMetadata.to_json`); raises
     UnreadableCheckpointError when it fails its check or cannot be read."""
     def read():
       return self._manager.restore(
           step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore()))["metadata"]
-    return dict(self._checked(step, "persistent", ("metadata",), read))
+    return dict(self._checked(step, ("metadata",), read))
 
   def check_params_match(self, step: int, abstract_params: Any) -> None:
     """Raises CheckpointMismatchError naming every parameter whose path or shape differs."""
@@ -293,32 +301,12 @@ class Checkpointer:
         if integrity.read_problem(error) is None:
           raise
 
-  def _checked(self, step: int, tier: str, items: Optional[tuple[str, ...]],
+  def _checked(self, step: int, items: Optional[tuple[str, ...]],
                read: Callable[[], T]) -> T:
-    """`read()` of a step of `tier` whose `items` (None: all) pass the integrity check;
-    raises UnreadableCheckpointError on every process when the check or the read fails
-    on any. Persistent steps are shared: the processes split the check."""
-    if tier == "local":
-      step_dir, share = self.local.step_dir(step), (0, 1)
-    else:
-      step_dir, share = self.step_dir(step), (jax.process_index(), jax.process_count())
-    problem = integrity.verify(step_dir, items, share)
-    self._raise_if_any(step, tier, problem)
-    result = None
-    try:
-      result = read()
-    except Exception as error:  # pylint: disable=broad-except  # classified below
-      problem = integrity.read_problem(error)
-      if problem is None:
-        raise
-    self._raise_if_any(step, tier, problem)
-    return result
-
-  @staticmethod
-  def _raise_if_any(step: int, tier: str, problem: Optional[integrity.Problem]) -> None:
-    kind = agreed_problem(problem)
-    if kind is not None:
-      raise UnreadableCheckpointError(step, tier, kind, problem.detail if problem else None)
+    """`read()` of `step` once its `items` (None: all) pass the integrity check; the
+    processes split the check of the shared directory (`checkpoint_tier.checked_read`)."""
+    return checked_read(step, self.name, self.step_dir(step), items,
+                        (jax.process_index(), jax.process_count()), read)
 
   # -- save / restore ---------------------------------------------------------
   def _seal(self) -> None:
@@ -346,10 +334,11 @@ class Checkpointer:
 
   def poll(self) -> Optional[CheckpointSaveError]:
     """The failure of the persistent save in flight, once it has ended; None while it
-    runs, when it succeeded or when there is none. Does not wait. (A failed local save
-    turns the local tier off, with one line, and is not returned.)"""
-    if self.local is not None and (failure := self.local.poll()) is not None:
-      self._drop_local(failure)
+    runs, when it succeeded or when there is none. Does not wait. (A failed secondary
+    save turns that tier off, with one line, and is not returned.)"""
+    for tier in self.tiers[1:]:
+      if (failure := tier.poll()) is not None:
+        self._drop(tier, failure)
     if self._saving is None or self._manager.is_saving_in_progress():
       return None
     try:
@@ -371,13 +360,12 @@ class Checkpointer:
       integrity.remove_partial(str(self.directory), step)
 
   def restore(self, step: int, *, abstract_params: Any,
-              abstract_opt_state: Any = None) -> dict[str, Any]:
+              abstract_opt_state: Any = None) -> Restored:
     """Restores `step` onto the shardings carried by the abstract trees (reshards).
 
-    Returns a dict with `params`, `opt_state` (None when the checkpoint has none or it
-    was not asked for), `step` and `rng` (None when absent). Raises
-    UnreadableCheckpointError when the items read fail their integrity check or cannot
-    be read.
+    `opt_state` is None when the checkpoint has none or it was not asked for, `rng`
+    when the checkpoint has none. Raises UnreadableCheckpointError when the items read
+    fail their integrity check or cannot be read.
     """
     items = dict(params=ocp.args.StandardRestore(abstract_params))
     want_opt = abstract_opt_state is not None and self.has_item(step, "opt_state")
@@ -390,102 +378,88 @@ class Checkpointer:
     def read():
       self.check_params_match(step, abstract_params)
       return self._manager.restore(step, args=ocp.args.Composite(**items))
-    restored = self._checked(step, "persistent", tuple(items), read)
+    restored = self._checked(step, tuple(items), read)
     train = restored["train"] if has_train else {}
-    return dict(params=restored["params"],
-                opt_state=restored["opt_state"] if want_opt else None,
-                step=int(train["step"]) if has_train else step,
-                rng=(jax.random.wrap_key_data(np.asarray(train["rng"], np.uint32))
-                     if has_train else None))
+    return Restored(params=restored["params"],
+                    opt_state=restored["opt_state"] if want_opt else None,
+                    step=int(train["step"]) if has_train else step,
+                    rng=(jax.random.wrap_key_data(np.asarray(train["rng"], np.uint32))
+                         if has_train else None),
+                    tier=self)
 
-  # -- the local tier -----------------------------------------------------------
-  def save_local(self, step: int, *, params: Any, opt_state: Any, rng: jax.Array) -> None:
-    """Saves this process's shards of `step` to the local tier (no-op without one)."""
-    if self.local is not None:
-      try:
-        self.local.save(step, jax.tree.leaves((params, opt_state)), rng)
-      except CheckpointSaveError as failure:
-        self._drop_local(failure)
+  # -- the secondary tiers -------------------------------------------------------
+  def save_secondary(self, step: int, *, params: Any, opt_state: Any,
+                     rng: jax.Array) -> None:
+    """Saves `step` to each secondary tier whose interval divides it (none: no-op)."""
+    for tier, every in list(self._secondary):
+      if step % every == 0:
+        try:
+          tier.save(step, params=params, opt_state=opt_state, rng=rng, metadata=None)
+        except CheckpointSaveError as failure:
+          self._drop(tier, failure)
 
-  def _drop_local(self, failure: CheckpointSaveError) -> None:
-    """A local save failed: one line, the failed save's leftovers deleted, and no more
-    local saves this run (the persistent tier goes on; a restart uses the tier again)."""
-    warn(f"{failure}; the local tier is off for the rest of this run")
-    self.local.discard()
-    self.local = None
-
-  def agreed_local_steps(self, abstract_leaves: list[Any]) -> list[int]:
-    """The local steps every process can restore with the current layout, ascending.
-
-    Hosts can disagree (a replaced host has an empty local disk, a crash cut one save
-    short), so each process gathers every process's usable steps and all take the
-    steps they have in common; [] when there are none (or no local tier).
-    """
-    steps = self.local.usable_steps(abstract_leaves) if self.local is not None else []
-    if jax.process_count() == 1:
-      return steps
-    mine = np.full(MAX_LOCAL_KEEP, -1, np.int64)  # -1: no step
-    recent = steps[-MAX_LOCAL_KEEP:]
-    mine[:len(recent)] = recent
-    everyone = np.asarray(multihost_utils.process_allgather(mine)).reshape(
-        jax.process_count(), MAX_LOCAL_KEEP)
-    return common_steps([[s for s in row.tolist() if s >= 0] for row in everyone])
+  def _drop(self, tier: CheckpointTier, failure: CheckpointSaveError) -> None:
+    """A secondary save failed: one line, the failed save's leftovers deleted, and no
+    more saves to that tier this run (the persistent tier goes on; a restart uses the
+    tier again)."""
+    warn(f"{failure}; the {tier.name} tier is off for the rest of this run")
+    tier.discard_failed(failure.step)
+    self._secondary = [(t, every) for t, every in self._secondary if t is not tier]
 
   def restore_newest(self, *, abstract_params: Any, abstract_opt_state: Any
-                     ) -> tuple[Optional[dict[str, Any]], list[UnreadableCheckpointError]]:
-    """Restores the newest step of either tier that passes its integrity check and
-    reads; (None, ...) when there is none.
+                     ) -> tuple[Optional[Restored], list[UnreadableCheckpointError]]:
+    """Restores the newest step of any tier that passes its integrity check and reads;
+    (None, ...) when there is none.
 
-    Returns `restore`'s dict plus `tier` ("local" or "persistent"), and the steps
-    skipped on the way, each set aside as `<step>.corrupt-<kind>` (by process 0 for
-    the persistent tier, by the process holding it for the local one). A local step
-    is a candidate only when every process holds it; a persistent and a local step of
-    the same number: the persistent one first. Every process takes the same step.
+    Also returns the steps skipped on the way, each set aside by its tier
+    (`<step>.corrupt-<kind>`). A secondary tier offers only the steps every process
+    holds; of two tiers holding the same step, the earlier in `tiers` (the persistent
+    one first) is read. Every process takes the same step.
     """
-    leaves, treedef = jax.tree.flatten((abstract_params, abstract_opt_state))
-    candidates = sorted([(step, "persistent") for step in self.all_steps()] +
-                        [(step, "local") for step in self.agreed_local_steps(leaves)],
-                        key=lambda c: (c[0], c[1] == "persistent"), reverse=True)
+    if jax.process_count() > 1:
+      # The processes start the restore together, whatever the tiers: the collective
+      # the local tier's agreement always ran here (with or without a local tier)
+      # before the tiers were pluggable, kept so a run's collectives stay as they were.
+      multihost_utils.sync_global_devices("restore newest checkpoint")
+    leaves = jax.tree.leaves((abstract_params, abstract_opt_state))
+    tiers = self.tiers
+    # Newest step first; on a tie, the lower rank (the persistent tier's is 0) first.
+    candidates = sorted(((step, -rank) for rank, tier in enumerate(tiers)
+                         for step in tier.restorable_steps(leaves)), reverse=True)
     restored, skipped = None, []
-    for step, tier in candidates:
+    for step, negative_rank in candidates:
+      tier = tiers[-negative_rank]
       try:
-        if tier == "persistent":
-          restored = dict(self.restore(step, abstract_params=abstract_params,
-                                       abstract_opt_state=abstract_opt_state),
-                          tier=tier)
-        else:
-          arrays, rng = self._checked(step, tier, None,
-                                      lambda: self.local.restore(step, leaves))
-          params, opt_state = jax.tree.unflatten(treedef, arrays)
-          restored = dict(params=params, opt_state=opt_state, step=step, rng=rng,
-                          tier=tier)
+        restored = tier.restore(step, abstract_params=abstract_params,
+                                abstract_opt_state=abstract_opt_state)
         break
       except UnreadableCheckpointError as error:
         skipped.append(error)
-        self._set_aside(error)
-    if self.local is not None:
-      self.local.delete_after(restored["step"] if restored else 0)
+        tier.set_aside(error)
+    for tier in tiers:
+      tier.resuming_from(restored.step if restored else 0)
     return restored, skipped
 
-  def _set_aside(self, error: UnreadableCheckpointError) -> None:
-    if error.tier == "local":
-      if error.detail is not None:  # this process's copy is the unreadable one
-        self.local.set_aside(error.step, error.kind)
-      return
+  def set_aside(self, error: UnreadableCheckpointError) -> None:
+    """Renames the unreadable step to `<step>.corrupt-<kind>` (process 0, the others
+    wait for it) and lists the steps anew."""
     if jax.process_index() == 0:
       integrity.set_aside(str(self.directory), error.step, error.kind)
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices("checkpoint set aside")
     self._manager.reload()
 
+  def resuming_from(self, step: int) -> None:
+    del step  # newer persistent steps were unreadable, and are set aside already
+
   def wait(self) -> None:
     """Blocks until the in-flight saves have ended. Raises CheckpointSaveError when the
-    persistent one failed (a failed local one turns the local tier off)."""
-    if self.local is not None:
+    persistent one failed (a failed secondary one turns that tier off)."""
+    for tier in self.tiers[1:]:
       try:
-        self.local.wait()
+        tier.wait()
       except CheckpointSaveError as failure:
-        self._drop_local(failure)
+        self._drop(tier, failure)
     self._finish()
 
   def close(self) -> None:
@@ -498,5 +472,5 @@ class Checkpointer:
       warn(str(failure))
     if not self._manager_failed:
       self._manager.close()
-    if self.local is not None:
-      self.local.close()
+    for tier in self.tiers[1:]:
+      tier.close()

@@ -67,14 +67,14 @@ class UnreadableCheckpointError(UserError):
 
   Attributes:
     step: the step.
-    tier: "persistent" or "local".
+    tier: the name of its CheckpointTier ("persistent", "local", ...).
     kind: a short name of the problem ("size", "checksum", "missing", "manifest",
       "unreadable"), part of the name the step is set aside as.
     detail: what this process found, one line; None when another process found it.
   """
 
   def __init__(self, step: int, tier: str, kind: str, detail: Optional[str]):
-    name = "local checkpoint" if tier == "local" else "checkpoint"
+    name = "checkpoint" if tier == "persistent" else f"{tier} checkpoint"
     super().__init__(f"{name} {step} is unreadable "
                      f"({detail or 'reported by another process'})")
     self.step = step

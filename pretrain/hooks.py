@@ -11,11 +11,16 @@ The loop (`pretrain.trainer.Trainer.run`) calls, in order:
   `on_end(step, state, preempted)`  once, after the last step (final save, final
                               evaluation, sample);
   `close()`                   always, also when training failed.
-A hook asks the loop to stop after the current step by setting `stop_requested`.
+A hook asks the loop to stop after the current step by setting `stop_requested`, and
+reports what the run's result should carry through `results()` (the train loss, the
+validation loss, the sample; `Trainer.run` merges them into `RunResult.results`).
 Each hook is a small object with no reference to the loop, so it can be tested alone.
+A plain function of one `StepInfo` record becomes a hook with `CallbackHook`
+(`Trainer.add_hook(fn, every=N)`).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -24,7 +29,7 @@ import signal
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
 import jax
 
@@ -68,6 +73,51 @@ class Hook:
 
   def close(self) -> None:
     pass
+
+  def results(self) -> Mapping[str, Any]:
+    """What the hook adds to the run's result (`RunResult.results`); {} by default."""
+    return {}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInfo:
+  """One finished step, as a `CallbackHook`'s function sees it.
+
+  Attributes:
+    step: optimizer steps done.
+    state: the train state after the step (on the devices).
+    metrics: the step's metrics on the host (`loss`, `learning_rate`, `grad_norm`,
+      `param_norm`, ...; pretrain.steps).
+  """
+  step: int
+  state: TrainState
+  metrics: Mapping[str, float]
+
+
+class StepCallback(Protocol):
+  """A function hook: called with each due step's record."""
+
+  def __call__(self, info: StepInfo) -> None:
+    ...
+
+
+class CallbackHook(Hook):
+  """Runs `callback(StepInfo)` every `every` steps, once that step's metrics are on the
+  host (the loop fetches them before running the hook). Its time counts as `other`."""
+
+  def __init__(self, callback: StepCallback, every: int):
+    if every < 1:
+      raise ValueError(f"a hook's interval must be >= 1, got {every}")
+    self.every = every
+    self._callback = callback
+    self._metrics: Mapping[str, float] = {}
+
+  def on_metrics(self, step: int, values: Mapping[str, float]) -> None:
+    del step
+    self._metrics = values
+
+  def on_step(self, step: int, state: TrainState) -> None:
+    self._callback(StepInfo(step, state, self._metrics))
 
 
 class DivergenceCheck(Hook):
@@ -139,11 +189,14 @@ class MetricsLogger(Hook):
   def resumed(self, step: int) -> None:
     self._timer.restart(step)
 
+  def results(self) -> Mapping[str, Any]:
+    return {"train_loss": self.last_loss}
+
 
 class CheckpointHook(Hook):
-  """Saves every `every` steps and at the end (once per step), asynchronously; with
-  `local_every`, also to the checkpointer's local tier at the multiples of it that are
-  not persistent saves.
+  """Saves every `every` steps and at the end (once per step), asynchronously; also to
+  the checkpointer's secondary tiers (the local one, ...) at the multiples of their
+  intervals (`tier_every`) that are not persistent saves.
 
   A save that fails in the background is noticed at the next step boundary (the
   checkpointer is polled with every step's metrics): one line, then the failed save's
@@ -151,16 +204,16 @@ class CheckpointHook(Hook):
   fails too, the run stops (exit code 1) with the newest good
   checkpoint intact and no leftovers. With several processes the run stops at the
   first failure: a retry is a save every process must join, and the others are still
-  waiting inside Orbax for the process whose save failed. A failed local save only
-  turns the local tier off (`Checkpointer.poll`).
+  waiting inside Orbax for the process whose save failed. A failed secondary save only
+  turns that tier off (`Checkpointer.poll`).
   """
   goodput_category = "checkpoint"
 
   def __init__(self, checkpointer: Checkpointer, every: int, *, start_step: int,
                rng: jax.Array, metadata: Mapping[str, Any], writer: MetricsWriter,
-               local_every: int = 0):
+               tier_every: Sequence[int] = ()):
     self.every = every
-    self._local_every = local_every
+    self._tier_every = tuple(tier_every)
     self._checkpointer = checkpointer
     self._rng = rng
     self._metadata = dict(metadata)
@@ -200,7 +253,7 @@ class CheckpointHook(Hook):
 
   def is_due(self, step: int) -> bool:
     return (step % self.every == 0 or self._failure is not None
-            or bool(self._local_every and step % self._local_every == 0))
+            or any(step % every == 0 for every in self._tier_every))
 
   def _attempt(self, step: int, state: TrainState, wait: bool
                ) -> Optional[CheckpointSaveError]:
@@ -220,8 +273,8 @@ class CheckpointHook(Hook):
     if failure is None and step % self.every == 0:
       failure = self._attempt(step, state, wait=False)
     elif failure is None:
-      self._checkpointer.save_local(step, params=state.params, opt_state=state.opt_state,
-                                    rng=self._rng)
+      self._checkpointer.save_secondary(step, params=state.params,
+                                        opt_state=state.opt_state, rng=self._rng)
     if failure is not None:
       self._retry(failure, step, state)   # the retry saves this step
 
@@ -273,6 +326,9 @@ class EvalHook(_PeriodicEvaluation):
     self.last_loss = result["loss"]
     self._writer.log_eval(step, result["loss"], result["tokens"],
                           result.get("bits_per_byte"))
+
+  def results(self) -> Mapping[str, Any]:
+    return {"eval_loss": self.last_loss}
 
 
 class DownstreamHook(_PeriodicEvaluation):
@@ -401,3 +457,6 @@ class SampleHook(Hook):
     if not preempted:
       self.text = self._sample(state.params)
       self._writer.info(f"Sample:\n{self._prompt}{self.text}")
+
+  def results(self) -> Mapping[str, Any]:
+    return {"sample": self.text}

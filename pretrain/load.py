@@ -120,7 +120,7 @@ def _restore(checkpointer: Checkpointer, step: int, mesh_config: MeshConfig
   metadata = RunMetadata.from_json(checkpointer.metadata(step))
   runtime = Runtime.create(metadata.model_config, mesh_config)
   restored = checkpointer.restore(step, abstract_params=runtime.abstract_params)
-  return LoadedModel(runtime, restored["params"], step, metadata,
+  return LoadedModel(runtime, restored.params, step, metadata,
                      str(checkpointer.directory.parent))
 
 

@@ -37,9 +37,15 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from jax.experimental import multihost_utils
+
 from pretrain import integrity
-from pretrain.errors import CheckpointSaveError
+from pretrain.checkpoint_tier import Restored, checked_read
+from pretrain.errors import CheckpointSaveError, UnreadableCheckpointError
 from pretrain.integrity import COMMIT_MARKER, TMP_SUFFIX
+
+# Local steps each process reports when the processes agree on one (a fixed-size gather).
+MAX_LOCAL_KEEP = 4
 
 
 def _committed(path: epath.Path) -> bool:
@@ -53,6 +59,14 @@ def process_directory(local_dir: str, workdir: str) -> epath.Path:
   run_key = hashlib.sha1(os.path.abspath(workdir).encode()).hexdigest()[:12]
   return (epath.Path(os.path.abspath(os.path.expanduser(local_dir))) / run_key /
           f"process_{jax.process_index()}_of_{jax.process_count()}")
+
+
+def common_steps(steps_per_process: list[list[int]]) -> list[int]:
+  """The steps that every process lists, ascending."""
+  common = set(steps_per_process[0])
+  for steps in steps_per_process[1:]:
+    common &= set(steps)
+  return sorted(common)
 
 
 def _index_key(index: tuple, shape: Sequence[int]) -> list[list[int]]:
@@ -81,7 +95,9 @@ def expected_layout(abstract_leaves: Sequence[Any]) -> list[dict]:
 
 
 class LocalCheckpointer:
-  """Saves and restores this process's shards of the train state under `directory`."""
+  """Saves and restores this process's shards of the train state under `directory`: the
+  "local" `pretrain.checkpoint_tier.CheckpointTier`."""
+  name = "local"
 
   def __init__(self, directory: epath.Path, keep: int, async_save: bool = True):
     self.directory = directory
@@ -146,16 +162,40 @@ class LocalCheckpointer:
                         step)
     return usable
 
+  def restorable_steps(self, abstract_leaves: Sequence[Any]) -> list[int]:
+    """The steps every process can restore with the current layout, ascending.
+
+    Hosts can disagree (a replaced host has an empty local disk, a crash cut one save
+    short), so each process gathers every process's usable steps and all take the
+    steps they have in common; [] when there are none.
+    """
+    steps = self.usable_steps(abstract_leaves)
+    if jax.process_count() == 1:
+      return steps
+    mine = np.full(MAX_LOCAL_KEEP, -1, np.int64)  # -1: no step
+    recent = steps[-MAX_LOCAL_KEEP:]
+    mine[:len(recent)] = recent
+    everyone = np.asarray(multihost_utils.process_allgather(mine)).reshape(
+        jax.process_count(), MAX_LOCAL_KEEP)
+    return common_steps([[s for s in row.tolist() if s >= 0] for row in everyone])
+
+  def describe(self, step: int) -> str:
+    return f"local checkpoint of step {step} in {self.directory}"
+
   def step_dir(self, step: int) -> str:
     return str(self.directory / str(step))
 
   def _seal(self) -> None:
     integrity.seal(str(self.directory), self._sealing)
 
-  def save(self, step: int, leaves: Sequence[jax.Array], rng: jax.Array) -> None:
-    """Saves this process's shards of the global arrays `leaves` as step `step`; Orbax
-    copies them to host memory before returning and writes in the background when
-    async. Raises CheckpointSaveError for this save or the one before it."""
+  def save(self, step: int, *, params: Any, opt_state: Any, rng: jax.Array,
+           metadata: Any = None) -> None:
+    """Saves this process's shards of the params and optimizer state as step `step`
+    (the metadata stays with the persistent tier); Orbax copies them to host memory
+    before returning and writes in the background when async. Raises
+    CheckpointSaveError for this save or the one before it."""
+    del metadata
+    leaves = jax.tree.leaves((params, opt_state))
     self.wait()
     layout = expected_layout(leaves)
     shards = {f"l{number:05d}": leaf for number, leaf in enumerate(leaves)}
@@ -182,22 +222,35 @@ class LocalCheckpointer:
       return error
     return None
 
-  def discard(self) -> None:
-    """Stops after a failed save: waits for nothing more and deletes the failed save's
-    leftovers (the committed steps stay, for a restart on the same layout)."""
+  def discard_failed(self, step: int) -> None:
+    """Stops after the failed save of `step`: waits for nothing more and deletes the
+    failed save's leftovers (the committed steps stay, for a restart on the same
+    layout)."""
+    del step  # every leftover goes
     integrity.close_failed(self._manager)
     for path in self.directory.iterdir():
       if TMP_SUFFIX in path.name or (path.name.isdigit() and not _committed(path)):
         shutil.rmtree(path, ignore_errors=True)
 
-  def set_aside(self, step: int, kind: str) -> str:
-    """Renames unreadable step `step` to `<step>.corrupt-<kind>`; returns the name."""
-    name = integrity.set_aside(str(self.directory), step, kind)
-    self._manager.reload()
-    return name
+  def set_aside(self, error: UnreadableCheckpointError) -> None:
+    """Renames the unreadable step to `<step>.corrupt-<kind>` where this process's
+    copy is the unreadable one (the process that found the problem has its detail)."""
+    if error.detail is not None:
+      integrity.set_aside(str(self.directory), error.step, error.kind)
+      self._manager.reload()
 
-  def restore(self, step: int, abstract_leaves: Sequence[Any]) -> tuple[list[jax.Array],
-                                                                         jax.Array]:
+  def restore(self, step: int, *, abstract_params: Any,
+              abstract_opt_state: Any = None) -> Restored:
+    """The params and optimizer state of `step`, checked first (every process agrees);
+    this process reads only its own shards. Raises UnreadableCheckpointError."""
+    leaves, treedef = jax.tree.flatten((abstract_params, abstract_opt_state))
+    arrays, rng = checked_read(step, self.name, self.step_dir(step), None, (0, 1),
+                               lambda: self._read(step, leaves))
+    params, opt_state = jax.tree.unflatten(treedef, arrays)
+    return Restored(params=params, opt_state=opt_state, step=step, rng=rng, tier=self)
+
+  def _read(self, step: int, abstract_leaves: Sequence[Any]) -> tuple[list[jax.Array],
+                                                                      jax.Array]:
     """The global arrays of `step` (laid out as `abstract_leaves`, which must match the
     saved layout: see `usable_steps`) and its RNG; each process reads only its own
     shards, from its own directory."""
@@ -212,7 +265,7 @@ class LocalCheckpointer:
     rng = jax.random.wrap_key_data(np.asarray(record["rng"], np.uint32))
     return arrays, rng
 
-  def delete_after(self, step: int) -> None:
+  def resuming_from(self, step: int) -> None:
     """Deletes local steps newer than `step`, the step the run resumes from: a host
     may hold a step the others lack (one process died mid-save), and the run will save
     that step again."""

@@ -13,10 +13,11 @@ import contextlib
 import dataclasses
 import shlex
 import time
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Protocol, Sequence, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from model import counting
 from pretrain import downstream
@@ -26,6 +27,7 @@ from pretrain import generation
 from pretrain import goodput
 from pretrain import hooks as hooks_lib
 from pretrain import storage
+from pretrain.checkpoint_tier import CheckpointTier
 from pretrain.checkpointing import Checkpointer
 from pretrain.data.vocabularies import token_byte_lengths
 from pretrain.errors import UserError, usage_error, warn
@@ -132,13 +134,43 @@ class TrainConfig:
                        f"{self.downstream_limit}")
 
 
+class Pipeline(Protocol):
+  """What the trainer needs of its input pipeline (`pretrain.data.DataPipeline`; any
+  object with these members will do).
+
+  Attributes:
+    vocabulary: the SeqIO vocabulary of the token ids (byte, SentencePiece or
+      pass-through: what checkpoint metadata can record).
+    vocab_size: the number of ids the data uses (at most `ModelConfig.vocab_size`).
+  """
+  vocabulary: Any
+  vocab_size: int
+
+  def batch(self, step: int) -> Mapping[str, np.ndarray]:
+    """This process's rows of global batch `step` (docs/INTERNALS.md, "Data"), a pure
+    function of the step."""
+
+  def validation_batches(self, max_batches: Optional[int] = None
+                         ) -> Iterable[Mapping[str, np.ndarray]]:
+    """This process's rows of the validation batches, in order (padding rows: weight 0)."""
+
+  def describe(self) -> str:
+    """One line about the data, printed at start-up."""
+
+
 @dataclasses.dataclass
 class RunResult:
-  """What a finished (or preempted) run reports."""
+  """What a finished (or preempted) run reports.
+
+  Attributes:
+    results: what the hooks reported (`Hook.results`), merged: `train_loss`,
+      `eval_loss`, `sample` and whatever added hooks report.
+  """
   last_step: int
   preempted: bool
   final_eval_loss: Optional[float]
   sample: Optional[str]
+  results: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 class _PendingMetrics:
@@ -171,17 +203,18 @@ class Trainer:
     config: the TrainConfig.
     runtime: model, mesh and shardings.
     optimizer_config: AdamW and schedule settings.
-    pipeline: the DataPipeline (`batch(step)`, `validation_batches(n)`, `vocabulary`).
-    checkpointer: where state is saved and restored.
+    pipeline: the input pipeline (`Pipeline`).
+    checkpointer: where state is saved and restored (every tier).
     writer: metrics and console output.
     clock: books the session's wall time (`pretrain.goodput`); a new one by default.
   """
 
   def __init__(self, config: TrainConfig, runtime: Runtime,
-               optimizer_config: OptimizerConfig, pipeline: Any,
+               optimizer_config: OptimizerConfig, pipeline: Pipeline,
                checkpointer: Checkpointer, writer: MetricsWriter,
                clock: Optional[goodput.GoodputClock] = None):
     self.config = config
+    self._added_hooks: list[hooks_lib.Hook] = []
     self.clock = clock or goodput.GoodputClock()
     self.runtime = runtime
     self.pipeline = pipeline
@@ -206,8 +239,8 @@ class Trainer:
         include_path=config.downstream_include_path,
         limit=config.downstream_limit) if config.downstream_tasks else None
 
-  def initial_state(self) -> tuple[TrainState, jax.Array, Optional[str]]:
-    """The newest good checkpoint's state and RNG (of either tier), or a fresh start;
+  def initial_state(self) -> tuple[TrainState, jax.Array, Optional[CheckpointTier]]:
+    """The newest good checkpoint's state and RNG (of any tier), or a fresh start;
     and the tier it came from (None when fresh). Each checkpoint skipped because it is
     unreadable is one line; when none is left to resume from, the run stops rather
     than start afresh on its own."""
@@ -217,7 +250,7 @@ class Trainer:
         abstract_opt_state=self.abstract_opt_state)
     for unreadable in skipped:
       if unreadable.detail is not None:  # the process that found it tells
-        warn(f"{unreadable}: " + (f"resuming from {restored['step']}" if restored
+        warn(f"{unreadable}: " + (f"resuming from {restored.step}" if restored
                                   else "set aside"))
     if restored is None and skipped:
       raise UserError(f"No readable checkpoint is left in {self.checkpointer.directory} "
@@ -228,17 +261,12 @@ class Trainer:
       self.writer.info(f"Starting a new run in {self.checkpointer.directory.parent}")
       return (self._state(0, params, init_opt(params)), jax.random.key(self.config.seed),
               None)
-    opt_state = restored["opt_state"]
+    opt_state = restored.opt_state
     if opt_state is None:  # a converted checkpoint: weights only
-      opt_state = init_opt(restored["params"])
-    where = (self.checkpointer.local.directory if restored["tier"] == "local"
-             else self.checkpointer.directory.parent)
-    tier = "local " if restored["tier"] == "local" else ""
-    self.writer.info(f"Resuming from the {tier}checkpoint of step {restored['step']} in "
-                     f"{where}")
-    rng = restored["rng"] if restored["rng"] is not None else jax.random.key(self.config.seed)
-    return (self._state(restored["step"], restored["params"], opt_state), rng,
-            restored["tier"])
+      opt_state = init_opt(restored.params)
+    self.writer.info(f"Resuming from the {restored.tier.describe(restored.step)}")
+    rng = restored.rng if restored.rng is not None else jax.random.key(self.config.seed)
+    return self._state(restored.step, restored.params, opt_state), rng, restored.tier
 
   def _state(self, step: int, params: Any, opt_state: Any) -> TrainState:
     return TrainState(jax.device_put(jnp.int32(step), self.runtime.replicated), params,
@@ -262,8 +290,7 @@ class Trainer:
         hooks_lib.CheckpointHook(self.checkpointer, cfg.checkpoint_every,
                                  start_step=start_step, rng=rng,
                                  metadata=metadata.to_json(), writer=self.writer,
-                                 local_every=(self.checkpointer.local_every
-                                              if self.checkpointer.local else 0)),
+                                 tier_every=self.checkpointer.secondary_intervals()),
         hooks_lib.EvalHook(self.evaluate, self.writer, every=cfg.eval_every,
                            final_eval=cfg.final_eval, train_steps=cfg.train_steps),
     ]
@@ -277,6 +304,22 @@ class Trainer:
       logdir = storage.join(str(self.checkpointer.directory.parent), "profile")
       hooks.append(hooks_lib.ProfileHook(logdir, *cfg.profile_steps, start_step=start_step))
     return hooks
+
+  def add_hook(self, hook: Union[hooks_lib.Hook, hooks_lib.StepCallback],
+               every: Optional[int] = None) -> hooks_lib.Hook:
+    """Adds a hook that `run` calls after the default ones; returns it.
+
+    Args:
+      hook: a `pretrain.hooks.Hook`, or a function of one `pretrain.hooks.StepInfo`.
+      every: run its `on_step` (the function) every this many steps; for a Hook, None
+        keeps its own `every`; for a function, None means every step.
+    """
+    if not isinstance(hook, hooks_lib.Hook):
+      hook = hooks_lib.CallbackHook(hook, 1 if every is None else every)
+    elif every is not None:
+      hook.every = every
+    self._added_hooks.append(hook)
+    return hook
 
   def evaluate(self, params: Any) -> dict[str, float]:
     """Validation loss, token count and bits per byte (`evaluation.evaluate_batches`)
@@ -292,27 +335,29 @@ class Trainer:
                                   cfg.sample_prompt, max_new_tokens=cfg.sample_tokens,
                                   temperature=0.8, seed=cfg.seed)
 
-  def _resume_accounting(self, start_step: int, tier: Optional[str]) -> None:
+  def _resume_accounting(self, start_step: int, tier: Optional[CheckpointTier]) -> None:
     """Drops the metric rows past the restored step and books the steps to be redone
     (and the downtime before this session) to the goodput clock; logs which steps are
     redone as a `restart` row."""
     dropped = self.writer.rewind(start_step)
-    restart = self.clock.resume(start_step, tier, self.writer.read_rows(), dropped)
+    restart = self.clock.resume(start_step, tier.name if tier else None,
+                                self.writer.read_rows(), dropped)
     if restart is not None:
       self.writer.log_record(restart)
       if restart["lost_steps"]:
         self.writer.info(f"Redoing steps {restart['redone_from']}-{restart['redone_to']} "
                          f"(run before the restart, after the newest checkpoint)")
 
-  def run(self, hooks: Optional[Sequence[hooks_lib.Hook]] = None) -> RunResult:
-    """Trains from the newest checkpoint (or from scratch) to `train_steps`."""
+  def run(self) -> RunResult:
+    """Trains from the newest checkpoint (or from scratch) to `train_steps`, with the
+    default hooks and those added (`add_hook`)."""
     clock = self.clock
     restore_started = time.perf_counter()
     state, rng, tier = self.initial_state()
     clock.seconds["restore" if tier else "startup"] += time.perf_counter() - restore_started
     step = start_step = int(host_scalar(state.step))
     self._resume_accounting(start_step, tier)
-    hooks = list(hooks) if hooks is not None else self.default_hooks(start_step, rng)
+    hooks = self.default_hooks(start_step, rng) + self._added_hooks
     pending = _PendingMetrics(hooks)
     started = time.perf_counter()
     try:
@@ -352,16 +397,17 @@ class Trainer:
 
   def _result(self, step: int, preempted: bool, hooks: Sequence[hooks_lib.Hook],
               seconds: float) -> RunResult:
-    eval_loss = next((h.last_loss for h in hooks if isinstance(h, hooks_lib.EvalHook)), None)
-    sample = next((h.text for h in hooks if isinstance(h, hooks_lib.SampleHook)), None)
-    train_loss = next((h.last_loss for h in hooks if isinstance(h, hooks_lib.MetricsLogger)),
-                      None)
+    results: dict[str, Any] = {}
+    for hook in hooks:
+      results.update(hook.results())
+    eval_loss = results.get("eval_loss")
     if not preempted:
       self.writer.info(end_summary(
           str(self.checkpointer.directory.parent), step,
-          self.config.batch_size * self.config.sequence_length, seconds, train_loss,
-          eval_loss, str(self.checkpointer.directory)))
-    return RunResult(step, preempted, None if preempted else eval_loss, sample)
+          self.config.batch_size * self.config.sequence_length, seconds,
+          results.get("train_loss"), eval_loss, str(self.checkpointer.directory)))
+    return RunResult(step, preempted, None if preempted else eval_loss,
+                     results.get("sample"), results)
 
 
 def start_summary(workdir: str, config: TrainConfig, runtime: Runtime) -> str:
@@ -392,8 +438,10 @@ def end_summary(workdir: str, step: int, tokens_per_step: int, seconds: float,
 
 def train(workdir: str, config: TrainConfig, runtime: Runtime,
           optimizer_config: OptimizerConfig, checkpointer: Checkpointer,
-          pipeline_factory: Callable[[TrainConfig, Runtime], Any],
-          on_ready: Optional[Callable[[], None]] = None) -> RunResult:
+          pipeline_factory: Callable[[TrainConfig, Runtime], Pipeline],
+          on_ready: Optional[Callable[[], None]] = None,
+          hooks: Sequence[Union[hooks_lib.Hook, hooks_lib.StepCallback]] = ()
+          ) -> RunResult:
   """Trains (or resumes) a run in `workdir` from explicit configs.
 
   Args:
@@ -403,6 +451,8 @@ def train(workdir: str, config: TrainConfig, runtime: Runtime,
     pipeline_factory: builds the input pipeline for (config, runtime).
     on_ready: called once everything is configured, before the first step (the CLI
       writes the operative Gin config there).
+    hooks: added to the default hooks (`Trainer.add_hook`: Hooks with their own
+      `every`, functions of a `StepInfo` every step).
   """
   clock = goodput.GoodputClock()
   writer = MetricsWriter(workdir, config.train_steps)
@@ -410,6 +460,8 @@ def train(workdir: str, config: TrainConfig, runtime: Runtime,
     with clock.timed("startup"):
       trainer = _build_trainer(workdir, config, runtime, optimizer_config, checkpointer,
                                pipeline_factory, writer, clock)
+    for hook in hooks:
+      trainer.add_hook(hook)
     if on_ready is not None:
       on_ready()
     return trainer.run()
@@ -420,7 +472,7 @@ def train(workdir: str, config: TrainConfig, runtime: Runtime,
 
 def _build_trainer(workdir: str, config: TrainConfig, runtime: Runtime,
                    optimizer_config: OptimizerConfig, checkpointer: Checkpointer,
-                   pipeline_factory: Callable[[TrainConfig, Runtime], Any],
+                   pipeline_factory: Callable[[TrainConfig, Runtime], Pipeline],
                    writer: MetricsWriter, clock: goodput.GoodputClock) -> Trainer:
   """The pipeline and the Trainer, after the checks that must fail before any step."""
   pipeline = pipeline_factory(config, runtime)

@@ -60,12 +60,12 @@ def test_round_trip_restores_exact_state_and_reshards(tmp_path, data_parallel):
                               abstract_opt_state=abstract_opt)
   assert restorer.metadata(5) == METADATA
   restorer.close()
-  assert restored["step"] == 5
-  np.testing.assert_array_equal(jax.random.key_data(restored["rng"]),
+  assert restored.step == 5
+  np.testing.assert_array_equal(jax.random.key_data(restored.rng),
                                 jax.random.key_data(jax.random.key(7)))
-  _assert_trees_equal(restored["params"], params)
-  _assert_trees_equal(restored["opt_state"], opt_state)
-  embedding = restored["params"]["embedder"]["embedding"]
+  _assert_trees_equal(restored.params, params)
+  _assert_trees_equal(restored.opt_state, opt_state)
+  embedding = restored.params["embedder"]["embedding"]
   assert embedding.sharding.spec == other.param_shardings["embedder"]["embedding"].spec
   assert "fsdp" in str(embedding.sharding.spec)
 
@@ -91,7 +91,7 @@ def test_partial_saves_are_never_picked_and_are_cleaned(tmp_path, data_parallel)
   assert resumer.latest_step() == 2
   assert not unmarked.exists()
   restored = resumer.restore(2, abstract_params=setup.abstract_params)
-  _assert_trees_equal(restored["params"], params)
+  _assert_trees_equal(restored.params, params)
   # Saving the step that was only partially written before now works.
   resumer.save(6, params=params, opt_state=opt_state, rng=jax.random.key(0),
                metadata=METADATA)
@@ -144,7 +144,7 @@ def test_converted_checkpoint_without_optimizer_state(tmp_path, data_parallel):
   restored = restorer.restore(0, abstract_params=setup.abstract_params,
                               abstract_opt_state=opt_shapes)
   restorer.close()
-  assert restored["opt_state"] is None and restored["step"] == 0
+  assert restored.opt_state is None and restored.step == 0
 
 
 def test_read_only_on_missing_directory_is_a_clear_error(tmp_path):
@@ -187,8 +187,8 @@ def test_damaged_newest_step_is_set_aside_and_the_previous_one_restored(
   restored, skipped = resumer.restore_newest(
       abstract_params=setup.abstract_params,
       abstract_opt_state=setup.opt_state_layout(tx)[0])
-  assert restored["step"] == 2 and restored["tier"] == "persistent"
-  _assert_trees_equal(restored["params"], params)
+  assert restored.step == 2 and restored.tier.name == "persistent"
+  _assert_trees_equal(restored.params, params)
   ((step, found),) = [(error.step, error.kind) for error in skipped]
   assert (step, found) == (4, kind)
   assert str(skipped[0]).startswith("checkpoint 4 is unreadable (params/")
@@ -210,11 +210,11 @@ def test_steps_without_manifest_restore_and_a_torn_one_is_skipped(tmp_path, data
   reader = ckpt.Checkpointer(str(tmp_path))
   restored, skipped = reader.restore_newest(abstract_params=setup.abstract_params,
                                             abstract_opt_state=None)
-  assert (restored["step"], skipped) == (4, [])
+  assert (restored.step, skipped) == (4, [])
   os.truncate(_largest_data_file(directory / "4"), 100)   # only the read tells
   restored, skipped = reader.restore_newest(abstract_params=setup.abstract_params,
                                             abstract_opt_state=None)
-  assert restored["step"] == 2 and [e.kind for e in skipped] == ["unreadable"]
+  assert restored.step == 2 and [e.kind for e in skipped] == ["unreadable"]
   assert "OUT_OF_RANGE" in skipped[0].detail
   reader.close()
 
@@ -260,7 +260,7 @@ def test_a_save_that_failed_for_space_succeeds_once_space_is_back(tmp_path, data
     assert saver.all_steps() == [2, 6] and sorted(os.listdir(directory)) == ["2", "6"]
     restored, skipped = saver.restore_newest(abstract_params=setup.abstract_params,
                                              abstract_opt_state=None)
-    assert (restored["step"], skipped) == (6, [])
+    assert (restored.step, skipped) == (6, [])
     saver.close()
 
 
@@ -290,7 +290,7 @@ def test_damaged_step_in_a_bucket_is_moved_aside(request, bucket, data_parallel)
   restored, skipped = resumer.restore_newest(abstract_params=setup.abstract_params,
                                              abstract_opt_state=None)
   resumer.close()
-  assert restored["step"] == 2 and [(e.step, e.kind) for e in skipped] == [(4, "checksum")]
-  _assert_trees_equal(restored["params"], params)
+  assert restored.step == 2 and [(e.step, e.kind) for e in skipped] == [(4, "checksum")]
+  _assert_trees_equal(restored.params, params)
   assert storage.listdir(directory) == ["2", "4.corrupt-checksum"]
   assert storage.list_files(storage.join(directory, "4.corrupt-checksum")) == files

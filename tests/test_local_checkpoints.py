@@ -11,6 +11,7 @@ import pytest
 
 from model.config import ModelConfig
 from pretrain import checkpointing as ckpt
+from pretrain import local_checkpoints
 from pretrain.optimizer import OptimizerConfig, make_optimizer
 from pretrain.runtime import Runtime
 from sharding.mesh import MeshConfig
@@ -68,6 +69,12 @@ def _checkpointer(tmp_path, local=True):
   return ckpt.Checkpointer(str(tmp_path / "run"), config)
 
 
+def _local(checkpointer):
+  """The checkpointer's local tier."""
+  (local,) = [tier for tier in checkpointer.tiers if tier.name == "local"]
+  return local
+
+
 def _scaled(tree, factor):
   return jax.tree.map(lambda x: x * factor if jnp.issubdtype(x.dtype, jnp.floating) else x,
                       tree)
@@ -77,7 +84,7 @@ def _save_both(checkpointer, params, opt_state, persistent_step, local_step):
   rng = jax.random.key(7)
   checkpointer.save(persistent_step, params=params, opt_state=opt_state, rng=rng,
                     metadata=METADATA)
-  checkpointer.save_local(local_step, params=_scaled(params, 2.0),
+  checkpointer.save_secondary(local_step, params=_scaled(params, 2.0),
                           opt_state=_scaled(opt_state, 2.0), rng=jax.random.key(9))
   checkpointer.wait()
 
@@ -99,10 +106,10 @@ def test_newer_local_step_is_restored_exactly(run_dir, state):
   runtime, params, opt_state, abstract_opt = state
 
   restored = _restore(_checkpointer(run_dir), runtime, abstract_opt)
-  assert (restored["tier"], restored["step"]) == ("local", 6)
-  _assert_equal(restored["params"], _scaled(params, 2.0))
-  _assert_equal(restored["opt_state"], _scaled(opt_state, 2.0))
-  np.testing.assert_array_equal(jax.random.key_data(restored["rng"]),
+  assert (restored.tier.name, restored.step) == ("local", 6)
+  _assert_equal(restored.params, _scaled(params, 2.0))
+  _assert_equal(restored.opt_state, _scaled(opt_state, 2.0))
+  np.testing.assert_array_equal(jax.random.key_data(restored.rng),
                                 jax.random.key_data(jax.random.key(9)))
 
 
@@ -111,9 +118,9 @@ def test_wiped_local_dir_falls_back_to_persistent(run_dir, state):
   shutil.rmtree(run_dir / "local")   # the host was replaced
 
   restored = _restore(_checkpointer(run_dir), runtime, abstract_opt)
-  assert (restored["tier"], restored["step"]) == ("persistent", 4)
-  _assert_equal(restored["params"], params)
-  _assert_equal(restored["opt_state"], opt_state)
+  assert (restored.tier.name, restored.step) == ("persistent", 4)
+  _assert_equal(restored.params, params)
+  _assert_equal(restored.opt_state, opt_state)
 
 
 def test_half_written_local_step_is_ignored_and_removed(run_dir, state):
@@ -127,9 +134,9 @@ def test_half_written_local_step_is_ignored_and_removed(run_dir, state):
 
   resumer = _checkpointer(run_dir)
   restored = _restore(resumer, runtime, abstract_opt)
-  assert (restored["tier"], restored["step"]) == ("local", 6)
+  assert (restored.tier.name, restored.step) == ("local", 6)
   assert not (process_dir / "8").exists()
-  assert resumer.local.all_steps() == [6]
+  assert _local(resumer).all_steps() == [6]
 
 
 def test_persistent_step_newer_than_local_wins(run_dir, state):
@@ -139,7 +146,7 @@ def test_persistent_step_newer_than_local_wins(run_dir, state):
              metadata=METADATA)
   saver.close()
   restored = _restore(_checkpointer(run_dir), runtime, abstract_opt)
-  assert (restored["tier"], restored["step"]) == ("persistent", 8)
+  assert (restored.tier.name, restored.step) == ("persistent", 8)
 
 
 def test_local_step_of_another_layout_is_not_offered(run_dir, state):
@@ -148,22 +155,22 @@ def test_local_step_of_another_layout_is_not_offered(run_dir, state):
   tx = make_optimizer(OptimizerConfig(), 10)
   resumer = _checkpointer(run_dir)
   restored = _restore(resumer, other, other.opt_state_layout(tx)[0])
-  assert (restored["tier"], restored["step"]) == ("persistent", 4)
+  assert (restored.tier.name, restored.step) == ("persistent", 4)
   # The run continues from step 4 and will save step 6 again: the stale one is gone.
-  assert resumer.local.all_steps() == []
+  assert _local(resumer).all_steps() == []
 
 
 def test_keep_policy_and_no_local_tier(run_dir, state):
   _, params, opt_state, _ = state
   saver = _checkpointer(run_dir / "fresh")
   for step in (2, 4, 6):
-    saver.save_local(step, params=params, opt_state=opt_state, rng=jax.random.key(0))
+    saver.save_secondary(step, params=params, opt_state=opt_state, rng=jax.random.key(0))
   saver.wait()
-  assert saver.local.all_steps() == [4, 6]   # local_keep=2
+  assert _local(saver).all_steps() == [4, 6]   # local_keep=2
   saver.close()
   plain = _checkpointer(run_dir / "plain", local=False)
-  assert plain.local is None
-  plain.save_local(2, params=params, opt_state=opt_state, rng=jax.random.key(0))  # no-op
+  assert plain.tiers == [plain]
+  plain.save_secondary(2, params=params, opt_state=opt_state, rng=jax.random.key(0))  # no-op
   plain.close()
 
 
@@ -171,7 +178,7 @@ def test_keep_policy_and_no_local_tier(run_dir, state):
     ([[4, 6]], 6), ([[4, 6], [4, 6]], 6), ([[4, 6], [4]], 4), ([[4, 6], []], None),
     ([[6, 8], [4, 6], [6]], 6), ([[]], None)])
 def test_processes_agree_on_their_newest_common_step(steps, newest):
-  assert (ckpt.common_steps(steps) or [None])[-1] == newest
+  assert (local_checkpoints.common_steps(steps) or [None])[-1] == newest
 
 
 @pytest.mark.parametrize("field, value", [("local_every", 0), ("local_keep", 0),
@@ -195,8 +202,8 @@ def test_unreadable_local_step_is_set_aside_for_the_persistent_one(run_dir, stat
   resumer = _checkpointer(run_dir)
   restored, skipped = resumer.restore_newest(abstract_params=runtime.abstract_params,
                                              abstract_opt_state=abstract_opt)
-  assert (restored["tier"], restored["step"]) == ("persistent", 4)
-  _assert_equal(restored["params"], params)
+  assert (restored.tier.name, restored.step) == ("persistent", 4)
+  _assert_equal(restored.params, params)
   assert [(e.tier, e.step, e.kind) for e in skipped] == [("local", 6, "checksum")]
   assert str(skipped[0]).startswith("local checkpoint 6 is unreadable (shards/")
   assert os.listdir(process_dir) == ["6.corrupt-checksum"]
@@ -208,11 +215,11 @@ def test_failed_local_save_turns_the_local_tier_off(tmp_path, state, capsys):
   config = ckpt.CheckpointConfig(local_dir=str(tmp_path / "local"), local_every=2)
   with small_disk(tmp_path / "local", 1 << 20):
     saver = ckpt.Checkpointer(str(tmp_path / "run"), config)
-    process_dir = saver.local.directory
+    process_dir = _local(saver).directory
     fill_disk(tmp_path / "local")
-    saver.save_local(2, params=params, opt_state=opt_state, rng=jax.random.key(0))
+    saver.save_secondary(2, params=params, opt_state=opt_state, rng=jax.random.key(0))
     saver.wait()
-    assert saver.local is None
+    assert saver.tiers == [saver]
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line == (f"warning: local checkpoint 2 failed: no space left on device under "
                     f"{process_dir}; the local tier is off for the rest of this run")

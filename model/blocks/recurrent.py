@@ -1,0 +1,101 @@
+"""The recurrent block (Conv1D + RG-LRU, or the complex CG-LRU): its registry entry.
+
+Hawk is made of it alone, Griffin mixes it with local attention. The layer is
+`model.recurrent_block.RecurrentBlock`; `ModelConfig.lru_variant` picks the real RG-LRU
+or the complex CG-LRU (Griffin appendix B), which differ in the gates' output width,
+the parameters of the recurrence and the transformers export (the RG-LRU only).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Optional
+
+import numpy as np
+
+from model import counting
+from model import memory
+from model import partitioning as P
+from model import recurrentgemma_params as rg
+from model.block_registry import HFLeaf
+from model.config import BlockType, ModelConfig
+from model.recurrent_block import RecurrentBlock, RecurrentCache
+
+
+class _RecurrentHFExport:
+  """transformers' `temporal_block` of a recurrent RecurrentGemma layer."""
+
+  def check(self, config: ModelConfig) -> None:
+    if config.lru_variant != "real":
+      raise ValueError("the complex CG-LRU has no transformers implementation (its "
+                       "RecurrentGemma class has the real RG-LRU only)")
+
+  def leaves(self) -> list[HFLeaf]:
+    leaves = []
+    for name in ("linear_x", "linear_y", "linear_out"):
+      leaves += [(("recurrent_block", name, "kernel"), f"temporal_block.{name}.weight", True),
+                 (("recurrent_block", name, "bias"), f"temporal_block.{name}.bias", False)]
+    leaves += [(("recurrent_block", "conv_1d", "b"), "temporal_block.conv_1d.bias", False)]
+    for ours, theirs in (("a_param", "recurrent_param"), ("input_gate/w", "input_gate_weight"),
+                         ("input_gate/b", "input_gate_bias"),
+                         ("a_gate/w", "recurrent_gate_weight"),
+                         ("a_gate/b", "recurrent_gate_bias")):
+      leaves.append((("recurrent_block", "rg_lru") + tuple(ours.split("/")),
+                     f"temporal_block.rg_lru.{theirs}", False))
+    return leaves
+
+  def to_hf(self, layer: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    conv = np.asarray(layer["recurrent_block"]["conv_1d"]["w"])   # [W, R], oldest tap first
+    return {"temporal_block.conv_1d.weight": conv.T[:, None, :]}
+
+  def from_hf(self, take: Callable[[str], np.ndarray], layer: dict) -> None:
+    conv = take("temporal_block.conv_1d.weight")   # [R, 1, W]
+    rg.set_path(layer, ("recurrent_block", "conv_1d", "w"), conv[:, 0, :].T)
+
+
+class RecurrentSpec:
+  """Registry entry of "recurrent" (docs/model.md: the recurrent block)."""
+  name = BlockType.RECURRENT.value
+  title = "RG-LRU recurrent"
+  layer = RecurrentBlock
+  family = "hawk"
+  logical_axes = (P.EMBED, P.RNN, P.RNN_HEADS, P.RNN_HEAD_DIM, P.CONV, P.BATCH, P.LENGTH,
+                  P.ACT_RNN)
+  hf_export = _RecurrentHFExport()
+
+  def validate(self, config: ModelConfig) -> None:
+    del config  # the gate blocks and the CG-LRU's halves are checked for every model
+
+  def init_cache(self, config: ModelConfig, batch_size: int, dtype: Any,
+                 max_length: Optional[int]) -> RecurrentCache:
+    del max_length  # constant-size state
+    return RecurrentBlock.init_cache(config, batch_size, dtype)
+
+  def matmul_params(self, config: ModelConfig) -> int:
+    d, r = config.width, config.rnn_width
+    gate_out = r // 2 if config.lru_variant == "complex" else r
+    gates = 2 * r * gate_out // config.gate_blocks         # block-diagonal W_a, W_x
+    return 3 * d * r + config.conv_width * r + gates       # W_x, W_y, W_out, Conv1D
+
+  def vector_params(self, config: ModelConfig) -> int:
+    d, r = config.width, config.rnn_width
+    if config.lru_variant == "complex":
+      lru = 2 * (r // 2) + r // 2 + r // 2                 # gate biases, a_param, θ
+    else:
+      lru = 2 * r + r                                      # gate biases, a_param
+    return 2 * r + d + r + lru                             # W_x, W_y, W_out, conv biases
+
+  def mixing_flops(self, config: ModelConfig, seq_len: int) -> dict[str, float]:
+    del seq_len
+    forward = (counting.RECURRENCE_FORWARD_FLOPS
+               + counting.RECURRENT_OUTPUT_GATE_FLOPS) * config.rnn_width
+    return {"recurrence": 3.0 * forward}
+
+  def kept_activations(self, config: ModelConfig, seq: int, tensor: int
+                       ) -> tuple[float, float, float]:
+    del seq
+    r = config.rnn_width
+    return memory.KEEP_RNN[0] * r / tensor, memory.KEEP_RNN[1] * r / tensor, 0.0
+
+  def saved_matmul_outputs(self, config: ModelConfig, seq: int, tensor: int
+                           ) -> tuple[float, float]:
+    del seq
+    return 3 * config.rnn_width / tensor + config.width, 0.0

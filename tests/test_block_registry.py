@@ -1,0 +1,155 @@
+"""A block type registered from this file alone (a diagonal linear recurrence, no edit
+to any model module) is validated, trained, counted, planned, decoded and offered as a
+sweep family; an unregistered type is an error wherever it is looked up, never 0 FLOPs."""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from launch import sweep
+from model import block_registry, counting, decoding, hf_params, memory, recurrence
+from model import partitioning as P
+from model.config import ModelConfig
+from model.lm import init_params
+from inprocess_trainer import make_trainer
+
+NAME = "diagonal"
+
+
+class DiagonalRecurrence(nn.Module):
+  """h_t = σ(λ) ⊙ h_{t-1} + W_in x_t (reset at document starts), y_t = W_out h_t."""
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x, segment_pos, cache=None, return_cache=False):
+    cfg = self.config
+    decay = P.logical_param(self, "decay", nn.initializers.constant(2.0), (cfg.rnn_width,),
+                            (P.RNN,))
+    u = P.Dense(cfg.rnn_width, (P.EMBED, P.RNN), dtype=cfg.dtype, name="w_in")(x)
+    a = jnp.broadcast_to(jax.nn.sigmoid(decay), u.shape)
+    a = jnp.where((segment_pos == 0)[..., None], 0.0, a)
+    h, last = recurrence.mesh_aware_linear_scan(
+        a, P.constrain(u.astype(jnp.float32), (P.BATCH, P.LENGTH, P.ACT_RNN)), cache,
+        impl=cfg.scan_impl, options=cfg.scan)
+    y = P.Dense(cfg.width, (P.RNN, P.EMBED), dtype=cfg.dtype, name="w_out")(h.astype(x.dtype))
+    return y, (last if return_cache else None)
+
+
+class DiagonalSpec:
+  name = NAME
+  title = "diagonal recurrence"
+  layer = DiagonalRecurrence
+  family = "diagonal_lm"
+  logical_axes = (P.EMBED, P.RNN, P.BATCH, P.LENGTH, P.ACT_RNN)
+  hf_export = None
+
+  def validate(self, config):
+    if config.rnn_width > 4 * config.width:
+      raise ValueError(f"ModelConfig.rnn_width={config.rnn_width} must be at most 4 x "
+                       "width for a diagonal recurrence")
+
+  def init_cache(self, config, batch_size, dtype, max_length):
+    return jnp.zeros((batch_size, config.rnn_width), jnp.float32)
+
+  def matmul_params(self, config):
+    return 2 * config.width * config.rnn_width
+
+  def vector_params(self, config):
+    return 2 * config.rnn_width + config.width   # decay, w_in and w_out biases
+
+  def mixing_flops(self, config, seq_len):
+    return {"recurrence": 3.0 * 3 * config.rnn_width}   # σ(λ)·h + u, reset
+
+  def kept_activations(self, config, seq, tensor):
+    return 2 * config.rnn_width / tensor, 2 * config.rnn_width / tensor, 0.0
+
+  def saved_matmul_outputs(self, config, seq, tensor):
+    return config.rnn_width / tensor + config.width, 0.0
+
+
+@pytest.fixture()
+def diagonal():
+  block_registry.register(DiagonalSpec())
+  yield ModelConfig(vocab_size=260, width=32, rnn_width=32, num_heads=2, depth=3,
+                    block_pattern=(NAME, "attention"), attention_window=8,
+                    scan_impl="lax")
+  block_registry.unregister(NAME)
+
+
+def test_a_registered_block_counts_plans_decodes_and_sweeps(diagonal):
+  config = diagonal
+  with pytest.raises(ValueError, match="rnn_width=256 must be at most 4 x width"):
+    config.replace(rnn_width=256)
+
+  # Counts: the real parameter tree agrees with what the spec declares.
+  assert counting.count_params(config).total == counting.analytic_param_counts(config).total
+  flops = counting.training_flops_breakdown(config, 32)
+  assert flops.recurrence == 2 * 9.0 * config.rnn_width   # two diagonal layers
+
+  # Plans: the analytic planner adds the block's kept activations.
+  plan = memory.plan_memory(config, {"data": 2}, 4, 32, method="analytic")
+  attention_only = memory.plan_memory(config.replace(block_pattern=("attention",)),
+                                      {"data": 2}, 4, 32, method="analytic")
+  assert plan["activations"] > 0 and plan["total"] != attention_only["total"]
+
+  # Decodes: prefill then one step equals the full forward pass.
+  params = init_params(config, jax.random.key(0))
+  tokens = jnp.asarray(np.arange(10)[None] % 7 + 3, jnp.int32)
+  positions = jnp.arange(10, dtype=jnp.int32)[None]
+  full, _ = decoding.prefill(config, params, tokens, positions)
+  cache = decoding.init_cache(config, 1, max_length=16)
+  _, cache = decoding.prefill(config, params, tokens[:, :9], positions[:, :9], cache)
+  step, _ = decoding.decode_step(config, params, tokens[:, 9:], positions[:, 9:], cache)
+  np.testing.assert_allclose(step[:, 0], full[:, 9], rtol=1e-5, atol=1e-5)
+  assert counting.decode_state_bytes(config, 16) > 0
+
+  # A sweep family of its own.
+  assert sweep.FAMILY_PATTERNS["diagonal_lm"] == (NAME,)
+  sized = sweep.config_for_size("diagonal_lm", 200_000, vocab_size=259, sequence_length=64)
+  assert sized.block_pattern == (NAME,)
+
+
+@pytest.mark.slow   # compiles and runs the real train step (CI runs it)
+def test_a_registered_block_trains(diagonal, tmp_path):
+  config = diagonal
+  # Trains: the real trainer, sharded over data, fsdp and tensor.
+  trainer, checkpointer, writer = make_trainer(str(tmp_path), config, train_steps=8,
+                                               checkpoint_every=8)
+  losses = []
+  trainer.add_hook(lambda info: losses.append(info.metrics["loss"]))
+  try:
+    result = trainer.run()
+  finally:
+    checkpointer.close()
+    writer.close()
+  assert result.last_step == 8 and losses[-1] < losses[0]
+
+
+def test_unregistered_block_types_are_errors_not_zeros(diagonal):
+  config = diagonal
+  with pytest.raises(ValueError, match="unknown block type 'mamba'"):
+    ModelConfig(block_pattern=("recurrent", "mamba"))
+  with pytest.raises(ValueError, match="diagonal recurrence blocks have no transformers"):
+    hf_params.check_exportable(config)
+  spec = block_registry.get(NAME)
+  block_registry.register(spec)    # the same spec again is no error, another one is
+  with pytest.raises(ValueError, match="registered already"):
+    block_registry.register(DiagonalSpec())
+  block_registry.unregister(NAME)
+  try:
+    # A config built while the type was known: every count names the missing type.
+    with pytest.raises(ValueError, match="unknown block type 'diagonal'"):
+      counting.training_flops_per_token(config, 32)
+    with pytest.raises(ValueError, match="unknown block type 'diagonal'"):
+      memory.activation_bytes_per_token(config, 32, 1)
+  finally:
+    block_registry.register(spec)   # for the fixture's teardown
+
+
+def test_a_block_with_an_unruled_logical_axis_is_refused():
+  spec = type("Unruled", (DiagonalSpec,), {"name": "unruled", "family": None,
+                                           "logical_axes": ("diagonal_channels",)})()
+  with pytest.raises(ValueError, match="no rule in sharding.rules.DEFAULT_RULES"):
+    block_registry.register(spec)
+  assert "unruled" not in block_registry.names()
