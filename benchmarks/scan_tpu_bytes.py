@@ -23,6 +23,7 @@ from absl import flags
 
 from model.scan import ScanOptions
 from model.scan import linear_scan
+from pretrain import aot
 from pretrain import cli
 from pretrain import tpu_target
 from pretrain.errors import usage_error
@@ -40,7 +41,8 @@ _MOVES = re.compile(r"^\s*(?:ROOT )?%\S+ = \S+ (copy|copy-start|reshape|transpos
 def program_bytes(fn, args) -> dict[str, float]:
   """XLA's estimated bytes, the kernels' declared bytes, the bytes outside the kernels
   and the relayout operations XLA put there."""
-  compiled = jax.jit(fn).lower(*args).compile()
+  with aot.without_persistent_cache():
+    compiled = jax.jit(fn).lower(*args).compile()
   costs = compiled.cost_analysis()
   costs = costs[0] if isinstance(costs, (list, tuple)) else costs
   text = compiled.as_text()

@@ -144,7 +144,7 @@ def target_runtime(config: ModelConfig, mesh_config: MeshConfig, devices: list[A
 
 
 @contextlib.contextmanager
-def _without_persistent_cache() -> Iterator[None]:
+def without_persistent_cache() -> Iterator[None]:
   """Keeps JAX's persistent compilation cache (on by default for the trainer) out of an
   ahead-of-time compile: an executable compiled against TPU or GPU descriptions cannot
   be loaded back without such a client (JAX warns and compiles again), and a hit would
@@ -175,7 +175,7 @@ def compile_train_step(runtime: Runtime, train_config: TrainConfig,
                            train_config.loss_chunks)
   batch = abstract_batch(runtime, train_config.batch_size, train_config.sequence_length)
   start, cpu_start = time.perf_counter(), _cpu_seconds()
-  with runtime.activation_context(), _without_persistent_cache():
+  with runtime.activation_context(), without_persistent_cache():
     compiled = program.step.lower(program.abstract_state, batch).compile()
   return compiled, time.perf_counter() - start, _cpu_seconds() - cpu_start
 
