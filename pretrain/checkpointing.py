@@ -46,6 +46,7 @@ from pretrain import storage
 from pretrain.errors import (CheckpointMismatchError, CheckpointSaveError,
                              UnreadableCheckpointError, UserError, warn)
 from pretrain.integrity import COMMIT_MARKER
+from pretrain.outage import Outage, StorageConfig
 from pretrain.local_checkpoints import LocalCheckpointer, process_directory
 from sharding.partition import path_str
 
@@ -170,8 +171,10 @@ class Checkpointer:
   """Saves and restores training state under `workdir/checkpoints` with Orbax."""
 
   def __init__(self, workdir: str, config: CheckpointConfig = CheckpointConfig(),
-               read_only: bool = False):
+               read_only: bool = False, outage_s: float = StorageConfig.outage_s):
     self.directory = checkpoint_dir(workdir)
+    # Since when saves to a bucket have failed for want of an answer (CheckpointHook).
+    self.outage = Outage(outage_s)
     self._async = config.async_save
     self._saving: Optional[int] = None    # the step of the async save in flight
     self._sealing: Optional[int] = None   # the step the manifest callback seals
@@ -398,7 +401,35 @@ class Checkpointer:
                 rng=(jax.random.wrap_key_data(np.asarray(train["rng"], np.uint32))
                      if has_train else None))
 
+  def unreachable(self) -> Optional[str]:
+    """Why the persistent tier's storage does not answer now, in one line; None when it
+    does (always for a local disk: `storage.reachable`)."""
+    reason = storage.reachable(str(self.directory))
+    if jax.process_count() > 1:   # every process saves, or none: agree
+      down = multihost_utils.process_allgather(np.int32(reason is not None))
+      if reason is None and int(np.max(down)):
+        reason = f"the storage of {self.directory} does not answer another process"
+    return reason
+
   # -- the local tier -----------------------------------------------------------
+  def save_local_now(self, step: int, *, params: Any, opt_state: Any,
+                     rng: jax.Array) -> Optional[str]:
+    """Saves `step` to the local tier and waits for it: the last thing a run does
+    before it stops because the persistent tier is unreachable. Returns the local
+    directory when saved, None without a local tier (or when the save failed)."""
+    for _ in range(2):   # the save in flight, then this step's unless that was it
+      if self.local is None:
+        break
+      try:
+        self.local.wait()
+      except CheckpointSaveError as failure:
+        self._drop_local(failure)
+        break
+      if self.local.latest_step() == step:
+        break
+      self.save_local(step, params=params, opt_state=opt_state, rng=rng)
+    return str(self.local.directory) if self.local is not None else None
+
   def save_local(self, step: int, *, params: Any, opt_state: Any, rng: jax.Array) -> None:
     """Saves this process's shards of `step` to the local tier (no-op without one)."""
     if self.local is not None:
@@ -492,6 +523,10 @@ class Checkpointer:
     """Waits for the saves in flight and closes. A save that failed now is reported in
     one line, not raised: the run is ending (it failed or was stopped) and nothing is
     left to retry it."""
+    if self.outage.ongoing:   # the storage does not answer: nothing left to wait for
+      if self.local is not None:
+        self.local.close()
+      return
     try:
       self.wait()
     except CheckpointSaveError as failure:

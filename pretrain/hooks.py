@@ -153,6 +153,14 @@ class CheckpointHook(Hook):
   first failure: a retry is a save every process must join, and the others are still
   waiting inside Orbax for the process whose save failed. A failed local save only
   turns the local tier off (`Checkpointer.poll`).
+
+  A bucket that does not answer (`Checkpointer.unreachable`, asked before each save and
+  after a failed one) is an outage, not a failure: one line, the save is deferred and
+  training goes on; at every later step whose backoff has passed (1, 2, 4, ... s, at
+  most 30) the storage is asked again, and once it answers the current step is saved
+  (and a failed save's leftovers deleted). After `StorageConfig.outage_s` of outage,
+  `Outage.failed` raises StorageOutageError and the trainer stops after a local-tier
+  save. The final save waits for the storage the same way.
   """
   goodput_category = "checkpoint"
 
@@ -167,6 +175,9 @@ class CheckpointHook(Hook):
     self._writer = writer
     self._failure: Optional[CheckpointSaveError] = None
     self.last_saved = start_step
+    self._down: Optional[str] = None    # why the storage does not answer, while it does not
+    self._retry_at = 0.0
+    self._discard_later: list[int] = []  # failed saves whose leftovers are in the bucket
 
   def _save(self, step: int, state: TrainState) -> None:
     self._checkpointer.save(step, params=state.params, opt_state=state.opt_state,
@@ -199,8 +210,44 @@ class CheckpointHook(Hook):
     self._failure = self._failure or self._checkpointer.poll()
 
   def is_due(self, step: int) -> bool:
-    return (step % self.every == 0 or self._failure is not None
+    return (step % self.every == 0 or self._failure is not None or self._down is not None
             or bool(self._local_every and step % self._local_every == 0))
+
+  def _storage_down(self, step: int) -> bool:
+    """Whether the save of `step` must wait for the storage (see the class docstring):
+    True while its backoff runs or the storage does not answer, False once it does
+    (after an outage: one line, and the leftovers of saves it failed deleted)."""
+    if self._down is not None and time.monotonic() < self._retry_at:
+      return True
+    reason = self._checkpointer.unreachable()
+    outage = self._checkpointer.outage
+    if reason is None:
+      if self._down is not None:
+        self._writer.info(f"The storage of {self._checkpointer.directory} answers again "
+                          f"after {outage.down_s():.0f} s: saving step {step}")
+        outage.succeeded()
+        self._down = None
+        for failed in self._discard_later:
+          self._checkpointer.discard_failed(failed)
+        self._discard_later = []
+      return False
+    backoff = outage.failed(UserError(reason), f"checkpoint {step}")  # raises when too long
+    if self._down is None:
+      warn(f"checkpoint {step} deferred: {reason}; training goes on and the save is "
+           f"retried with backoff for up to {outage.outage_s:.0f} s "
+           "(StorageConfig.outage_s)")
+    self._down = reason
+    self._retry_at = time.monotonic() + backoff
+    return True
+
+  def _failed(self, failure: CheckpointSaveError, step: int, state: TrainState) -> None:
+    """A save failed: an outage when the storage no longer answers (deferred),
+    otherwise retried once (`_retry`)."""
+    if self._checkpointer.unreachable() is not None:
+      self._discard_later.append(failure.step)
+      self._storage_down(step)
+    else:
+      self._retry(failure, step, state)
 
   def _attempt(self, step: int, state: TrainState, wait: bool
                ) -> Optional[CheckpointSaveError]:
@@ -217,19 +264,27 @@ class CheckpointHook(Hook):
 
   def on_step(self, step: int, state: TrainState) -> None:
     failure, self._failure = self._failure, None
-    if failure is None and step % self.every == 0:
+    persistent = step % self.every == 0 or self._down is not None
+    if failure is not None:
+      self._failed(failure, step, state)   # a retry saves this step
+    elif persistent and not self._storage_down(step):
       failure = self._attempt(step, state, wait=False)
-    elif failure is None:
+      if failure is not None:
+        self._failed(failure, step, state)
+    elif self._local_every and step % self._local_every == 0:
       self._checkpointer.save_local(step, params=state.params, opt_state=state.opt_state,
                                     rng=self._rng)
-    if failure is not None:
-      self._retry(failure, step, state)   # the retry saves this step
 
   def on_end(self, step: int, state: TrainState, preempted: bool) -> None:
     failure, self._failure = self._failure, None
-    failure = failure or self._attempt(step, state, wait=True)
-    if failure is not None:
-      self._retry(failure, step, state)
+    while True:
+      if failure is not None:
+        self._failed(failure, step, state)
+      while self._storage_down(step):  # the last save waits for the storage
+        time.sleep(max(0.0, self._retry_at - time.monotonic()))
+      failure = self._attempt(step, state, wait=True)
+      if failure is None:
+        break
     if preempted:
       self._writer.info(f"Preempted: saved step {step} in {self._checkpointer.directory}; "
                         "run the same command again to resume.")
