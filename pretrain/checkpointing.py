@@ -401,6 +401,10 @@ class Checkpointer:
                 rng=(jax.random.wrap_key_data(np.asarray(train["rng"], np.uint32))
                      if has_train else None))
 
+  def saving(self) -> bool:
+    """Whether a persistent save is still being written in the background."""
+    return self._saving is not None and self._manager.is_saving_in_progress()
+
   def unreachable(self) -> Optional[str]:
     """Why the persistent tier's storage does not answer now, in one line; None when it
     does (always for a local disk: `storage.reachable`)."""

@@ -35,6 +35,8 @@ from pretrain.errors import CheckpointSaveError, TrainingDivergedError, UserErro
 from pretrain.metrics import MetricsWriter, StepTimer
 from pretrain.steps import TrainState
 
+SAVE_POLL_S = 0.2   # how often a save waiting for the one in flight asks the storage
+
 
 class Hook:
   """Does nothing; subclasses override what they need.
@@ -249,10 +251,25 @@ class CheckpointHook(Hook):
     else:
       self._retry(failure, step, state)
 
+  def _previous_save_ended(self, step: int) -> bool:
+    """Waits for the save in flight, asking the storage meanwhile: False (the save of
+    `step` deferred) when it stops answering, rather than wait for the storage's own
+    retries. (With several processes every process must take the same decision at the
+    same moment: they wait inside Orbax instead.)"""
+    while jax.process_count() == 1 and self._checkpointer.saving():
+      if self._storage_down(step):
+        return False
+      time.sleep(SAVE_POLL_S)
+    return True
+
   def _attempt(self, step: int, state: TrainState, wait: bool
                ) -> Optional[CheckpointSaveError]:
     """Saves `step` unless it is saved already, and waits for it when `wait`; returns
-    the failure of that save or of the one before it, if any."""
+    the failure of that save or of the one before it, if any. When the storage stops
+    answering while the save before it is still being written, the save is deferred
+    (`_storage_down`) instead."""
+    if step != self.last_saved and not self._previous_save_ended(step):
+      return None
     try:
       if step != self.last_saved:
         self._save(step, state)
@@ -283,7 +300,7 @@ class CheckpointHook(Hook):
       while self._storage_down(step):  # the last save waits for the storage
         time.sleep(max(0.0, self._retry_at - time.monotonic()))
       failure = self._attempt(step, state, wait=True)
-      if failure is None:
+      if failure is None and self.last_saved == step:
         break
     if preempted:
       self._writer.info(f"Preempted: saved step {step} in {self._checkpointer.directory}; "

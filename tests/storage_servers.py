@@ -20,6 +20,7 @@ import urllib.request
 from typing import Iterator
 
 import boto3  # moto's own dependency: creates the S3 bucket
+import fsspec
 import fsspec.config
 import pytest
 
@@ -183,7 +184,12 @@ def stoppable_gcs(tmp_path) -> Iterator[StoppableGcs]:
   try:
     with (environment(**gcs_environment(bucket.endpoint)),
           fsspec_options(("gs", "gcs"), token="anon")):
+      # gcsfs (imported here, once its variables are set) caches its file systems,
+      # each bound to the endpoint it was made with.
+      gcs = fsspec.get_filesystem_class("gs")
+      gcs.clear_instance_cache()
       yield bucket
+      gcs.clear_instance_cache()
   finally:
     bucket.stop()
 
