@@ -244,8 +244,9 @@ class CheckpointHook(Hook):
 
   def _failed(self, failure: CheckpointSaveError, step: int, state: TrainState) -> None:
     """A save failed: an outage when the storage no longer answers (deferred),
-    otherwise retried once (`_retry`)."""
-    if self._checkpointer.unreachable() is not None:
+    otherwise retried once (`_retry`). With several processes only some may see the
+    failure, so none asks (the question is a gather every process must join)."""
+    if jax.process_count() == 1 and self._checkpointer.unreachable() is not None:
       self._discard_later.append(failure.step)
       self._storage_down(step)
     else:
