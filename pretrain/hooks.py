@@ -219,7 +219,10 @@ class CheckpointHook(Hook):
     """Whether the save of `step` must wait for the storage (see the class docstring):
     True while its backoff runs or the storage does not answer, False once it does
     (after an outage: one line, and the leftovers of saves it failed deleted)."""
-    if self._down is not None and time.monotonic() < self._retry_at:
+    # With several processes the storage is asked at every step of an outage: asking
+    # is a gather, and the processes' clocks would not agree on when a backoff ends.
+    if (self._down is not None and jax.process_count() == 1
+        and time.monotonic() < self._retry_at):
       return True
     reason = self._checkpointer.unreachable()
     outage = self._checkpointer.outage
