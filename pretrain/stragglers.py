@@ -8,8 +8,11 @@ a slow input pipeline, a slow or oversubscribed host CPU or long pauses shows th
 slow accelerator shows as everyone's step time instead (the device work is not split by
 process here).
 
-Every `every` steps each process's mean host seconds per step since the last row are
-gathered (one small all-gather), and process 0 appends
+Every `every` steps each process publishes its mean host seconds per step since its
+previous row in the key-value store of JAX's coordination service (a host-side RPC: a
+device all-gather would make the loop wait for every step to finish, which it otherwise
+never does), and process 0 reads every process's figures of the previous due step (all
+processes have passed it: the steps in between needed all of them) and appends
 `{"kind": "straggler", "step", "host_step_s": [per process], "slowest_process",
 "slowest_s", "median_s", "deviation_s", "deviation"}` to `metrics.jsonl`
 (`deviation` = slowest / median - 1). Only runs of several processes write them.
@@ -19,8 +22,9 @@ from __future__ import annotations
 import statistics
 from typing import Any, Optional, Sequence
 
+import jax
 import numpy as np
-from jax.experimental import multihost_utils
+from orbax.checkpoint._src.multihost import multihost
 
 from pretrain.hooks import Hook
 from pretrain.metrics import MetricsWriter
@@ -28,6 +32,8 @@ from pretrain.steps import TrainState
 from pretrain.watchdog import Watchdog
 
 STRAGGLER = "straggler"
+KEY_PREFIX = "griffin_straggler"
+READ_TIMEOUT_MS = 60_000   # the figures of a step every process has passed
 
 
 def straggler_row(step: int, host_step_s: Sequence[float]) -> dict[str, Any]:
@@ -55,6 +61,7 @@ class StragglerHook(Hook):
     # (step, host seconds) of the previous row; the first due step only sets it, so
     # that no row includes the first step's tracing and compilation.
     self._since: Optional[tuple[int, float]] = None
+    self._published: Optional[int] = None   # the due step whose figures are stored
 
   def on_step(self, step: int, state: TrainState) -> None:
     del state
@@ -63,6 +70,13 @@ class StragglerHook(Hook):
     if since is None:
       return
     first_step, first_s = since
-    mine = np.float64((now_s - first_s) / (step - first_step))
-    everyone = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1)
-    self._writer.log_record(straggler_row(step, everyone.tolist()))
+    client = multihost.get_jax_distributed_client()
+    client.key_value_set(f"{KEY_PREFIX}/{step}/{jax.process_index()}",
+                         repr((now_s - first_s) / (step - first_step)))
+    if self._published is not None and jax.process_index() == 0:
+      keys = [f"{KEY_PREFIX}/{self._published}/{i}" for i in range(jax.process_count())]
+      seconds = [float(client.blocking_key_value_get(key, READ_TIMEOUT_MS)) for key in keys]
+      for key in keys:
+        client.key_value_delete(key)
+      self._writer.log_record(straggler_row(self._published, seconds))
+    self._published = step
