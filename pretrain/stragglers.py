@@ -74,12 +74,18 @@ class StragglerHook(Hook):
       return
     first_step, first_s = since
     client = multihost.get_jax_distributed_client()
-    client.key_value_set(f"{KEY_PREFIX}/{step}/{jax.process_index()}",
-                         repr((now_s - first_s) / (step - first_step)))
-    if self._published is not None and jax.process_index() == 0:
-      keys = [f"{KEY_PREFIX}/{self._published}/{i}" for i in range(jax.process_count())]
-      seconds = [float(client.blocking_key_value_get(key, READ_TIMEOUT_MS)) for key in keys]
-      for key in keys:
-        client.key_value_delete(key)
-      self._writer.log_record(straggler_row(self._published, seconds))
+    try:
+      client.key_value_set(f"{KEY_PREFIX}/{step}/{jax.process_index()}",
+                           repr((now_s - first_s) / (step - first_step)))
+      if self._published is not None and jax.process_index() == 0:
+        keys = [f"{KEY_PREFIX}/{self._published}/{i}" for i in range(jax.process_count())]
+        seconds = [float(client.blocking_key_value_get(key, READ_TIMEOUT_MS))
+                   for key in keys]
+        for key in keys:
+          client.key_value_delete(key)
+        self._writer.log_record(straggler_row(self._published, seconds))
+    except jax.errors.JaxRuntimeError:
+      # A process left the run (it died, or its watchdog ended it): the launcher stops
+      # this one too; a row is not worth a traceback.
+      return
     self._published = step
