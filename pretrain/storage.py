@@ -245,7 +245,7 @@ def check_writable(directory: str, flag: str = "--workdir") -> None:
   if not is_url(directory) and os.path.exists(directory) and not os.path.isdir(directory):
     raise usage_error(f"{flag} {directory} is a file, not a directory; choose a "
                       "directory (it is created if missing)")
-  check_reachable(directory)
+  check_reachable(directory, schemes=SCHEMES)
   try:
     if not is_url(directory):  # on S3, s3fs's makedirs would create a missing bucket
       makedirs(directory)
@@ -284,8 +284,9 @@ def check_reachable(url: str, timeout_s: float = 10, schemes: tuple[str, ...] = 
   gcsfs retries a refused connection 6 times with exponential backoff (about 36 s before
   the error) and offers no setting for it; one TCP connection to its endpoint tells the
   same in milliseconds. Skipped behind an HTTP(S) proxy, which may be the only route to
-  the endpoint. s3fs/botocore take `AWS_MAX_ATTEMPTS` and need no probe at start-up;
-  the checkpoint hook probes both schemes while a bucket may be down (`reachable`).
+  the endpoint. `check_writable` and the checkpoint hook (`reachable`) probe `s3://`
+  endpoints too: botocore's connection errors reach s3fs's callers under several names,
+  one connection attempt names the problem the same way every time.
   """
   proxies = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy")
   if not str(url).startswith(schemes) or any(os.environ.get(name) for name in proxies):
