@@ -289,8 +289,10 @@ def test_a_process_stuck_in_its_data_loader_is_restarted_with_equal_losses(
   (restart,) = [row for row in rows if row.get("kind") == goodput.RESTART]
   assert restart["step"] == 8
   slow = [row for row in rows if row.get("kind") == "straggler" and row["step"] == 4]
-  # Two processes: the median is their mean, half of the 3 s above it.
+  # Process 0's dispatch waits for the step process 1 holds up, so its figure grows
+  # too (0.02-0.7 s measured); the 3 s stall is the difference.
   assert slow and slow[0]["slowest_process"] == 1 and slow[0]["slowest_s"] > 2.9, slow
-  assert slow[0]["deviation_s"] > 1.4, slow
+  first, second = slow[0]["host_step_s"]
+  assert second - first > 2.0 and slow[0]["deviation_s"] > 1.0, slow
   calm = [row for row in rows if row.get("kind") == "straggler" and row["step"] > 12]
   assert calm and all(row["deviation_s"] < 1.0 for row in calm), calm
