@@ -268,12 +268,13 @@ def test_a_process_stuck_in_its_data_loader_is_restarted_with_equal_losses(
                     r"\(allowed 20 s\) in phase (\w+); newest completed step (\d+); "
                     r"Python stacks in (\S+); exiting", output, re.M)
   # Both watchdogs may fire before the launcher stops the other process: the stuck
-  # one in its data loader, its peer waiting for it in the step's collectives or in a
+  # one in its data loader, its peer waiting for it in a dispatch (CPU dispatch waits
+  # for the device), in the step's collectives or in a
   # hook's (the preemption sync, the straggler gather).
   assert hung, output[-3000:]
   for index, process, phase, step, stacks in hung:
     assert index == process and int(step) in (8, 9)
-    assert phase in {"1": ("data",), "0": ("collective", "other")}[process], hung
+    assert phase in {"1": ("data",), "0": ("step", "collective", "other")}[process], hung
     with open(stacks, encoding="utf-8") as f:
       assert "_stalling_batch" in f.read() or process == "0"
   assert re.search(r"launch.local: process [01] of 2 exited with code 1", output)
