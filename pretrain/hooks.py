@@ -345,7 +345,7 @@ class CheckpointHook(Hook):
       failure = self._attempt(step, state, wait=False)
       if failure is not None:
         self._failed(failure, step, state)
-    elif any(step % every == 0 for every in self._tier_every):
+    else:
       self._checkpointer.save_secondary(step, params=state.params,
                                         opt_state=state.opt_state, rng=self._rng)
 
