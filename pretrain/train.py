@@ -24,7 +24,6 @@ from pretrain import storage
 from pretrain import trainer
 from pretrain.checkpointing import CheckpointConfig, Checkpointer
 from pretrain.optimizer import OptimizerConfig
-from pretrain.outage import StorageConfig
 from sharding.distributed import initialize_from_environment
 
 FLAGS = flags.FLAGS
@@ -84,13 +83,10 @@ def train_from_gin(workdir: str, gin_files: Sequence[str],
   gin_config.build(initialize_from_environment)
   train_config = gin_config.build(trainer.TrainConfig)
   runtime = gin_config.build_runtime(gin_config.build_model_config())
-  storage_config = gin_config.build(StorageConfig)
-  checkpointer = Checkpointer(workdir, gin_config.build(CheckpointConfig),
-                              outage_s=storage_config.outage_s)
+  checkpointer = Checkpointer(workdir, gin_config.build(CheckpointConfig))
   return trainer.train(workdir, train_config, runtime,
                        gin_config.build(OptimizerConfig), checkpointer,
-                       gin_config.build_pipeline, on_ready=lambda: write_config(workdir),
-                       storage_config=storage_config)
+                       gin_config.build_pipeline, on_ready=lambda: write_config(workdir))
 
 
 def main(argv: Sequence[str]) -> None:
