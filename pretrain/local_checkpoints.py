@@ -226,11 +226,13 @@ class LocalCheckpointer:
     """Stops after the failed save of `step`: waits for nothing more and deletes the
     failed save's leftovers (the committed steps stay, for a restart on the same
     layout)."""
-    del step  # every leftover goes
     integrity.close_failed(self._manager)
-    for path in self.directory.iterdir():
+    for path in self.directory.iterdir():   # every leftover goes
       if TMP_SUFFIX in path.name or (path.name.isdigit() and not _committed(path)):
         shutil.rmtree(path, ignore_errors=True)
+    # tensorstore may still complete the failed save's other writes, recreating what
+    # was just deleted (seen: a `2.orbax-checkpoint-tmp` back after the deletion).
+    integrity.remove_partial(str(self.directory), step)
 
   def set_aside(self, error: UnreadableCheckpointError) -> None:
     """Renames the unreadable step to `<step>.corrupt-<kind>` where this process's
