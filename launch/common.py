@@ -8,6 +8,7 @@ add only what the cluster needs around it. Their flags are absl flags, run throu
 from __future__ import annotations
 
 import ast
+import math
 import json
 import os
 import re
@@ -284,3 +285,18 @@ def _yaml_scalar(value: Any) -> str:
   if isinstance(value, list):
     return "[]"
   return json.dumps(str(value))
+
+
+def positive_numbers(texts: Sequence[str], flag: str, what: str, example: str) -> list[float]:
+  """The values of a comma-separated flag, each a positive finite number; a ValueError
+  naming the flag, the bad value and an example otherwise."""
+  values = []
+  for text in texts:
+    try:
+      value = float(text)
+    except ValueError:
+      value = -1.0
+    if not (value > 0 and math.isfinite(value)):
+      raise ValueError(f"{flag}: {text!r} is not a positive {what}; write e.g. {example}")
+    values.append(value)
+  return values

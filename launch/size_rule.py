@@ -32,6 +32,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
+from launch import common
 from model import counting
 
 PROBE = "lr_probe"
@@ -57,16 +58,7 @@ class LrRule:
 
 def parse_rates(texts: Sequence[str]) -> List[float]:
   """--lr_sweep values, ascending. Raises ValueError with the flag's fix."""
-  rates = []
-  for text in texts:
-    try:
-      value = float(text)
-    except ValueError:
-      value = -1.0
-    if not (value > 0 and math.isfinite(value)):
-      raise ValueError(f"--lr_sweep: {text!r} is not a positive learning rate; write e.g. "
-                       "1e-3,3e-3,1e-2")
-    rates.append(value)
+  rates = common.positive_numbers(texts, "--lr_sweep", "learning rate", "1e-3,3e-3,1e-2")
   if len(set(rates)) < 2:
     raise ValueError("--lr_sweep needs at least 2 distinct rates (3 or more to bracket "
                      "the best one), e.g. 1e-3,3e-3,1e-2")

@@ -639,17 +639,11 @@ def define_flags() -> None:
 
 
 def _budgets(texts: Sequence[str]) -> List[float]:
-  budgets = []
-  for text in texts:
-    try:
-      value = float(text)
-    except ValueError:
-      value = -1.0
-    if not (value > 0 and math.isfinite(value)):
-      raise usage_error(f"--flop_budgets: {text!r} is not a positive number of FLOPs; "
-                        "write e.g. 1e15,3e15,1e16")
-    budgets.append(value)
-  return budgets
+  try:
+    return common.positive_numbers(texts, "--flop_budgets", "number of FLOPs",
+                                   "1e15,3e15,1e16")
+  except ValueError as error:
+    raise usage_error(str(error)) from None
 
 
 def _cluster_options(backend: str) -> sweep_dispatch.ClusterOptions:
