@@ -64,8 +64,9 @@ from model import recurrentgemma_params
 from model.config import BlockType, ModelConfig
 from absl import flags
 
+from model.scan import ScanOptions
 from pretrain import cli
-from pretrain import gin_config
+from pretrain import flops as flops_lib
 from pretrain import optimizer as optimizer_lib
 from pretrain.errors import UserError, usage_error
 from pretrain.losses import token_losses
@@ -85,6 +86,7 @@ LOSS_TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 2e-2}
 # -- configuration -------------------------------------------------------------------
 def preset_file(preset: str) -> str:
   """A preset name (quickstart, griffin_100m, any configs/models/<name>) or a gin path."""
+  from pretrain import gin_config  # pylint: disable=g-import-not-at-top  # see load_model_config
   if preset in PRESET_FILES:
     return os.path.join(gin_config.REPO_ROOT, PRESET_FILES[preset])
   for candidate in (preset, os.path.join(gin_config.REPO_ROOT, preset),
@@ -95,13 +97,43 @@ def preset_file(preset: str) -> str:
                    "a configs/models/<name>.gin name, nor an existing gin file")
 
 
-def load_model_config(preset: str, **overrides: Any) -> ModelConfig:
-  """The preset's ModelConfig with the non-None `overrides` applied."""
+def config_from_json(path: str) -> ModelConfig:
+  """The ModelConfig in a JSON file: its fields, e.g. the "config" of an earlier --json.
+
+  Keys that are not ModelConfig fields (such as the result's "depth_unroll") are
+  ignored. This path needs no Gin and none of the trainer's data stack (SeqIO,
+  TensorFlow), so the benchmark also runs where only JAX and Flax are installed.
+  """
+  with open(path) as f:
+    fields = json.load(f)
+  fields = fields.get("config", fields)  # a whole result file works too
+  names = {field.name for field in dataclasses.fields(ModelConfig)}
+  kwargs = {k: v for k, v in fields.items() if k in names}
+  if "block_pattern" in kwargs:
+    kwargs["block_pattern"] = tuple(kwargs["block_pattern"])
+  if isinstance(kwargs.get("scan"), dict):
+    kwargs["scan"] = ScanOptions(**kwargs["scan"])
   try:
-    gin_config.parse([preset_file(preset)], [])
-    config = gin_config.build(ModelConfig)
-  finally:
-    gin.clear_config()
+    return ModelConfig(**kwargs)
+  except (TypeError, ValueError) as error:
+    raise usage_error(f"--preset={path}: not a ModelConfig: {error}") from None
+
+
+def load_model_config(preset: str, **overrides: Any) -> ModelConfig:
+  """The preset's ModelConfig with the non-None `overrides` applied.
+
+  A gin preset goes through the trainer's Gin set-up (imported here, not at the top:
+  it brings the data pipeline); a .json preset through `config_from_json`.
+  """
+  if preset.endswith(".json"):
+    config = config_from_json(preset)
+  else:
+    from pretrain import gin_config  # pylint: disable=g-import-not-at-top
+    try:
+      gin_config.parse([preset_file(preset)], [])
+      config = gin_config.build(ModelConfig)
+    finally:
+      gin.clear_config()
   try:
     return config.replace(**{k: v for k, v in overrides.items() if v is not None})
   except ValueError as error:
@@ -241,8 +273,10 @@ class Runner:
 
 # -- benchmark -----------------------------------------------------------------------
 def run(config: ModelConfig, batch: int, seq: int, steps: int, warmup: int,
-        seed: int = 0) -> dict:
-  """Compiles and times both models; returns the results as a JSON-able dict."""
+        seed: int = 0, with_reference: bool = True) -> dict:
+  """Compiles and times both models (ours alone without `with_reference`, e.g. for
+  MFU on an accelerator, where the reference's unroll-128 scans compile for minutes);
+  returns the results as a JSON-able dict."""
   if warmup < 1 or steps < 1:
     raise ValueError(f"--warmup ({warmup}) and --steps ({steps}) must be >= 1: the first "
                      "warm-up step is the loss check")
@@ -260,14 +294,15 @@ def run(config: ModelConfig, batch: int, seq: int, steps: int, warmup: int,
   batches = [packed_batch(rng, batch, seq, config.vocab_size) for _ in range(2)]
 
   ours_model = lm.LanguageModel(config)
-  runners = [
-      Runner("ours", make_train_step(
-          lambda p, t, s: ours_model.apply({"params": p}, t, s)[0], optimizer),
-          our_params, optimizer, batches[0]),
-      Runner("reference", make_train_step(
-          lambda p, t, s: reference.apply({"params": p}, t, s, return_cache=False)[0],
-          optimizer), reference_params, optimizer, batches[0]),
-  ]
+  runners = [Runner("ours", make_train_step(
+      lambda p, t, s: ours_model.apply({"params": p}, t, s)[0], optimizer),
+      our_params, optimizer, batches[0])]
+  print(f"compiled ours in {runners[0].compile_s:.1f} s", flush=True)
+  if with_reference:
+    runners.append(Runner("reference", make_train_step(
+        lambda p, t, s: reference.apply({"params": p}, t, s, return_cache=False)[0],
+        optimizer), reference_params, optimizer, batches[0]))
+    print(f"compiled the reference in {runners[1].compile_s:.1f} s", flush=True)
   first_losses = {}
   for i in range(warmup + steps):
     order = runners if i % 2 == 0 else runners[::-1]
@@ -278,24 +313,29 @@ def run(config: ModelConfig, batch: int, seq: int, steps: int, warmup: int,
       if i >= warmup:
         runner.step_s.append(seconds)
 
-  difference = abs(first_losses["ours"] - first_losses["reference"])
-  relative = difference / abs(first_losses["reference"])
+  reference_loss = first_losses.get("reference", first_losses["ours"])
+  difference = abs(first_losses["ours"] - reference_loss)
+  relative = difference / abs(reference_loss)
   tokens = batch * seq
+  flops_per_token = flops_lib.training_flops_per_token(config, seq)
   models = {}
   for runner in runners:
     median = statistics.median(runner.step_s)
     models[runner.name] = {
         "compile_s": runner.compile_s, "mean_step_s": statistics.mean(runner.step_s),
         "median_step_s": median, "tokens_per_s": tokens / median,
+        "mfu": flops_lib.mfu(tokens / median, flops_per_token),
         "first_loss": first_losses[runner.name], "step_s": runner.step_s}
   return {
       "config": {**dataclasses.asdict(config), "depth_unroll": config.depth_unroll},
       "batch": batch, "seq": seq, "steps": steps, "warmup": warmup,
-      "reference": reference_name, "models": models,
-      "ratio_tokens_per_s": models["ours"]["tokens_per_s"]
-                            / models["reference"]["tokens_per_s"],
+      "reference": reference_name if with_reference else None, "models": models,
+      "ratio_tokens_per_s": (models["ours"]["tokens_per_s"]
+                             / models["reference"]["tokens_per_s"]
+                             if with_reference else None),
       "loss_difference": difference, "loss_relative_difference": relative,
       "loss_tolerance": LOSS_TOLERANCE[config.dtype],
+      "training_flops_per_token": flops_per_token,
       "device": describe_device(), "jax_version": jax.__version__,
   }
 
@@ -318,14 +358,17 @@ def format_table(result: dict) -> str:
       f"iteration of {max(cfg['depth'] // len(cfg['block_pattern']), 1)}",
       f"Device: {result['device']}, JAX {result['jax_version']}; {result['steps']} timed "
       f"steps after {result['warmup']} warm-up",
-      f"Reference: {result['reference']}",
+      f"Reference: {result['reference'] or 'not run (--noreference)'}",
       "",
-      "| model | compile s | mean step ms | median step ms | tokens/s |",
-      "|---|---|---|---|---|",
+      "| model | compile s | mean step ms | median step ms | tokens/s | MFU |",
+      "|---|---|---|---|---|---|",
   ]
   for name, m in result["models"].items():
+    mfu = "n/a" if m["mfu"] is None else f"{100 * m['mfu']:.1f}%"
     lines.append(f"| {name} | {m['compile_s']:.1f} | {1e3 * m['mean_step_s']:.1f} | "
-                 f"{1e3 * m['median_step_s']:.1f} | {m['tokens_per_s']:.0f} |")
+                 f"{1e3 * m['median_step_s']:.1f} | {m['tokens_per_s']:.0f} | {mfu} |")
+  if result["reference"] is None:
+    return "\n".join(lines)
   lines += [
       "",
       f"ours / reference tokens/s: {result['ratio_tokens_per_s']:.2f}",
@@ -342,7 +385,8 @@ FLAGS = flags.FLAGS
 
 def define_flags() -> None:
   flags.DEFINE_string("preset", "quickstart",
-                      "quickstart, griffin_100m, a configs/models name, or a gin file")
+                      "quickstart, griffin_100m, a configs/models name, a gin file, or a "
+                      "JSON file of ModelConfig fields (e.g. an earlier --json result)")
   flags.DEFINE_integer("batch", 8, "Global batch (sequences).", lower_bound=1)
   flags.DEFINE_integer("seq", 256, "Sequence length.", lower_bound=1)
   flags.DEFINE_integer("steps", 10, "Timed steps per model.", lower_bound=1)
@@ -357,6 +401,8 @@ def define_flags() -> None:
   flags.DEFINE_integer("depth_scan_unroll", None,
                        "Our ModelConfig.depth_scan_unroll; default: the preset's.")
   flags.DEFINE_integer("seed", 0, "Seed of weights and batches.")
+  flags.DEFINE_bool("reference", True, "Also build, check and time recurrentgemma's "
+                    "model; --noreference times ours alone (no loss check).")
   flags.DEFINE_string("json", None, "Also write the results to this JSON file.")
 
 
@@ -365,7 +411,8 @@ def main(argv: list[str]) -> None:
   config = load_model_config(FLAGS.preset, remat=FLAGS.remat, dtype=FLAGS.dtype,
                              vocab_size=FLAGS.vocab_size, scan_impl=FLAGS.scan_impl,
                              depth_scan_unroll=FLAGS.depth_scan_unroll)
-  result = run(config, FLAGS.batch, FLAGS.seq, FLAGS.steps, FLAGS.warmup, FLAGS.seed)
+  result = run(config, FLAGS.batch, FLAGS.seq, FLAGS.steps, FLAGS.warmup, FLAGS.seed,
+               FLAGS.reference)
   print(format_table(result))
   if FLAGS.json:
     with open(FLAGS.json, "w") as f:

@@ -174,3 +174,37 @@ def test_scan_tpu_bytes_script_splits_kernel_and_relayout_bytes():
   assert forward[1] == pytest.approx(3 * 2 * 256 * 256 * 4 / 1e6, abs=0.05)
   assert forward[2] == pytest.approx(0, abs=0.05)
   _assert_usage_error(_run_benchmark("scan_tpu_bytes.py", "--shape=2,256"), "--shape")
+
+
+@pytest.mark.slow
+def test_json_preset_times_ours_alone(train_step, tiny_gin, tmp_path):
+  """A JSON preset (what benchmarks/gpu_checks_prepare.py writes for machines without
+  the data stack) rebuilds the gin preset's config; --noreference times ours alone."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  config = train_step.load_model_config(tiny_gin)
+  path = tmp_path / "tiny.model.json"
+  path.write_text(json.dumps({**dataclasses.asdict(config), "depth_unroll": 1}))
+  assert train_step.load_model_config(str(path)) == config
+  result = train_step.run(config, batch=2, seq=8, steps=1, warmup=1, with_reference=False)
+  assert list(result["models"]) == ["ours"] and result["reference"] is None
+  assert result["models"]["ours"]["mfu"] is None  # CPU: no peak, so no MFU
+  assert "not run (--noreference)" in train_step.format_table(result)
+  path.write_text(json.dumps({"width": "wide"}))
+  with pytest.raises(UserError, match="not a ModelConfig"):
+    train_step.load_model_config(str(path))
+
+
+@pytest.mark.slow
+def test_shard_map_step_script_matches_the_single_device_step():
+  """benchmarks/gpu_shard_map_step.py on 2 CPU devices (Pallas in interpret mode)."""
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+         "JAX_PLATFORMS": "cpu"}
+  run = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "benchmarks",
+                                                     "gpu_shard_map_step.py"),
+                        "--batch=2", "--seq=32", "--repeats=1"],
+                       cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert run.returncode == 0, run.stderr[-3000:]
+  assert "mesh data:2" in run.stdout and "shard_map in the program: True" in run.stdout
+  difference = float(run.stdout.split("worst relative difference (loss, gradients) ")[1]
+                     .split()[0])
+  assert difference <= 2e-4

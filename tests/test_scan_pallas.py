@@ -7,12 +7,15 @@ of 16 with T = 37 give three chunks and a padded tail; D = 130 or 200 is padded 
 256 lanes. On a GPU or TPU the same tests run the real device kernels (a strategy
 that device cannot run stays in interpret mode there).
 """
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from model.scan import linear_scan
+from model.scan import pallas_compat
 from model.scan import linear_scan_pairs
 from model.scan import reference
 from model.scan import ScanOptions
@@ -157,3 +160,68 @@ def test_look_back_composes_published_chunk_maps(components):
     want_lane1 = p[1, j] * want_lane1 + l[1, j]
   _assert_close(as_complex(out)[0], want_lane0, 1e-5, "lane 0 start (via inclusive)")
   _assert_close(as_complex(out)[1], want_lane1, 1e-5, "lane 1 start (via h0)")
+
+
+# Many chunks in flight. On a GPU every (row, chunk) program of one launch runs at
+# once, so the look-back walk meets predecessors that have published only their map, or
+# nothing yet, and a missing fence or a wrong flag order shows up as an error that moves
+# between draws. Interpret mode runs programs one by one and can only check the maths,
+# so on CPU the same test runs a few chunks; on a device, hundreds.
+# Mosaic GPU only where this JAX install can lower it (an install without it gets a
+# clear ValueError instead: test_mosaic_gpu_without_its_lowering_is_a_clear_error).
+_MANY_CHUNKS_CASES = {
+    "gpu": [("lookback", "triton", "float32"), ("lookback", "triton", "bfloat16"),
+            ("chunked", "triton", "bfloat16")] + (
+                [] if pallas_compat.mosaic_gpu_unavailable() else
+                [("chunked", "mosaic_gpu", "float32"), ("chunked", "mosaic_gpu", "bfloat16")]),
+}.get(jax.default_backend(), [("lookback", "auto", "float32"),
+                              ("chunked", "auto", "bfloat16")])
+_MANY_CHUNKS = 4 if jax.default_backend() == "cpu" else 256
+
+
+@pytest.mark.parametrize("strategy,backend,dtype", _MANY_CHUNKS_CASES)
+@pytest.mark.slow
+def test_many_chunks_in_flight(strategy, backend, dtype):
+  """Values and gradients over `_MANY_CHUNKS` chunks of 16, three fresh draws through
+  one compiled program (a race gives a different error on each), with resets."""
+  batch, channels, time = 2, 384, 16 * _MANY_CHUNKS
+  interpret = True if strategy in _INTERPRET_ONLY_ON.get(jax.default_backend(), ()) else None
+  options = ScanOptions(pallas_strategy=strategy, pallas_time_chunk=16,
+                        pallas_gpu_backend=backend, pallas_interpret=interpret)
+
+  @jax.jit
+  def run(a, x, h0, dh, dlast):
+    out, vjp = jax.vjp(lambda a, x, h0: linear_scan(
+        a, x, h0, options=options, impl="pallas"), a, x, h0)
+    return out, vjp((dh, dlast))
+
+  rtol = 1e-2 if dtype == "bfloat16" else 1e-5
+  for seed in range(3):
+    a, x, h0, dh, dlast = _inputs(100 + seed, batch, time, channels, False)
+    a, h0, dlast = (v.astype(np.float32) for v in (a, h0, dlast))
+    x, dh = jnp.asarray(x, dtype), jnp.asarray(dh, dtype)
+    (h, last), (da, dx, dh0) = run(a, x, h0, dh, dlast)
+    x_seen, dh_seen = (np.asarray(v).astype(np.complex128) for v in (x, dh))
+    h_ref, last_ref = reference.scan(a, x_seen, h0, False)
+    da_ref, dx_ref, dh0_ref = reference.scan_vjp(a, x_seen, h0, dh_seen, dlast, False)
+    for name, actual, expected in (("h", h, h_ref), ("h_last", last, last_ref),
+                                   ("da", da, da_ref), ("dx", dx, dx_ref),
+                                   ("dh0", dh0, dh0_ref)):
+      _assert_close(actual, expected, rtol, f"draw {seed}: {name}")
+
+
+def test_mosaic_gpu_without_its_lowering_is_a_clear_error(monkeypatch):
+  """A JAX install whose Mosaic GPU lowering cannot be imported (an H200 image with JAX
+  0.11.2 had none) must say so and name the way out, not fail an assertion in JAX."""
+  real_import = importlib.import_module
+
+  def import_module(name, *args, **kwargs):
+    if name.endswith("mosaic_gpu.pallas_call_registration"):
+      raise ImportError("no Mosaic GPU in this jaxlib")
+    return real_import(name, *args, **kwargs)
+
+  monkeypatch.setattr(pallas_compat.importlib, "import_module", import_module)
+  with pytest.raises(ValueError, match=r"cannot lower Mosaic GPU kernels \(ImportError: no "
+                     r"Mosaic GPU in this jaxlib\); use pallas_gpu_backend='triton'"):
+    pallas_compat.compiler_params("gpu", ("parallel",), "mosaic_gpu")
+  assert pallas_compat.mosaic_gpu_unavailable() == "ImportError: no Mosaic GPU in this jaxlib"

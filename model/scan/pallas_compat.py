@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -58,7 +60,28 @@ def compiler_params(target: str, dimension_semantics: tuple[str, ...],
       from jax.experimental.pallas import triton as pltriton  # pylint: disable=g-import-not-at-top
       return pltriton.CompilerParams(num_warps=4, num_stages=2)
     from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+    reason = mosaic_gpu_unavailable()
+    if reason:
+      raise ValueError(f"ScanOptions.pallas_gpu_backend='mosaic_gpu', but this JAX "
+                       f"({jax.__version__}) cannot lower Mosaic GPU kernels ({reason}); "
+                       "use pallas_gpu_backend='triton' or 'auto'.")
     return plgpu.CompilerParams()
+  return None
+
+
+def mosaic_gpu_unavailable() -> Optional[str]:
+  """None when this JAX can lower Mosaic GPU kernels, else why not.
+
+  Importing the registration module registers Mosaic GPU's pallas_call lowering; JAX
+  0.11's GPU lowering does not import it itself, so without this a Mosaic GPU kernel
+  fails with a bare `assert rule is not None`. The import fails where the installed
+  jaxlib/CUDA plugin has no Mosaic GPU support (seen on an H200 image with JAX 0.11.2
+  and jax-cuda13-plugin): that must be a clear error, not an assertion.
+  """
+  try:
+    importlib.import_module("jax._src.pallas.mosaic_gpu.pallas_call_registration")
+  except ImportError as error:
+    return f"{type(error).__name__}: {error}"
   return None
 
 

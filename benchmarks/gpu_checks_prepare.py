@@ -1,0 +1,30 @@
+"""Writes the ModelConfigs benchmarks/gpu_checks.sh times, as JSON, for a GPU machine
+without the trainer's data stack (SeqIO, TensorFlow) that the Gin presets import.
+
+    python benchmarks/gpu_checks_prepare.py CARRY_DIR
+
+writes CARRY_DIR/griffin_100m.model.json and CARRY_DIR/griffin_1_3b.model.json
+(`benchmarks/train_step.py --preset=FILE.json` reads them).
+"""
+from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
+import dataclasses
+import json
+import os
+import sys
+
+from train_step import load_model_config
+
+PRESETS = ("griffin_100m", "griffin_1_3b")
+
+
+def main(carry_dir: str) -> None:
+  os.makedirs(carry_dir, exist_ok=True)
+  for preset in PRESETS:
+    path = os.path.join(carry_dir, f"{preset}.model.json")
+    with open(path, "w") as f:
+      json.dump(dataclasses.asdict(load_model_config(preset)), f, indent=1)
+    print(path)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1])
