@@ -129,10 +129,6 @@ class SweepBackend(sweep_dispatch.ClusterBackend):
     return dataclasses.replace(self, **self.cluster_flags(values), image=values.image,
                                tpu_type=values.tpu_type)
 
-  def dispatch(self, jobs: Sequence[sweep_dispatch.Job],
-               study: sweep_dispatch.Study) -> list[str]:
-    return sweep_dispatch.submit_when_ready(self.name, jobs, study, self.submissions)
-
   def submissions(self, jobs: Sequence[sweep_dispatch.Job], attempt: int,
                   study_dir: str) -> list[sweep_dispatch.Submission]:
     """One JobSet manifest (YAML) per job, applied with kubectl."""

@@ -151,10 +151,6 @@ class SweepBackend(sweep_dispatch.ClusterBackend):
         gpus_per_node=values.gpus_per_node, time_limit=values.time,
         partition=values.partition, account=values.account)
 
-  def dispatch(self, jobs: Sequence[sweep_dispatch.Job],
-               study: sweep_dispatch.Study) -> list[str]:
-    return sweep_dispatch.submit_when_ready(self.name, jobs, study, self.submissions)
-
   def submissions(self, jobs: Sequence[sweep_dispatch.Job], attempt: int,
                   study_dir: str) -> list[sweep_dispatch.Submission]:
     """One sbatch job array: task i runs job i (a `case` on SLURM_ARRAY_TASK_ID); its

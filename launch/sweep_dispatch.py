@@ -29,7 +29,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Protocol, Sequence
 
 from absl import flags
 
@@ -215,13 +215,16 @@ def dns_name(*parts: str, suffix: str = "") -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ClusterBackend:
-  """What every cluster backend's jobs share (its `launch.sweep` flags): a job name
-  prefix, a shell line run before each run, and the runs' environment."""
+  """The base of the backends that submit to a cluster's queue: what their jobs share
+  (flags of `launch.sweep`: a job name prefix, a shell line run before each run, the
+  runs' environment) and `dispatch` through `submit_when_ready`; a subclass adds its
+  `name`, resources, flags and `submissions` (its spec builder)."""
   job_name: str = "sweep"
   setup: str = ""
   env: Dict[str, str] = dataclasses.field(default_factory=dict)
 
-  here = False
+  name: ClassVar[str]
+  here: ClassVar[bool] = False
 
   @staticmethod
   def define_cluster_flags(tpu: bool = False) -> None:
@@ -240,6 +243,15 @@ class ClusterBackend:
     """The shared fields' values from the parsed flags."""
     return dict(job_name=values.job_name, setup=values.setup,
                 env=common.parse_env_flags(values.env))
+
+  def dispatch(self, jobs: Sequence[Job], study: Study) -> List[str]:
+    return submit_when_ready(self.name, jobs, study, self.submissions)
+
+  def submissions(self, jobs: Sequence[Job], attempt: int,
+                  study_dir: str) -> List[Submission]:
+    """The commands that submit `jobs` (`attempt`: a time stamp that keeps the names of
+    resubmitted jobs apart; `study_dir`: where logs may go)."""
+    raise NotImplementedError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -95,10 +95,6 @@ class SweepBackend(sweep_dispatch.ClusterBackend):
         project=values.project, runtime_version=values.runtime_version,
         remote_dir=values.remote_dir)
 
-  def dispatch(self, jobs: Sequence[sweep_dispatch.Job],
-               study: sweep_dispatch.Study) -> list[str]:
-    return sweep_dispatch.submit_when_ready(self.name, jobs, study, self.submissions)
-
   def submissions(self, jobs: Sequence[sweep_dispatch.Job], attempt: int,
                   study_dir: str) -> list[sweep_dispatch.Submission]:
     """One queued resource per job; a dry run prints each gcloud command."""
