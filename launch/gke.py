@@ -13,10 +13,13 @@ TPU webhook gives each pod TPU_WORKER_ID and TPU_WORKER_HOSTNAMES, from which JA
 its peers; for several slices the manifest also sets the MEGASCALE_* variables that
 join the slices over DCN (the `replica` mesh axis). `--dry_run` prints the manifest;
 otherwise it is piped to `kubectl apply -f -`.
+
+`SweepBackend` is `launch.sweep --backend=gke`: one single-slice JobSet per run.
 """
 from __future__ import annotations
 
 from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
+import dataclasses
 import subprocess
 import sys
 from typing import Any, Optional, Sequence
@@ -24,6 +27,7 @@ from typing import Any, Optional, Sequence
 from absl import flags
 
 from launch import common
+from launch import sweep_dispatch
 from pretrain import cli
 from pretrain.errors import usage_error
 
@@ -104,6 +108,38 @@ def jobset_manifest(name: str, image: str, command: Sequence[str], tpu_slice: co
           }],
       },
   }
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepBackend(sweep_dispatch.ClusterBackend):
+  """`launch.sweep --backend=gke`: one JobSet per run, each on one `tpu_type` slice
+  and running `image` (sweep_dispatch.Backend)."""
+  image: Optional[str] = None
+  tpu_type: Optional[str] = None
+
+  name = "gke"
+
+  def define_flags(self) -> None:
+    self.define_cluster_flags(tpu=True)
+    flags.DEFINE_string("image", self.image, "gke: container image with this repository.")
+
+  def from_flags(self, values: flags.FlagValues) -> SweepBackend:
+    sweep_dispatch.require_flags(values, self.name, ("image", "tpu_type"))
+    common.TpuSlice(values.tpu_type)  # a bad type is a usage error now, not at submission
+    return dataclasses.replace(self, **self.cluster_flags(values), image=values.image,
+                               tpu_type=values.tpu_type)
+
+  def submissions(self, jobs: Sequence[sweep_dispatch.Job], attempt: int,
+                  study_dir: str) -> list[sweep_dispatch.Submission]:
+    """One JobSet manifest (YAML) per job, applied with kubectl."""
+    del study_dir  # the pods' logs stay in the cluster
+    tpu_slice = common.TpuSlice(self.tpu_type)
+    manifests = [common.to_yaml(jobset_manifest(
+        sweep_dispatch.dns_name(self.job_name, job.name, suffix=f"a{attempt}"), self.image,
+        job.wrapped(), tpu_slice, env=self.env)) for job in jobs]
+    return [sweep_dispatch.Submission(["kubectl", "apply", "-f", "-"], manifest,
+                                      manifest if i == 0 else "---\n" + manifest)
+            for i, manifest in enumerate(manifests)]
 
 
 FLAGS = flags.FLAGS

@@ -85,7 +85,7 @@ def run_dir(study_dir: str, name: str) -> str:
 
 
 def ladder_run(base, study_dir: str, name: str, default_rate: Optional[float]):
-  """`base` (the `launch.sweep.Run` that spends the budget at N_opt) as the ladder's
+  """`base` (the `launch.sweep_design.Run` that spends the budget at N_opt) as the ladder's
   run: its own directory, the study's schedule and learning rate."""
   params = counting.analytic_param_counts(base.config).non_embedding
   return dataclasses.replace(

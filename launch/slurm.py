@@ -12,10 +12,13 @@ the whole step when any task fails. With `--max_restarts=N` (default 5) the job 
 itself after a failed step or a preemption signal, and the trainer resumes from its
 newest checkpoint. `--dry_run` prints the batch script and the sbatch command instead of
 submitting.
+
+`SweepBackend` is `launch.sweep --backend=slurm`: a study's runs as one job array.
 """
 from __future__ import annotations
 
 from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
+import dataclasses
 import os
 import subprocess
 import sys
@@ -25,6 +28,7 @@ from typing import Optional, Sequence
 from absl import flags
 
 from launch import common
+from launch import sweep_dispatch
 from pretrain import cli
 from pretrain.errors import usage_error
 
@@ -117,6 +121,51 @@ def batch_script(command: Sequence[str], *, job_name: str, nodes: int, gpus_per_
       'exit "$code"',
   ]
   return "\n".join(lines) + "\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepBackend(sweep_dispatch.ClusterBackend):
+  """`launch.sweep --backend=slurm`: the study's runs as one sbatch job array, task i
+  running job i, every task with the same resources (sweep_dispatch.Backend)."""
+  nodes: int = 1
+  gpus_per_node: int = 8
+  cpus_per_task: int = 8
+  time_limit: Optional[str] = None
+  partition: Optional[str] = None
+  account: Optional[str] = None
+
+  name = "slurm"
+
+  def define_flags(self) -> None:
+    self.define_cluster_flags()
+    flags.DEFINE_integer("nodes", self.nodes, "slurm: nodes per run.", lower_bound=1)
+    flags.DEFINE_integer("gpus_per_node", self.gpus_per_node, "slurm: GPUs per node.",
+                         lower_bound=1)
+    flags.DEFINE_string("time", self.time_limit, "slurm: wall-clock limit per run.")
+    flags.DEFINE_string("partition", self.partition, "slurm: partition.")
+    flags.DEFINE_string("account", self.account, "slurm: account.")
+
+  def from_flags(self, values: flags.FlagValues) -> SweepBackend:
+    return dataclasses.replace(
+        self, **self.cluster_flags(values), nodes=values.nodes,
+        gpus_per_node=values.gpus_per_node, time_limit=values.time,
+        partition=values.partition, account=values.account)
+
+  def submissions(self, jobs: Sequence[sweep_dispatch.Job], attempt: int,
+                  study_dir: str) -> list[sweep_dispatch.Submission]:
+    """One sbatch job array: task i runs job i (a `case` on SLURM_ARRAY_TASK_ID); its
+    output goes to the study's `logs/`."""
+    del attempt  # an array's job id keeps resubmissions apart
+    cases = " ".join(f"{i}) exec {common.shell_join(job.wrapped())} ;;"
+                     for i, job in enumerate(jobs))
+    selector = f'case "$SLURM_ARRAY_TASK_ID" in {cases} *) exit 2 ;; esac'
+    script = batch_script(
+        ["bash", "-c", selector], job_name=self.job_name, nodes=self.nodes,
+        gpus_per_node=self.gpus_per_node, cpus_per_task=self.cpus_per_task,
+        time_limit=self.time_limit, partition=self.partition, account=self.account,
+        output=os.path.join(study_dir, "logs", "slurm-%A_%a.out"), chdir=None,
+        setup=self.setup, env=self.env, array=f"0-{len(jobs) - 1}")
+    return [sweep_dispatch.Submission(["sbatch"], script, script)]
 
 
 FLAGS = flags.FLAGS

@@ -1,10 +1,17 @@
-"""Where a study's runs execute: this machine, N at a time, or a cluster through the
-existing launchers' spec builders (one SLURM job array, one GKE JobSet per run, one TPU
-queued resource per run).
+"""Where a study's runs execute: the backends, registered by name, and the run states
+every backend reads from the runs' directories.
+
+A backend (`Backend`) is one module that owns its `launch.sweep` flags, how it turns
+the study's jobs into its own specs, and how it starts them: this machine, N at a time
+(`launch.sweep_local`), one SLURM job array (`launch.slurm`), one GKE JobSet per run
+(`launch.gke`), one TPU queued resource per run (`launch.tpu_vm`). Each is registered
+here (`register`; `launch.sweep_execute` lists the built-ins) and `--backend=NAME` is
+looked up by name (`get`), so a new backend is one module and no switch changes. This
+module imports no backend, so every backend may import it.
 
 A run's state is read from its directory, never from the dispatcher's memory, so that a
 study can be stopped and resumed, or submitted twice, without redoing work:
-  finished     its metrics hold the final evaluation (launch.sweep.final_eval);
+  finished     its metrics hold the final evaluation (launch.sweep_results.final_eval);
   running      `sweep_status.json` (launch.sweep_job) says running, or submitted to a
                cluster; on this host a running status whose process is gone counts as
                interrupted instead;
@@ -18,34 +25,32 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Protocol, Sequence
+
+from absl import flags
 
 from launch import common
-from launch import gke
-from launch import slurm
 from launch import sweep_job
-from launch import sweep_progress
-from launch import tpu_vm
+from pretrain.errors import usage_error
 
 FINISHED, RUNNING, INTERRUPTED, FAILED, PENDING = (
     "finished", "running", "interrupted", "failed", "pending")
-BACKENDS = ("local", "slurm", "gke", "tpu_vm")
-_POLL_S = 0.2
 
 
 @dataclasses.dataclass(frozen=True)
 class Job:
   """One run to start: its name, directory and training command; `work` (its training
-  FLOPs) weighs it in the local backend's ETA (launch.sweep_progress)."""
+  FLOPs) weighs it in the local backend's ETA (launch.sweep_progress); `after` names
+  the job it starts from (a cooldown fork's stable run), if any."""
   name: str
   run_dir: str
   command: List[str]
   work: float = 1.0
+  after: Optional[str] = None
 
   def wrapped(self, python: str = "python") -> List[str]:
     """The command inside launch.sweep_job, which records how it ends."""
@@ -91,93 +96,113 @@ def running_here(run_dir: str) -> bool:
           and _process_alive(int(status.get("pid", -1))))
 
 
-def default_parallel() -> int:
-  """Local runs at a time: one per 4 cores (each JAX process runs several threads)."""
-  return max(1, (os.cpu_count() or 1) // 4)
+@dataclasses.dataclass(frozen=True)
+class Study:
+  """What a backend is told besides its jobs.
 
-
-def run_local(jobs: Sequence[Job], parallel: int, max_retries: int,
-              is_finished: Callable[[Job], bool], log=print,
-              progress: Optional[sweep_progress.Progress] = None,
-              ready: Callable[[Job], bool] = lambda job: True) -> List[str]:
-  """Runs `jobs` on this machine, at most `parallel` at once, retrying failures.
-
-  Each job's output goes to `sweep_train.log` in its directory. SIGINT/SIGTERM are passed
-  on to the running trainings (which checkpoint) before the sweep exits. `progress`
-  (created here if None) writes the counts and ETA to stderr as runs start and end.
-  A job starts only once `ready` says so (a cooldown fork: once its stable run has
-  finished); jobs that can never become ready (what they wait for gave up) are given
-  up too. Returns the names of the jobs that failed more than `max_retries` times, or
-  were never ready.
+  Attributes:
+    directory: the study's directory (cluster logs go to its `logs/`).
+    max_retries: how often a failed run is started again.
+    dry_run: print the jobs' specs instead of starting anything.
+    log: where progress lines go.
+    ready: whether a job may start now (a cooldown fork: once its stable run has
+      finished); a job that is not ready waits, here or for a later run of the command.
+    is_finished: whether a job's run holds its final evaluation.
+    finished, running, failed: the study's runs that finished, run elsewhere and were
+      given up before these jobs (the local backend's progress line counts them).
   """
-  if progress is None:
-    progress = sweep_progress.Progress({job.name: job.work for job in jobs}, parallel)
-  queue, running, given_up = list(jobs), {}, []
-  unfinished_exits: Dict[str, int] = {}
+  directory: str
+  max_retries: int
+  dry_run: bool
+  log: Callable[[str], None]
+  ready: Callable[[Job], bool]
+  is_finished: Callable[[Job], bool]
+  finished: int = 0
+  running: int = 0
+  failed: int = 0
 
-  def stop(signum, _frame):
-    for _, process in running.values():
-      if process.poll() is None:
-        os.killpg(process.pid, signum)
-    for _, process in running.values():
-      process.wait()
-    raise SystemExit(128 + signum)
-  previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
-  try:
-    while queue or running:
-      while len(running) < parallel:
-        job = next((j for j in queue if ready(j)), None)
-        if job is None:
-          break
-        queue.remove(job)
-        os.makedirs(job.run_dir, exist_ok=True)
-        log(f"[sweep] start {job.name}")
-        with open(os.path.join(job.run_dir, "sweep_train.log"), "a",
-                  encoding="utf-8") as out:
-          running[job.name] = job, subprocess.Popen(job.wrapped(sys.executable), stdout=out,
-                                          stderr=subprocess.STDOUT, start_new_session=True)
-        progress.started(job.name)
-      progress.tick()
-      time.sleep(_POLL_S)
-      for name, (job, process) in list(running.items()):
-        if process.poll() is None:
-          continue
-        del running[name]
-        state, failures = run_state(job.run_dir, is_finished(job))
-        if state == FINISHED:
-          log(f"[sweep] {job.name}: finished")
-          progress.ended(job.name, "finished")
-        elif state == FAILED and failures > max_retries:
-          log(f"[sweep] {job.name}: failed {failures} times, giving up; see "
-              f"{os.path.join(job.run_dir, 'sweep_train.log')}")
-          given_up.append(job.name)
-          progress.ended(job.name, "failed")
-        elif state == INTERRUPTED and unfinished_exits.get(job.name, 0) >= max_retries:
-          # Nobody stopped it, yet it ended without its final evaluation.
-          log(f"[sweep] {job.name}: exited {process.returncode} without the final evaluation "
-              "at its last step; does the data config have a validation split? See "
-              f"{os.path.join(job.run_dir, 'sweep_train.log')}")
-          given_up.append(job.name)
-          progress.ended(job.name, "failed")
-        else:
-          if state == INTERRUPTED:
-            unfinished_exits[job.name] = unfinished_exits.get(job.name, 0) + 1
-          log(f"[sweep] {job.name}: {state} (exit code {process.returncode}, "
-              f"{failures} failures), starting again")
-          queue.append(job)
-          progress.ended(job.name, "retry")
-      if queue and not running and not any(ready(j) for j in queue):
-        for job in queue:
-          log(f"[sweep] {job.name}: what it starts from never finished; not started")
-          given_up.append(job.name)
-          progress.started(job.name)   # counted as failed, like a run given up
-          progress.ended(job.name, "failed")
-        queue.clear()
-    progress.tick()
-  finally:
-    for s, handler in previous.items():
-      signal.signal(s, handler)
-  return given_up
+
+class Backend(Protocol):
+  """One place a study's runs execute, chosen by `--backend=name`.
+
+  Attributes:
+    name: the `--backend` value.
+    here: whether the runs execute on this machine: their commands name this
+      interpreter (a cluster's name the nodes' `python`, after `--setup`), a dry run
+      also prints each run's bindings, and runs left training by an earlier, killed
+      sweep are waited for.
+  """
+  name: str
+  here: bool
+
+  def define_flags(self) -> None:
+    """Defines the backend's `launch.sweep` flags (absl), when the sweep runs as a
+    program; a flag several backends read is defined through `define_once`."""
+
+  def from_flags(self, values: flags.FlagValues) -> Backend:
+    """This backend with the options the parsed flags give it.
+
+    Raises:
+      UserError (exit code 2): a flag it cannot run without is missing or bad.
+    """
+
+  def dispatch(self, jobs: Sequence[Job], study: Study) -> List[str]:
+    """Starts `jobs` (or, on a dry run, prints what it would start); returns the names
+    of the jobs given up. A backend that only submits returns at once: each run then
+    records its own state (launch.sweep_job), which the next run of the command reads."""
+
+
+_BACKENDS: Dict[str, Backend] = {}
+
+
+def register(backend: Backend) -> Backend:
+  """Adds `backend` under `backend.name` (in registration order, `--backend`'s order);
+  returns it.
+
+  Raises:
+    ValueError: the name is taken by a different backend.
+  """
+  taken = _BACKENDS.get(backend.name)
+  if taken is not None and taken != backend:
+    raise ValueError(f"backend {backend.name!r} is registered already ({taken!r})")
+  _BACKENDS[backend.name] = backend
+  return backend
+
+
+def unregister(name: str) -> None:
+  """Removes a backend (for tests that register one of their own)."""
+  del _BACKENDS[name]
+
+
+def names() -> List[str]:
+  """The registered backends' names, in registration order."""
+  return list(_BACKENDS)
+
+
+def get(name: str) -> Backend:
+  """The backend registered as `name`.
+
+  Raises:
+    ValueError: nothing is registered as `name` (the message lists what is).
+  """
+  backend = _BACKENDS.get(name)
+  if backend is None:
+    raise ValueError(f"unknown backend {name!r}; expected one of {names()}")
+  return backend
+
+
+def define_once(define: Callable[..., Any], name: str, *args: Any, **kwargs: Any) -> None:
+  """`define(name, *args, **kwargs)` (an absl DEFINE_*) unless a backend defined `name`
+  already: for the flags several backends read (`--job_name`, `--tpu_type`)."""
+  if name not in flags.FLAGS:
+    define(name, *args, **kwargs)
+
+
+def require_flags(values: flags.FlagValues, backend: str, names_: Sequence[str]) -> None:
+  """A usage error naming the flags of `names_` that `--backend=backend` lacks."""
+  missing = [f"--{name}" for name in names_ if not getattr(values, name)]
+  if missing:
+    raise usage_error(f"--backend={backend} needs {' and '.join(missing)}")
 
 
 def dns_name(*parts: str, suffix: str = "") -> str:
@@ -189,93 +214,93 @@ def dns_name(*parts: str, suffix: str = "") -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class ClusterOptions:
-  """What every cluster job of the study runs on (flags of launch.sweep)."""
+class ClusterBackend:
+  """The base of the backends that submit to a cluster's queue: what their jobs share
+  (flags of `launch.sweep`: a job name prefix, a shell line run before each run, the
+  runs' environment) and `dispatch` through `submit_when_ready`; a subclass adds its
+  `name`, resources, flags and `submissions` (its spec builder)."""
   job_name: str = "sweep"
   setup: str = ""
   env: Dict[str, str] = dataclasses.field(default_factory=dict)
-  nodes: int = 1
-  gpus_per_node: int = 8
-  cpus_per_task: int = 8
-  time_limit: Optional[str] = None
-  partition: Optional[str] = None
-  account: Optional[str] = None
-  image: Optional[str] = None
-  tpu_type: Optional[str] = None
-  zone: Optional[str] = None
-  project: Optional[str] = None
-  runtime_version: str = "v2-alpha-tpuv5"
-  remote_dir: str = "griffin-pretrain"
+
+  name: ClassVar[str]
+  here: ClassVar[bool] = False
+
+  @staticmethod
+  def define_cluster_flags(tpu: bool = False) -> None:
+    """--job_name, --setup, --env (and --tpu_type with `tpu`), once for all backends."""
+    define_once(flags.DEFINE_string, "job_name", "sweep", "Cluster job name prefix.")
+    define_once(flags.DEFINE_string, "setup", "",
+                "Cluster: shell line before each run (venv, cd).")
+    define_once(flags.DEFINE_multi_string, "env", [],
+                "Cluster: NAME=VALUE environment of each run.")
+    if tpu:
+      define_once(flags.DEFINE_string, "tpu_type", None,
+                  "TPU backends: the slice of each run, e.g. v5p-8.")
+
+  @staticmethod
+  def cluster_flags(values: flags.FlagValues) -> Dict[str, Any]:
+    """The shared fields' values from the parsed flags."""
+    return dict(job_name=values.job_name, setup=values.setup,
+                env=common.parse_env_flags(values.env))
+
+  def dispatch(self, jobs: Sequence[Job], study: Study) -> List[str]:
+    return submit_when_ready(self.name, jobs, study, self.submissions)
+
+  def submissions(self, jobs: Sequence[Job], attempt: int,
+                  study_dir: str) -> List[Submission]:
+    """The commands that submit `jobs` (`attempt`: a time stamp that keeps the names of
+    resubmitted jobs apart; `study_dir`: where logs may go)."""
+    raise NotImplementedError
 
 
-def slurm_array_script(jobs: Sequence[Job], options: ClusterOptions, output_dir: str) -> str:
-  """One sbatch job array: task i runs job i (a `case` on SLURM_ARRAY_TASK_ID)."""
-  cases = " ".join(f"{i}) exec {common.shell_join(job.wrapped())} ;;"
-                   for i, job in enumerate(jobs))
-  selector = f'case "$SLURM_ARRAY_TASK_ID" in {cases} *) exit 2 ;; esac'
-  return slurm.batch_script(
-      ["bash", "-c", selector], job_name=options.job_name, nodes=options.nodes,
-      gpus_per_node=options.gpus_per_node, cpus_per_task=options.cpus_per_task,
-      time_limit=options.time_limit, partition=options.partition, account=options.account,
-      output=os.path.join(output_dir, "slurm-%A_%a.out"), chdir=None, setup=options.setup,
-      env=options.env, array=f"0-{len(jobs) - 1}")
+@dataclasses.dataclass(frozen=True)
+class Submission:
+  """One command that submits jobs to a cluster (its `stdin`, if any, is the spec), and
+  the spec a dry run prints for it."""
+  argv: List[str]
+  stdin: Optional[str]
+  spec: str
 
 
-def gke_manifests(jobs: Sequence[Job], options: ClusterOptions, attempt: int) -> List[str]:
-  """One JobSet manifest (YAML) per job."""
-  tpu_slice = common.TpuSlice(options.tpu_type)
-  return [common.to_yaml(gke.jobset_manifest(
-      dns_name(options.job_name, job.name, suffix=f"a{attempt}"), options.image, job.wrapped(),
-      tpu_slice, env=options.env)) for job in jobs]
+def submit_when_ready(backend: str, jobs: Sequence[Job], study: Study,
+                      submissions: Callable[[Sequence[Job], int, str], List[Submission]]
+                      ) -> List[str]:
+  """A cluster backend's `dispatch`: submits the jobs that are ready, each marked
+  `submitted`; a fork whose stable run has not finished is submitted by a later run of
+  the command (a dry run prints its spec after the others'). `submissions(jobs,
+  attempt, study_dir)` builds the backend's specs; `attempt` (a time stamp) keeps
+  resubmitted names apart. Nothing is given up here: the next run of the command reads
+  how each run ended."""
+  later = [job for job in jobs if not study.ready(job)]
+  _submit(backend, [job for job in jobs if study.ready(job)], study, submissions)
+  if later and study.dry_run:
+    print("# Submitted by a later run of this command, once each fork's stable run has "
+          "finished (launch.fork copies its checkpoint first):")
+    _submit(backend, later, study, submissions)
+  elif later:
+    study.log(f"[sweep] {len(later)} fork(s) wait for their stable runs; run the same "
+              "command again once those have finished")
+  return []
 
 
-def tpu_queued_resource_commands(jobs: Sequence[Job], options: ClusterOptions,
-                                 attempt: int) -> List[List[str]]:
-  """One `gcloud ... queued-resources create` per job; its startup script runs the job
-  on every worker (tpu_vm.remote_command: cd, setup, env, command)."""
-  commands = []
-  for job in jobs:
-    name = dns_name(options.job_name, job.name, suffix=f"a{attempt}")
-    script = "#!/bin/bash\n" + tpu_vm.remote_command(job.wrapped(), options.remote_dir,
-                                                     options.setup, options.env) + "\n"
-    argv = ["gcloud", "compute", "tpus", "queued-resources", "create", name,
-            f"--node-id={name}", f"--zone={options.zone}",
-            f"--accelerator-type={options.tpu_type}",
-            f"--runtime-version={options.runtime_version}"]
-    if options.project:
-      argv.append(f"--project={options.project}")
-    commands.append(argv + [f"--metadata=startup-script={script}"])
-  return commands
-
-
-def submit_cluster(backend: str, jobs: Sequence[Job], options: ClusterOptions,
-                   study_dir: str, dry_run: bool, log=print) -> None:
+def _submit(backend: str, jobs: Sequence[Job], study: Study,
+            submissions: Callable[[Sequence[Job], int, str], List[Submission]]) -> None:
   """Prints (dry run) or submits the cluster jobs, marking each run `submitted`."""
   if not jobs:
     return
-  attempt = int(time.time())
-  if backend == "slurm":
-    script = slurm_array_script(jobs, options, os.path.join(study_dir, "logs"))
-    submissions = [(["sbatch"], script)]
-    specs = [script]
-  elif backend == "gke":
-    manifests = gke_manifests(jobs, options, attempt)
-    submissions = [(["kubectl", "apply", "-f", "-"], m) for m in manifests]
-    specs = [m if i == 0 else "---\n" + m for i, m in enumerate(manifests)]
-  else:
-    commands = tpu_queued_resource_commands(jobs, options, attempt)
-    submissions = [(argv, None) for argv in commands]
-    specs = [common.shell_join(argv) + "\n" for argv in commands]
-  if dry_run:
-    sys.stdout.write("".join(specs))
+  batch = submissions(jobs, int(time.time()), study.directory)
+  if study.dry_run:
+    sys.stdout.write("".join(submission.spec for submission in batch))
     return
-  for argv, text in submissions:
-    code = subprocess.run(argv, input=text, text=True, check=False).returncode
+  for submission in batch:
+    code = subprocess.run(submission.argv, input=submission.stdin, text=True,
+                          check=False).returncode
     if code != 0:
-      raise RuntimeError(f"{argv[0]} exited with code {code}")
+      raise RuntimeError(f"{submission.argv[0]} exited with code {code}")
   for job in jobs:
     sweep_job.write_status(job.run_dir, {
         "state": "submitted", "backend": backend,
         "failures": run_state(job.run_dir, False)[1]})
-  log(f"[sweep] submitted {len(jobs)} run(s) to {backend}; run the same command again to "
-      "see progress, resubmit failures and collect the results")
+  study.log(f"[sweep] submitted {len(jobs)} run(s) to {backend}; run the same command "
+            "again to see progress, resubmit failures and collect the results")

@@ -7,7 +7,7 @@ directory (local, `gs://` or `s3://`, through `pretrain.storage`) says what beca
 ran: `sweep_status.json` holds `{"state": "running", "host", "pid", "failures"}` while
 the command runs and `{"state": "exited", "exit_code", "failures"}` after it, where
 `failures` counts the attempts that failed (exit code other than 0 and not a
-preemption). Whether the run is finished is read from its metrics (`launch.sweep`).
+preemption). Whether the run is finished is read from its metrics (`launch.sweep_results`).
 In a multi-process job only process 0 (SLURM_PROCID, TPU_WORKER_ID or
 JOB_COMPLETION_INDEX) writes; the others just run the command.
 """

@@ -12,10 +12,14 @@ repository must already be on every worker at `--remote_dir` (e.g. cloned by a s
 script). Each worker reruns the command after a failure, up to `--max_restarts` times,
 and the trainer resumes from its newest checkpoint. `--dry_run` prints the exact gcloud
 command instead of running it.
+
+`SweepBackend` is `launch.sweep --backend=tpu_vm`: one queued resource per run, whose
+startup script runs it on every worker.
 """
 from __future__ import annotations
 
 from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
+import dataclasses
 import subprocess
 import sys
 from typing import Optional, Sequence
@@ -23,6 +27,7 @@ from typing import Optional, Sequence
 from absl import flags
 
 from launch import common
+from launch import sweep_dispatch
 from pretrain import cli
 
 
@@ -59,6 +64,56 @@ def gcloud_argv(tpu: str, zone: str, project: Optional[str], remote: str) -> lis
   if project:
     argv.append(f"--project={project}")
   return argv + ["--worker=all", f"--command={remote}"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepBackend(sweep_dispatch.ClusterBackend):
+  """`launch.sweep --backend=tpu_vm`: one `gcloud ... queued-resources create` per run,
+  whose startup script runs it on every worker (`remote_command`: cd, setup, env,
+  command) (sweep_dispatch.Backend)."""
+  tpu_type: Optional[str] = None
+  zone: Optional[str] = None
+  project: Optional[str] = None
+  runtime_version: str = "v2-alpha-tpuv5"
+  remote_dir: str = "griffin-pretrain"
+
+  name = "tpu_vm"
+
+  def define_flags(self) -> None:
+    self.define_cluster_flags(tpu=True)
+    flags.DEFINE_string("zone", self.zone, "tpu_vm: zone of the queued resources.")
+    flags.DEFINE_string("project", self.project, "tpu_vm: Google Cloud project.")
+    flags.DEFINE_string("runtime_version", self.runtime_version, "tpu_vm: TPU VM software.")
+    flags.DEFINE_string("remote_dir", self.remote_dir,
+                        "tpu_vm: repository checkout on each worker.")
+
+  def from_flags(self, values: flags.FlagValues) -> SweepBackend:
+    sweep_dispatch.require_flags(values, self.name, ("tpu_type", "zone"))
+    common.TpuSlice(values.tpu_type)  # a bad type is a usage error now, not at submission
+    return dataclasses.replace(
+        self, **self.cluster_flags(values), tpu_type=values.tpu_type, zone=values.zone,
+        project=values.project, runtime_version=values.runtime_version,
+        remote_dir=values.remote_dir)
+
+  def submissions(self, jobs: Sequence[sweep_dispatch.Job], attempt: int,
+                  study_dir: str) -> list[sweep_dispatch.Submission]:
+    """One queued resource per job; a dry run prints each gcloud command."""
+    del study_dir  # the workers keep their logs
+    submissions = []
+    for job in jobs:
+      name = sweep_dispatch.dns_name(self.job_name, job.name, suffix=f"a{attempt}")
+      script = "#!/bin/bash\n" + remote_command(job.wrapped(), self.remote_dir, self.setup,
+                                                self.env) + "\n"
+      argv = ["gcloud", "compute", "tpus", "queued-resources", "create", name,
+              f"--node-id={name}", f"--zone={self.zone}",
+              f"--accelerator-type={self.tpu_type}",
+              f"--runtime-version={self.runtime_version}"]
+      if self.project:
+        argv.append(f"--project={self.project}")
+      argv.append(f"--metadata=startup-script={script}")
+      submissions.append(sweep_dispatch.Submission(argv, None,
+                                                   common.shell_join(argv) + "\n"))
+    return submissions
 
 
 FLAGS = flags.FLAGS

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from launch import sweep
+from launch import sweep_design
 from model import block_registry, counting, decoding, hf_params, memory, recurrence
 from model import partitioning as P
 from model.config import ModelConfig
@@ -105,8 +105,8 @@ def test_a_registered_block_counts_plans_decodes_and_sweeps(diagonal):
   assert counting.decode_state_bytes(config, 16) > 0
 
   # A sweep family of its own.
-  assert sweep.FAMILY_PATTERNS["diagonal_lm"] == (NAME,)
-  sized = sweep.config_for_size("diagonal_lm", 200_000, vocab_size=259, sequence_length=64)
+  assert sweep_design.FAMILY_PATTERNS["diagonal_lm"] == (NAME,)
+  sized = sweep_design.config_for_size("diagonal_lm", 200_000, vocab_size=259, sequence_length=64)
   assert sized.block_pattern == (NAME,)
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from launch import scaling_laws
-from launch import sweep
+from launch import sweep_design
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "benchmarks", "scaling_study.py")
@@ -51,7 +51,7 @@ def test_held_out_design_trains_the_target_size(study):
   budget, tokens_per_param = float(design["flop_budgets"]), float(design["tokens_per_param"])
   assert budget == study.HELD_OUT_BUDGET
   assert math.sqrt(budget / (6 * tokens_per_param)) == pytest.approx(123_456.0, rel=1e-5)
-  run, = sweep.plan_isoflop(["mqa"], [budget], points_per_budget=1, spread=4.0,
+  run, = sweep_design.plan_isoflop(["mqa"], [budget], points_per_budget=1, spread=4.0,
                             tokens_per_param=tokens_per_param, batch_size=16,
                             sequence_length=64, vocab_size=259, workdir="/tmp/unused")
   assert run.target_params == 123_456

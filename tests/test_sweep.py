@@ -9,7 +9,8 @@ import sys
 import gin
 import pytest
 
-from launch import sweep
+from launch import sweep_design
+from launch import sweep_results
 from model import counting
 from tiers import slow_after_first
 from pretrain import gin_config
@@ -21,24 +22,24 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
                                          ("200k", 200_000), ("1.3b", 1_300_000_000),
                                          ("5000", 5000)])
 def test_parse_size(text, value):
-  assert sweep.parse_size(text) == value
+  assert sweep_design.parse_size(text) == value
 
 
 @pytest.mark.parametrize("text", ["abc", "1x", "10"])
 def test_parse_size_rejects_bad_sizes(text):
   with pytest.raises(ValueError, match="size"):
-    sweep.parse_size(text)
+    sweep_design.parse_size(text)
 
 
-@pytest.mark.parametrize("family", sorted(sweep.FAMILY_PATTERNS))
+@pytest.mark.parametrize("family", sorted(sweep_design.FAMILY_PATTERNS))
 @pytest.mark.parametrize("size", ["0.2m", "1m", "3m", "100m"])
 def test_size_rule_hits_the_target_at_a_sane_shape(family, size):
-  target = sweep.parse_size(size)
-  config = sweep.config_for_size(family, target, vocab_size=259, sequence_length=128)
-  assert abs(math.log(sweep.non_embedding_params(config) / target)) < math.log(1.35)
+  target = sweep_design.parse_size(size)
+  config = sweep_design.config_for_size(family, target, vocab_size=259, sequence_length=128)
+  assert abs(math.log(sweep_design.non_embedding_params(config) / target)) < math.log(1.35)
   assert 64 / 3 <= config.width / config.depth <= 64 * 3 or config.depth == (
       3 if family == "griffin" else 2)
-  assert config.block_pattern == sweep.FAMILY_PATTERNS[family]
+  assert config.block_pattern == sweep_design.FAMILY_PATTERNS[family]
   assert config.width % config.num_heads == 0 and config.mlp_expansion == 3
   if family == "griffin":
     assert "attention" in config.block_types and config.attention_window == 64
@@ -47,33 +48,33 @@ def test_size_rule_hits_the_target_at_a_sane_shape(family, size):
 
 
 def test_sizes_grow_monotonically():
-  counts = [sweep.non_embedding_params(sweep.config_for_size("hawk", sweep.parse_size(s),
+  counts = [sweep_design.non_embedding_params(sweep_design.config_for_size("hawk", sweep_design.parse_size(s),
                                                              259, 128))
             for s in ("0.2m", "0.5m", "1m", "2m", "3m")]
   assert counts == sorted(counts) and len(set(counts)) == 5
 
 
 def test_plan_budgets_are_compute_optimal(tmp_path):
-  runs = sweep.plan(["hawk", "mqa"], ["0.5m", "1m"], tokens_per_param=20, batch_size=8,
+  runs = sweep_design.plan(["hawk", "mqa"], ["0.5m", "1m"], tokens_per_param=20, batch_size=8,
                     sequence_length=128, vocab_size=259, workdir=str(tmp_path))
   assert [r.name for r in runs] == ["hawk_0.5m", "hawk_1m", "mqa_0.5m", "mqa_1m"]
   for run in runs:
-    n = sweep.non_embedding_params(run.config)
+    n = sweep_design.non_embedding_params(run.config)
     assert run.train_steps == math.ceil(20 * n / (8 * 128))
     assert run.flops == pytest.approx(
         counting.training_flops_per_token(run.config, 128) * run.train_steps * 8 * 128)
     assert run.workdir == os.path.join(str(tmp_path), "runs", run.name)
-  capped = sweep.plan(["hawk"], ["1m"], tokens_per_param=20, batch_size=8,
+  capped = sweep_design.plan(["hawk"], ["1m"], tokens_per_param=20, batch_size=8,
                       sequence_length=128, vocab_size=259, workdir=str(tmp_path),
                       max_steps=7)
   assert capped[0].train_steps == 7
 
 
 def test_run_gin_rebuilds_the_planned_model(tmp_path):
-  run = sweep.plan(["griffin"], ["0.5m"], tokens_per_param=20, batch_size=4,
+  run = sweep_design.plan(["griffin"], ["0.5m"], tokens_per_param=20, batch_size=4,
                    sequence_length=64, vocab_size=40, workdir=str(tmp_path))[0]
   path = tmp_path / "sweep_run.gin"
-  path.write_text(sweep.run_gin(run))
+  path.write_text(sweep_design.run_gin(run))
   try:
     gin_config.parse([str(path)], [])
     assert gin_config.build_model_config() == run.config
@@ -146,31 +147,31 @@ def test_bad_flag_value_is_one_line_and_exit_code_2(tmp_path, flags, fragment):
 
 
 def test_finished_runs_are_recognised_from_their_metrics(tmp_path):
-  run = sweep.plan(["hawk"], ["0.2m"], tokens_per_param=20, batch_size=4,
+  run = sweep_design.plan(["hawk"], ["0.2m"], tokens_per_param=20, batch_size=4,
                    sequence_length=32, vocab_size=18, workdir=str(tmp_path), max_steps=10)[0]
-  assert sweep.final_eval(run) is None and not sweep.collect(run)
+  assert sweep_results.final_eval(run) is None and not sweep_results.collect(run)
   os.makedirs(run.workdir)
   path = os.path.join(run.workdir, "metrics.jsonl")
   with open(path, "w") as f:
     f.write(json.dumps({"step": 5, "loss": 2.0}) + "\n")
     f.write(json.dumps({"step": 5, "eval_loss": 2.1}) + "\n")
-  assert sweep.final_eval(run) is None               # interrupted half-way: not finished
+  assert sweep_results.final_eval(run) is None               # interrupted half-way: not finished
   with open(path, "a") as f:
     f.write(json.dumps({"step": 10, "eval_loss": 1.5, "eval_bits_per_byte": 2.2}) + "\n")
     f.write('{"step": 11, "lo')                       # a line cut short by a kill
-  assert sweep.final_eval(run)["eval_loss"] == 1.5
-  assert sweep.collect(run) and (run.eval_loss, run.eval_bits_per_byte) == (1.5, 2.2)
+  assert sweep_results.final_eval(run)["eval_loss"] == 1.5
+  assert sweep_results.collect(run) and (run.eval_loss, run.eval_bits_per_byte) == (1.5, 2.2)
 
 
 def test_results_files(tmp_path):
-  runs = sweep.plan(["hawk", "mqa"], ["0.2m", "0.5m", "1m"], tokens_per_param=20,
+  runs = sweep_design.plan(["hawk", "mqa"], ["0.2m", "0.5m", "1m"], tokens_per_param=20,
                     batch_size=8, sequence_length=128, vocab_size=259,
                     workdir=str(tmp_path))
   for run in runs:  # losses falling as a power of compute, different per family
     run.eval_loss = (5.0 if run.family == "hawk" else 6.0) * (run.flops / 1e12) ** -0.1
     run.eval_bits_per_byte = run.eval_loss / math.log(2)
   runs[-1].eval_bits_per_byte = None                  # a vocabulary without text
-  fits = sweep.write_results(runs, str(tmp_path), log=lambda _: None)
+  fits = sweep_results.write_results(runs, str(tmp_path), log=lambda _: None)
   with open(tmp_path / "sweep.csv") as f:
     rows = list(csv.DictReader(f))
   assert len(rows) == 6 and rows[0]["family"] == "hawk" and float(rows[0]["loss"]) > 0

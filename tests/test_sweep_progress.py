@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from launch import sweep_dispatch
+from launch import sweep_local
 from launch import sweep_progress
 
 
@@ -113,7 +114,7 @@ def test_run_local_reports_progress_to_stderr(tmp_path, capfd):
   jobs = [sweep_dispatch.Job(name, str(tmp_path / name), [
       sys.executable, "-c", f"open({str(tmp_path / name / 'done')!r}, 'w').write('1')"],
       work=float(i + 1)) for i, name in enumerate(("one", "two"))]
-  given_up = sweep_dispatch.run_local(
+  given_up = sweep_local.run_local(
       jobs, parallel=1, max_retries=0,
       is_finished=lambda job: os.path.exists(os.path.join(job.run_dir, "done")),
       log=lambda _: None)

@@ -15,9 +15,10 @@ import time
 import pytest
 import yaml
 
-from launch import sweep
+from launch import sweep_design
 from launch import sweep_dispatch
 from launch import sweep_job
+from launch import sweep_local
 from pretrain import flops as flops_lib
 from tiers import slow_after_first
 
@@ -26,7 +27,7 @@ BUDGETS = (1e15, 3e15, 1e16)
 
 
 def test_isoflop_plan_spends_each_budget_with_sizes_around_the_optimum(tmp_path):
-  runs = sweep.plan_isoflop(["hawk", "mqa"], BUDGETS, points_per_budget=5, spread=3.0,
+  runs = sweep_design.plan_isoflop(["hawk", "mqa"], BUDGETS, points_per_budget=5, spread=3.0,
                             tokens_per_param=20, batch_size=8, sequence_length=128,
                             vocab_size=259, workdir=str(tmp_path))
   for family in ("hawk", "mqa"):
@@ -34,18 +35,18 @@ def test_isoflop_plan_spends_each_budget_with_sizes_around_the_optimum(tmp_path)
       members = [r for r in runs if r.family == family and r.flop_budget == budget]
       assert 4 <= len(members) <= 5
       optimum = (budget / 120) ** 0.5
-      counts = sorted(sweep.non_embedding_params(r.config) for r in members)
+      counts = sorted(sweep_design.non_embedding_params(r.config) for r in members)
       assert counts[0] < optimum < counts[-1]
       assert counts[-1] / counts[0] > 4           # spread over ~9x (3x each way)
       for run in members:                          # the MFU FLOPs function, whole steps
         per_step = flops_lib.training_flops_per_token(run.config, 128) * 8 * 128
         assert abs(run.flops - budget) <= per_step / 2
-        assert run.name == f"{family}_C{sweep.budget_label(budget)}_{run.size}"
+        assert run.name == f"{family}_C{sweep_design.budget_label(budget)}_{run.size}"
   assert len({r.workdir for r in runs}) == len(runs)
 
 
 def test_budget_labels():
-  assert [sweep.budget_label(b) for b in (1e15, 3e15, 2.5e16, 100.0)] == [
+  assert [sweep_design.budget_label(b) for b in (1e15, 3e15, 2.5e16, 100.0)] == [
       "1e15", "3e15", "2.5e16", "100e0"]
 
 
@@ -193,7 +194,7 @@ def test_local_backend_retries_failures_up_to_max_retries(tmp_path):
                            [sys.executable, "-c", "print('boom'); exit(3)"])
   good = sweep_dispatch.Job("good", str(tmp_path / "good"), [
       sys.executable, "-c", f"open({str(tmp_path / 'good' / 'done')!r}, 'w').write('1')"])
-  given_up = sweep_dispatch.run_local(
+  given_up = sweep_local.run_local(
       [bad, good], parallel=2, max_retries=2,
       is_finished=lambda job: os.path.exists(os.path.join(job.run_dir, "done")),
       log=lambda _: None)
@@ -206,7 +207,7 @@ def test_local_backend_retries_failures_up_to_max_retries(tmp_path):
 def test_local_backend_gives_up_on_runs_that_end_unfinished(tmp_path):
   """Exit 0 without the final evaluation (e.g. no validation split) is not retried forever."""
   job = sweep_dispatch.Job("quiet", str(tmp_path / "quiet"), [sys.executable, "-c", "pass"])
-  assert sweep_dispatch.run_local([job], parallel=1, max_retries=1,
+  assert sweep_local.run_local([job], parallel=1, max_retries=1,
                                   is_finished=lambda _: False, log=lambda _: None) == ["quiet"]
 
 

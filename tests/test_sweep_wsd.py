@@ -20,9 +20,11 @@ import yaml
 from launch import fork as fork_lib
 from launch import ladder
 from launch import size_rule
-from launch import sweep
+from launch import sweep_design
+from launch import sweep_execute
 from launch import sweep_dispatch
 from launch import sweep_job
+from launch import sweep_local
 from launch import wsd_design
 from pretrain import optimizer as optimizer_lib
 from pretrain.errors import UserError
@@ -34,13 +36,13 @@ OPTIONS = wsd_design.WsdOptions((5.0, 10.0, 20.0, 40.0), 0.2, "1-sqrt")
 
 
 def _plan(tmp_path, families=("hawk", "mqa"), sizes=("0.5m", "1m"), options=OPTIONS):
-  base = sweep.plan(families, sizes, tokens_per_param=1, batch_size=8, sequence_length=128,
+  base = sweep_design.plan(families, sizes, tokens_per_param=1, batch_size=8, sequence_length=128,
                     vocab_size=259, workdir=str(tmp_path), peak_learning_rate=1e-3)
   return wsd_design.plan_wsd(base, options, workdir=str(tmp_path))
 
 
 def _bindings(run):
-  lines = [l.split(" = ", 1) for l in sweep.run_bindings(run) if " = " in l]
+  lines = [l.split(" = ", 1) for l in sweep_design.run_bindings(run) if " = " in l]
   return {key: value for key, value in lines}
 
 
@@ -54,12 +56,12 @@ def test_each_fork_cools_down_from_a_checkpoint_its_stable_run_keeps(tmp_path):
     every = int(_bindings(stable)["CHECKPOINT_EVERY"])
     assert _bindings(stable)["CheckpointConfig.keep_every"] == str(every)
     assert _bindings(stable)["OptimizerConfig.cooldown_fraction"] == "0.0"
-    argv = sweep.command(stable, ["configs/quickstart.gin"], ["CHECKPOINT_EVERY=1000"])
+    argv = sweep_design.command(stable, ["configs/quickstart.gin"], ["CHECKPOINT_EVERY=1000"])
     assert argv[-3:-1] == [f"--gin_param=CHECKPOINT_EVERY = {every}",   # the user's lose
                            f"--gin_param=CheckpointConfig.keep_every = {every}"]
     assert argv[-4] == "--gin_param=CHECKPOINT_EVERY=1000"
     assert stable.train_steps == max(f.fork_step for f in forks)
-    params = sweep.non_embedding_params(stable.config)
+    params = sweep_design.non_embedding_params(stable.config)
     for tokens, fork in zip(OPTIONS.cooldown_tokens_per_param, forks):
       config = optimizer_lib.OptimizerConfig(
           warmup_steps=fork.warmup_steps, schedule="wsd", cooldown_fraction=0.2)
@@ -139,7 +141,7 @@ def test_local_dispatch_starts_a_fork_only_after_its_source(tmp_path):
                             write(str(tmp_path / "fork")))
   order = []
   ready = lambda job: job.name != "fork" or done(stable)  # noqa: E731
-  given_up = sweep_dispatch.run_local([fork, stable], parallel=2, max_retries=0,
+  given_up = sweep_local.run_local([fork, stable], parallel=2, max_retries=0,
                                       is_finished=done, log=order.append, ready=ready)
   assert given_up == []
   starts = [line for line in order if line.startswith("[sweep] start")]
@@ -147,7 +149,7 @@ def test_local_dispatch_starts_a_fork_only_after_its_source(tmp_path):
   bad = sweep_dispatch.Job("bad", str(tmp_path / "bad"), [sys.executable, "-c", "exit(3)"])
   orphan = sweep_dispatch.Job("orphan", str(tmp_path / "orphan"), write(str(tmp_path / "o")))
   lines = []
-  given_up = sweep_dispatch.run_local(
+  given_up = sweep_local.run_local(
       [orphan, bad], parallel=1, max_retries=0, is_finished=done, log=lines.append,
       ready=lambda job: job.name != "orphan" or done(bad))
   assert given_up == ["bad", "orphan"]
@@ -156,9 +158,9 @@ def test_local_dispatch_starts_a_fork_only_after_its_source(tmp_path):
 
 def _dry_run(tmp_path, capsys, backend, **options):
   runs = _plan(tmp_path, families=("hawk",), sizes=("0.5m",))
-  sweep.execute(runs, ["configs/quickstart.gin"], [], backend=backend,
-                cluster=sweep_dispatch.ClusterOptions(**options), study_dir=str(tmp_path),
-                dry_run=True, log=lambda _: None)
+  sweep_execute.execute(runs, ["configs/quickstart.gin"], [],
+                        dataclasses.replace(sweep_dispatch.get(backend), **options),
+                        study_dir=str(tmp_path), dry_run=True, log=lambda _: None)
   out = capsys.readouterr().out
   first, later = out.split("# Submitted by a later run of this command")
   return runs, first, later
@@ -279,14 +281,14 @@ def test_local_wsd_study_is_killed_and_resumed_and_forks_match_unforked_runs(tmp
   assert _bindings_of(workdir / "runs" / "hawk_20k_stable")[
       "OptimizerConfig.peak_learning_rate"] == repr(rate)
   # The longer fork against the same run unforked.
-  base = sweep.plan(["hawk"], ["20k"], tokens_per_param=1, batch_size=2,
+  base = sweep_design.plan(["hawk"], ["20k"], tokens_per_param=1, batch_size=2,
                     sequence_length=32, vocab_size=259, workdir=str(workdir),
                     peak_learning_rate=rate)
   runs = wsd_design.plan_wsd(base, wsd_design.WsdOptions((0.05, 0.1), 0.2, "1-sqrt"),
                              workdir=str(workdir))
   fork = max((r for r in runs if r.role == "fork"), key=lambda r: r.train_steps)
   reference = str(tmp_path / "unforked")
-  argv = sweep.command(dataclasses.replace(fork, fork_from=None, workdir=reference),
+  argv = sweep_design.command(dataclasses.replace(fork, fork_from=None, workdir=reference),
                        [a.split("=", 1)[1] for a in STUDY if a.startswith("--gin_file=")],
                        [a.split("=", 1)[1] for a in STUDY if a.startswith("--gin_param=")],
                        sys.executable)
@@ -326,7 +328,7 @@ def test_rule_recovers_a_power_law_of_size_and_is_written_to_the_study():
 
 
 def test_probes_cover_the_smallest_sizes_at_every_rate(tmp_path):
-  sizes = sweep.plan(["hawk", "mqa"], ["2m", "0.5m", "1m"], tokens_per_param=20,
+  sizes = sweep_design.plan(["hawk", "mqa"], ["2m", "0.5m", "1m"], tokens_per_param=20,
                      batch_size=8, sequence_length=128, vocab_size=259,
                      workdir=str(tmp_path))
   probes = size_rule.plan_probes(sizes, [1e-3, 1e-2], count=2, workdir=str(tmp_path),
@@ -446,8 +448,9 @@ def test_forks_of_a_stable_run_training_elsewhere_wait_instead_of_giving_up(tmp_
   sweep_job.write_status(stable.workdir, {"state": "running", "host": "another-node",
                                           "pid": 1, "failures": 0})
   lines = []
-  states = sweep.execute(runs, ["configs/quickstart.gin"], [], backend="local",
-                         study_dir=str(tmp_path), log=lines.append)
+  states = sweep_execute.execute(runs, ["configs/quickstart.gin"], [],
+                                 sweep_local.LocalBackend(parallel=1),
+                                 study_dir=str(tmp_path), log=lines.append)
   assert states[stable.name] == "running"
   assert all(states[r.name] == "pending" for r in runs[1:])
   assert f"[sweep] {runs[1].name}: waits for {stable.name}, which is still running" in lines
