@@ -52,7 +52,7 @@ def compare(topology: str, gin_files: Sequence[str], gin_params: Sequence[str],
   report, _ = compile_lib.compile_from_gin(topology, 1, gin_files, gin_params, mesh)
   config = gin_config.build_model_config()
   plan = memory.plan_memory(config, parse_mesh_flag(mesh), report.batch_size,
-                            report.sequence_length, method="analytic")
+                            report.sequence_length)
   compiled_activations = report.peak_bytes - report.argument_bytes - plan["gradients"]
   return {
       "topology": topology, "mesh": mesh, "gin_files": list(gin_files),

@@ -1,19 +1,12 @@
 """Per-device memory of a training step on a mesh, planned before any chip is rented.
 
-Two methods, same result keys (bytes per device):
-
-* "analytic": parameters, AdamW moments and gradients are counted exactly from the
-  model's parameter shapes and the sharding rules (each leaf's per-device shard);
-  activations at the peak of the backward pass are estimated per token from the block
-  structure, with buffer counts calibrated against the TPU compiler (below). Instant
-  for any size; the 14B preset on 128 devices plans in seconds.
-* "compiled": the real train step (loss, gradients, AdamW update) is lowered and
-  compiled ahead of time for the mesh on this machine's (simulated) devices, with
-  abstract `jax.ShapeDtypeStruct` inputs carrying their shardings, and XLA's
-  `memory_analysis()` gives the figure. Nothing is allocated, but the mesh must fit in
-  the available devices and compiling must be affordable, so "auto" uses it only for
-  small models on small meshes (on CPU devices: XLA:CPU's figure, not a TPU's; for a
-  TPU slice use `pretrain.compile`).
+The analytic planner: parameters, AdamW moments and gradients are counted exactly from
+the model's parameter shapes and the sharding rules (each leaf's per-device shard);
+activations at the peak of the backward pass are estimated per token from the block
+structure, with buffer counts calibrated against the TPU compiler (below). Instant for
+any size; the 14B preset on 128 devices plans in seconds. The other method, XLA's own
+figures for the trainer's compiled step, needs the trainer's program and so lives
+above the model, in `pretrain.memory_plan` (which `model.summary` uses).
 
 Analytic model of the peak (bytes per device). The total is
     params + optimizer + gradients + max(activations, workspace)
@@ -67,8 +60,8 @@ Held out (compiled after the model was final, predicted before): Hawk 7B, MQA 7B
 Griffin 14B cut to 3 layers on fsdp:2,tensor:4: 1.09x, 1.04x and 1.10x.
 Not calibrated (no compiled point): GateLoop, the CG-LRU, sequence-parallel meshes, and
 the chunked loss (the output term assumes TrainConfig.loss_chunks = 1). XLA:CPU keeps
-about twice these activations for small float32 models (it fuses less), so the
-"compiled" method on CPU devices reads higher than this model.
+about twice these activations for small float32 models (it fuses less), so
+`pretrain.memory_plan`'s "compiled" method on CPU devices reads higher than this model.
 """
 from __future__ import annotations
 
@@ -79,7 +72,6 @@ from typing import Any, Mapping, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from model import block_registry
 from model import counting, lm
@@ -91,7 +83,6 @@ from sharding import rules as rules_lib
 PARAM_BYTES = 4          # float32 master weights
 ADAM_MOMENTS = 2         # AdamW's mu and nu, float32, sharded like the params
 UPDATE_WORKSPACE = 2     # temporaries of the optimizer update, in parameter shards
-COMPILED_MAX_PARAMS = 50_000_000
 # Activation buffers per token, in units of one channel of the named width (compute-dtype
 # elements, float32 elements); see the module docstring for what they stand for and how
 # they were calibrated against libtpu's compiled peaks.
@@ -248,68 +239,11 @@ def _analytic(config, sizes, batch_size, seq_len, rules):
           "activations": activations, "workspace": UPDATE_WORKSPACE * params}
 
 
-def compiled_train_step_memory(config: ModelConfig, mesh: Mapping[str, int], batch_size: int,
-                               seq_len: int, rules: Optional[Sequence] = None) -> dict[str, int]:
-  """XLA's own per-device memory figures for the sharded train step, compiled ahead of
-  time on this machine's devices (nothing allocated).
-
-  Returns `memory_analysis()`'s argument, output, alias and temporary sizes, and
-  `peak` = arguments + outputs - aliased + temporaries.
-  """
-
-  sizes = resolve_mesh(mesh)
-  devices = math.prod(sizes.values())
-  if devices > jax.device_count():
-    raise ValueError(f"compiling for a {devices}-device mesh needs that many devices; this "
-                     f"process has {jax.device_count()} (use the analytic method, or set "
-                     f"XLA_FLAGS=--xla_force_host_platform_device_count={devices})")
-  device_mesh = mesh_lib.create_mesh(mesh_lib.MeshConfig(**sizes), jax.devices()[:devices])
-  shapes, logical = _param_shapes_and_specs(config)
-  param_shardings = partition.param_shardings(device_mesh, logical, shapes, rules)
-  optimizer = optax.adamw(1e-4, b2=0.95, weight_decay=0.1)
-  abstract_params = jax.tree_util.tree_map(
-      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, param_shardings)
-  opt_shapes = jax.eval_shape(optimizer.init, shapes)
-  opt_shardings = partition.opt_state_shardings(optimizer, opt_shapes, param_shardings,
-                                                device_mesh)
-  abstract_opt = jax.tree_util.tree_map(
-      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), opt_shapes, opt_shardings)
-  batch_sharding = partition.batch_sharding(device_mesh, 2, rules)
-  tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=batch_sharding)
-  model = lm.LanguageModel(config)
-
-  def loss_fn(params, tokens):
-    positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), tokens.shape)
-    logits, _ = model.apply({"params": params}, tokens, positions)
-    logp = jax.nn.log_softmax(logits)
-    return -jnp.mean(jnp.take_along_axis(logp, jnp.roll(tokens, -1, 1)[..., None], axis=-1))
-
-  def train_step(params, opt_state, tokens):
-    grads = jax.grad(loss_fn)(params, tokens)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
-  with rules_lib.activation_sharding(device_mesh, rules):
-    compiled = jax.jit(train_step, out_shardings=(param_shardings, opt_shardings),
-                       donate_argnums=(0, 1)).lower(abstract_params, abstract_opt,
-                                                    tokens).compile()
-  stats = compiled.memory_analysis()
-  result = {
-      "arguments": int(stats.argument_size_in_bytes),
-      "outputs": int(stats.output_size_in_bytes),
-      "aliased": int(stats.alias_size_in_bytes),
-      "temporaries": int(stats.temp_size_in_bytes),
-  }
-  result["peak"] = (result["arguments"] + result["outputs"] - result["aliased"] +
-                    result["temporaries"])
-  return result
-
-
 def plan_memory(config: ModelConfig, mesh: Mapping[str, int], batch_size: int, seq_len: int,
-                device_memory_gb: Optional[float] = None, *, method: str = "auto",
+                device_memory_gb: Optional[float] = None, *,
                 rules: Optional[Sequence] = None) -> dict[str, Any]:
   """Per-device memory of training `config` on `mesh` with a global batch of
-  `batch_size` rows of `seq_len` tokens.
+  `batch_size` rows of `seq_len` tokens, from the analytic model.
 
   Args:
     config: the model.
@@ -318,39 +252,24 @@ def plan_memory(config: ModelConfig, mesh: Mapping[str, int], batch_size: int, s
     batch_size: global batch in sequences.
     seq_len: tokens per sequence.
     device_memory_gb: memory of one device in GB (1e9 bytes); sets `fits`.
-    method: "analytic", "compiled" or "auto" (compiled when the mesh fits on this
-      machine's devices and the model has at most COMPILED_MAX_PARAMS parameters).
     rules: logical-axis rules (default: the Gin-configured table).
 
   Returns:
     {"params", "optimizer", "gradients", "activations", "workspace", "total"} in bytes
     per device (total = params + optimizer + gradients + the larger of activations and
     the optimizer update's workspace, which are never live together), plus "fits"
-    (bool, or None without `device_memory_gb`), "device_memory_bytes", "method", "mesh"
-    (all five axes) and, for "compiled", "compiled" (XLA's figures). With "compiled",
-    params/optimizer/gradients are the exact shard sizes, activations is what XLA's
-    peak leaves after them, and total is XLA's peak.
+    (bool, or None without `device_memory_gb`), "device_memory_bytes", "method"
+    ("analytic") and "mesh" (all five axes).
   """
-  if method not in ("auto", "analytic", "compiled"):
-    raise ValueError(f"plan_memory method must be auto, analytic or compiled, got {method!r}")
   if batch_size < 1 or seq_len < 1:
     raise ValueError(f"batch_size and seq_len must be positive, got {batch_size}, {seq_len}")
   sizes = resolve_mesh(mesh)
   plan: dict[str, Any] = _analytic(config, sizes, batch_size, seq_len, rules)
-  if method == "auto":
-    small = counting.count_params(config).total <= COMPILED_MAX_PARAMS
-    method = "compiled" if small and math.prod(sizes.values()) <= jax.device_count() else "analytic"
-  state = plan["params"] + plan["optimizer"] + plan["gradients"]
-  if method == "compiled":
-    compiled = compiled_train_step_memory(config, sizes, batch_size, seq_len, rules)
-    plan["activations"] = max(0, compiled["peak"] - state)
-    plan["total"] = compiled["peak"]
-    plan["compiled"] = compiled
-  else:
-    # The update's temporaries are allocated after the backward pass has freed the
-    # activations: the two never add.
-    plan["total"] = state + max(plan["activations"], plan["workspace"])
-  plan["method"] = method
+  # The update's temporaries are allocated after the backward pass has freed the
+  # activations: the two never add.
+  plan["total"] = (plan["params"] + plan["optimizer"] + plan["gradients"]
+                   + max(plan["activations"], plan["workspace"]))
+  plan["method"] = "analytic"
   plan["mesh"] = sizes
   plan["device_memory_bytes"] = (None if device_memory_gb is None
                                  else int(device_memory_gb * 1e9))

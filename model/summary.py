@@ -7,7 +7,7 @@
 Prints the total and non-embedding parameter counts, the training FLOPs per token at
 sequence length T (`model.counting`, docs/model.md) and the decoding state per sequence.
 With `--mesh`, also the per-device memory of training with a global batch of B rows of T
-tokens (`model.memory.plan_memory`). With `--json` it prints one JSON object instead:
+tokens (`pretrain.memory_plan.plan_memory`). With `--json` it prints one JSON object instead:
 `params_total`, `params_non_embedding`, `params_embedding`, `flops_per_token`,
 `flops_breakdown`, `seq`, `decode_state_bytes`, `model` (the resolved ModelConfig as
 checkpoints record it, `model.config.model_config_to_dict`) and, with a mesh,
@@ -31,7 +31,7 @@ from typing import Any, Optional, Sequence
 from absl import flags
 
 from model import counting
-from model import memory
+from pretrain import memory_plan
 from model.config import ModelConfig, model_config_to_dict
 from pretrain import cli
 from pretrain import gin_config
@@ -97,11 +97,11 @@ def summarize(config: ModelConfig, seq: int, mesh: Optional[str] = None, batch: 
 
 def _memory_plan(config: ModelConfig, mesh: str, batch: Optional[int], seq: int,
                  device_memory_gb: Optional[float]) -> dict[str, Any]:
-  """`model.memory.plan_memory` for the `--mesh` flag, trimmed to JSON-ready fields."""
+  """`pretrain.memory_plan.plan_memory` for the `--mesh` flag, trimmed to JSON-ready fields."""
   if batch is None:
     raise usage_error("--mesh needs --batch (the global batch in sequences)")
   try:
-    plan = memory.plan_memory(config, parse_mesh_flag(mesh), batch, seq,
+    plan = memory_plan.plan_memory(config, parse_mesh_flag(mesh), batch, seq,
                               device_memory_gb=device_memory_gb)
   except ValueError as error:  # an invalid mesh, or one that does not fit the model
     raise usage_error(" ".join(str(error).split())) from None

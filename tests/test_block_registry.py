@@ -88,9 +88,9 @@ def test_a_registered_block_counts_plans_decodes_and_sweeps(diagonal):
   assert flops.recurrence == 2 * 9.0 * config.rnn_width   # two diagonal layers
 
   # Plans: the analytic planner adds the block's kept activations.
-  plan = memory.plan_memory(config, {"data": 2}, 4, 32, method="analytic")
+  plan = memory.plan_memory(config, {"data": 2}, 4, 32)
   attention_only = memory.plan_memory(config.replace(block_pattern=("attention",)),
-                                      {"data": 2}, 4, 32, method="analytic")
+                                      {"data": 2}, 4, 32)
   assert plan["activations"] > 0 and plan["total"] != attention_only["total"]
 
   # Decodes: prefill then one step equals the full forward pass.
