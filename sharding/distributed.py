@@ -83,12 +83,45 @@ def initialize_from_environment(heartbeat_timeout_s: int = 15,
     jax.distributed.initialize(
         coordinator_address=os.environ[ENV_COORDINATOR], num_processes=num_processes,
         process_id=process_id, cluster_detection_method="deactivate", **timeouts)
+    if os.environ.get("JAX_PLATFORMS") == "cpu":
+      share_cpu_compilation_cache()
     return True
   if _cluster_detected():
     jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
     jax.distributed.initialize(**timeouts)
     return jax.process_count() > 1
   return False
+
+
+def share_cpu_compilation_cache() -> None:
+  """Lets every process of a multi-process CPU run (simulated hosts) read the persistent
+  compilation cache that process 0 writes.
+
+  JAX writes cache entries from process 0 only, and its cache key hashes the
+  `accelerator_config`: on CPU the fingerprint of the topology of *this process's*
+  devices, which differs between processes although every process compiles the same
+  SPMD program (same HLO, compile options and global device assignment). So process 1
+  never found an entry and compiled every program again in every session, while
+  process 0 (all cache hits) waited for it inside the first collective. Measured with
+  `JAX_EXPLAIN_CACHE_MISSES=1` on a 2 x 2 `launch.local` run: process 1 missed
+  jit_init_fn, jit_step and ~30 others, process 0 none; under CPU load that lag was
+  30-65 s per session (tests/test_multihost_train.py's chaos run has three sessions and
+  timed out in CI). Hashing the kinds of the global devices instead gives every process
+  process 0's key. (JAX strips the device assignment from GPU keys for the same reason.)
+  """
+  from jax._src import cache_key  # pylint: disable=import-outside-toplevel  # private
+
+  original = cache_key._hash_accelerator_config  # pylint: disable=protected-access
+  if getattr(original, "shared_across_processes", False):
+    return
+
+  def hash_devices_of_any_process(hash_obj, accelerators):
+    if all(device.platform == "cpu" for device in accelerators.flat):
+      cache_key._hash_devices(hash_obj, accelerators)  # pylint: disable=protected-access
+    else:
+      original(hash_obj, accelerators)
+  hash_devices_of_any_process.shared_across_processes = True
+  cache_key._hash_accelerator_config = hash_devices_of_any_process  # pylint: disable=protected-access
 
 
 def processes_on_one_machine() -> bool:
