@@ -111,9 +111,10 @@ def share_cpu_compilation_cache() -> None:
   """
   from jax._src import cache_key  # pylint: disable=import-outside-toplevel  # private
 
-  original = cache_key._hash_accelerator_config  # pylint: disable=protected-access
-  if getattr(original, "shared_across_processes", False):
-    return
+  original = getattr(cache_key, "_hash_accelerator_config", None)
+  if (original is None or not hasattr(cache_key, "_hash_devices")
+      or getattr(original, "shared_across_processes", False)):
+    return  # another JAX: keep its own keys (slower restarts, never a wrong hit)
 
   def hash_devices_of_any_process(hash_obj, accelerators):
     if all(device.platform == "cpu" for device in accelerators.flat):
