@@ -33,7 +33,7 @@ from pretrain.data import pipeline
 from pretrain.optimizer import OptimizerConfig
 from pretrain.trainer import TrainConfig
 from sharding.mesh import MeshConfig
-from trainer_helpers import (bucket_rows, make_corpus, storage_env,  # pylint: disable=unused-import
+from trainer_helpers import (assert_ok, bucket_rows, make_corpus, storage_env,  # pylint: disable=unused-import
                              trained_workdir, trainer_env)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -365,7 +365,7 @@ def test_tpu_example_trains_against_the_emulated_bucket(gcs_bucket, tmp_path):
        "--", "--direct_running_mode=multi_threading", "--direct_num_workers=2"],
       env=storage_env(_env(), JAX_PLATFORMS="cpu"), cwd=REPO, capture_output=True,
       text=True, timeout=600)
-  assert prepared.returncode == 0, (prepared.stdout[-2000:], prepared.stderr[-3000:])
+  assert_ok(prepared)
   stores = dict(re.findall(r"^(\w+): .* rows of \d+: (\S+)$", prepared.stdout, re.M))
   assert set(stores) == {"train", "validation"}, prepared.stdout
   assert all(path.startswith(data + "/c4_en-") for path in stores.values())
@@ -378,7 +378,7 @@ def test_tpu_example_trains_against_the_emulated_bucket(gcs_bucket, tmp_path):
   assert workdir == f"{gcs_bucket}/runs/griffin_7b"
   result = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True,
                           timeout=600)
-  assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
+  assert_ok(result)
   assert f"store {stores['train']}" in result.stdout, result.stdout[-3000:]
   one = {row["step"]: row["loss"] for row in bucket_rows(workdir) if "loss" in row}
   assert sorted(one) == [1, 2, 3] and all(np.isfinite(list(one.values())))
@@ -391,7 +391,7 @@ def test_tpu_example_trains_against_the_emulated_bucket(gcs_bucket, tmp_path):
               for arg in argv]]
   result = subprocess.run(launch, env=env, cwd=REPO, capture_output=True, text=True,
                           timeout=600)
-  assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
+  assert_ok(result)
   two = {row["step"]: row["loss"] for row in bucket_rows(two_workdir) if "loss" in row}
   assert sorted(two) == sorted(one)
   for step, loss in one.items():

@@ -8,6 +8,8 @@ import errno
 import json
 import os
 import random
+import re
+import signal
 import subprocess
 import sys
 
@@ -129,10 +131,46 @@ def train_losses(workdir):
   return {row["step"]: row["loss"] for row in read_metrics(workdir) if "loss" in row}
 
 
+def stderr_excerpt(stderr: str, tail: int = 3000) -> str:
+  """What a failure message needs of a child's stderr: its tail, and for a native crash
+  also what the tail leaves out. On a crash (SIGABRT, SIGSEGV) Python's faulthandler
+  writes "Fatal Python error: ...", every thread's stack, then the list of loaded
+  extension modules (about 5000 characters with TensorFlow and Beam loaded), so the
+  tail alone is that list: the native library's own last words (a CHECK failure,
+  "terminate called ...", "LLVM ERROR: ...") come before the fatal-error line, and the
+  stack of the thread that died follows it ("Current thread")."""
+  fatal = stderr.find("Fatal Python error:")
+  if fatal < 0 or fatal >= len(stderr) - tail:
+    return stderr[-tail:]
+  before = stderr[:fatal].splitlines()[-20:]
+  fatal_line = stderr[fatal:].splitlines()[0]
+  current = re.search(r"^Current thread .*?(?=^\S|\Z)", stderr[fatal:], re.M | re.S)
+  return "\n".join(["[native crash: the lines before Python's fatal error]", *before,
+                     fatal_line, current.group(0).rstrip() if current else
+                     "[no 'Current thread' stack]", "[... last characters:]",
+                     stderr[-tail:]])
+
+
+def exit_summary(result) -> str:
+  """One line: the exit status (the signal's name when a signal ended the child) and,
+  after a native crash, the last line written before Python's fatal error (pytest's
+  short summary shows only the start of a failure message)."""
+  code = result.returncode
+  text = f"exit {code}"
+  if code < 0:
+    with contextlib.suppress(ValueError):
+      text += f" ({signal.Signals(-code).name})"
+  fatal = result.stderr.find("Fatal Python error:")
+  if fatal >= 0:
+    last = [line for line in result.stderr[:fatal].splitlines() if line.strip()][-1:]
+    text += f": {' / '.join(last + [result.stderr[fatal:].splitlines()[0]])}"
+  return text
+
+
 def assert_ok(result):
   assert result.returncode == 0, (
-      f"exit {result.returncode}\nstdout:\n{result.stdout[-3000:]}\n"
-      f"stderr:\n{result.stderr[-3000:]}")
+      f"{exit_summary(result)}\nstdout:\n{result.stdout[-3000:]}\n"
+      f"stderr:\n{stderr_excerpt(result.stderr)}")
 
 
 def _shared_root(tmp_path_factory):
