@@ -26,11 +26,13 @@ from pretrain import quiet  # pylint: disable=unused-import  # first: see its do
 import functools
 import os
 import re
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 import apache_beam as beam
 from absl import flags
 from apache_beam.options.pipeline_options import PipelineOptions
+from apache_beam.options.pipeline_options import StandardOptions
+from apache_beam.runners.portability.fn_api_runner import fn_runner
 
 from pretrain import cli, gin_config, storage
 from pretrain.data import beam_stores, kvstore, materialize, token_store
@@ -95,6 +97,21 @@ def _data_error_in(error: Exception) -> Optional[str]:
   return found[-1].strip() if found else None
 
 
+def _local_runner(options: PipelineOptions) -> Optional[Any]:
+  """Beam's FnApiRunner where the options name the DirectRunner, else None (Beam
+  resolves `--runner` itself).
+
+  Beam's DirectRunner first tries its Prism runner, which downloads a Go binary from
+  GitHub and starts a gRPC job server: offline that costs a failed download and an extra
+  server's threads in every run, and online Prism would ignore `--direct_running_mode`
+  and `--direct_num_workers`, which this command documents. The FnApiRunner is the
+  runner DirectRunner falls back to for these batch pipelines, and honours both.
+  """
+  if options.view_as(StandardOptions).runner not in (None, "DirectRunner"):
+    return None
+  return fn_runner.FnApiRunner()
+
+
 def prepare(output: str, gin_files: Sequence[str], gin_bindings: Sequence[str],
             beam_args: Sequence[str] = ()) -> List[token_store.TokenStore]:
   """Prepares every split's store under `output`; returns them, committed."""
@@ -106,7 +123,7 @@ def prepare(output: str, gin_files: Sequence[str], gin_bindings: Sequence[str],
     options = PipelineOptions([*DEFAULT_BEAM_ARGS, *beam_args])
     register = functools.partial(register_task, tuple(gin_files), tuple(gin_bindings))
     try:
-      with beam.Pipeline(options=options) as root:
+      with beam.Pipeline(runner=_local_runner(options), options=options) as root:
         beam_stores.build(root, todo, register)
     except Exception as error:  # pylint: disable=broad-except
       message = _data_error_in(error)
