@@ -19,6 +19,7 @@ import logging
 import os
 
 import jax
+from jax._src import cache_key  # private: the persistent cache's key (see share_cpu_compilation_cache)
 from jax._src import clusters  # private: cluster auto-detection has no public API
 
 ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
@@ -109,8 +110,6 @@ def share_cpu_compilation_cache() -> None:
   timed out in CI). Hashing the kinds of the global devices instead gives every process
   process 0's key. (JAX strips the device assignment from GPU keys for the same reason.)
   """
-  from jax._src import cache_key  # pylint: disable=import-outside-toplevel  # private
-
   original = getattr(cache_key, "_hash_accelerator_config", None)
   if (original is None or not hasattr(cache_key, "_hash_devices")
       or getattr(original, "shared_across_processes", False)):
