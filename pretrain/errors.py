@@ -97,6 +97,18 @@ class StorageOutageError(UserError):
     self.down_s = down_s
 
 
+class StorageOutageStop(UserError):
+  """The run stopped because its object storage did not answer for longer than
+  `StorageConfig.outage_s` (after saving its secondary tiers).
+
+  Writes to that storage may still be in flight in threads nothing can cancel: the
+  persistent tier's async save (Orbax's thread pools, the storage client retrying for
+  minutes). Python joins such threads when it exits, so a process that merely returned
+  would wait for the storage it is stopping because of; `pretrain.cli.run` ends the
+  process at once (`os._exit`) after printing the error's line.
+  """
+
+
 def warn(message: str) -> None:
   """One line on stderr about a problem the command works around (a failed save it
   retries, an unreadable checkpoint it skips): the non-fatal sibling of a UserError."""

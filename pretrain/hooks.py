@@ -264,9 +264,12 @@ class CheckpointHook(Hook):
     del step, values
     self._failure = self._failure or self._checkpointer.poll()
 
+  def _tier_due(self, step: int) -> bool:
+    return any(step % every == 0 for every in self._tier_every)
+
   def is_due(self, step: int) -> bool:
     return (step % self.every == 0 or self._failure is not None or self._down is not None
-            or any(step % every == 0 for every in self._tier_every))
+            or self._tier_due(step))
 
   def _storage_down(self, step: int) -> bool:
     """Whether the save of `step` must wait for the storage (see the class docstring):
@@ -345,7 +348,7 @@ class CheckpointHook(Hook):
       failure = self._attempt(step, state, wait=False)
       if failure is not None:
         self._failed(failure, step, state)
-    else:
+    elif self._tier_due(step):   # not at every step of an outage
       self._checkpointer.save_secondary(step, params=state.params,
                                         opt_state=state.opt_state, rng=self._rng)
 

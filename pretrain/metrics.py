@@ -22,7 +22,7 @@ import jax
 
 from pretrain import storage
 from pretrain.errors import StorageOutageError, warn
-from pretrain.outage import StorageConfig, Uploads
+from pretrain.outage import FLUSH_TIMEOUT_S, StorageConfig, Uploads
 
 # clu's TensorBoard writer imports TensorFlow (about 6 s): loaded when a run first
 # writes events, not by every command that imports this module.
@@ -160,11 +160,13 @@ class _UploadedTensorBoard:
   def flush(self) -> None:
     self._upload()
 
-  def close(self) -> None:
+  def close(self, timeout_s: float = FLUSH_TIMEOUT_S) -> None:
+    """Uploads the events a last time, waiting at most `timeout_s`; the staging
+    directory stays when the upload has not landed by then (it reads from there)."""
     self._writer.close()
     self._upload()
-    self._uploads.flush()
-    shutil.rmtree(self._staging, ignore_errors=True)
+    if self._uploads.flush(timeout_s):
+      shutil.rmtree(self._staging, ignore_errors=True)
 
 
 class MetricsWriter:
@@ -281,21 +283,28 @@ class MetricsWriter:
     if self._enabled:
       print(message, file=self._stream, flush=True)
 
-  def close(self) -> None:
-    """Closes the files; in a bucket workdir, waits a while for the writes still
-    queued (one line when the storage has not taken them)."""
+  def close(self, flush_timeout_s: float = FLUSH_TIMEOUT_S) -> None:
+    """Closes the files; in a bucket workdir, waits up to `flush_timeout_s` for the
+    writes still queued (one line when the storage has not taken them). A run that
+    stops because the storage does not answer passes 0: a write in flight can take
+    the storage client's own retries (gcsfs: about 36 s) to fail."""
     if self._jsonl is not None:
       self._jsonl.close()
     try:
       if self._summary is not None:
         self._summary.flush()
-        self._summary.close()
+        if isinstance(self._summary, _UploadedTensorBoard):
+          self._summary.close(flush_timeout_s)
+        else:
+          self._summary.close()
     except StorageOutageError:
       pass   # the run is stopping because of it, and says so
     if self._uploads is not None:
-      if not self._uploads.flush():
-        warn(f"metrics and TensorBoard writes of the last {self._uploads.outage.down_s():.0f}"
-             " s did not reach the storage")
+      if not self._uploads.flush(flush_timeout_s):
+        down_s = self._uploads.outage.down_s()
+        warn("metrics and TensorBoard writes " + (f"of the last {down_s:.0f} s " if down_s
+                                                  else "still queued ")
+             + "did not reach the storage")
       self._uploads.close(timeout_s=0)
 
 

@@ -30,6 +30,7 @@ import base64
 import functools
 import hashlib
 import logging
+import re
 import socket
 import tempfile
 import time
@@ -319,11 +320,16 @@ def describe_error(path: str, error: BaseException) -> str:
   endpoint_vars = ("STORAGE_EMULATOR_HOST" if scheme == "gs"
                    else "AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_S3")
   bucket = str(path).split("/")[2] if "//" in str(path) else path
-  if isinstance(error, PermissionError) or "403" in text or "AccessDenied" in text:
-    return (f"permission denied on {path}: the credentials in use may not write bucket "
-            f"'{bucket}' ({text})")
-  if isinstance(error, FileNotFoundError) or "NoSuchBucket" in text or "404" in text:
-    return f"{path}: not found; does bucket '{bucket}' exist? ({text})"
+  # A refused connection names the endpoint, whose port may hold "403" (127.0.0.1:40383):
+  # HTTP statuses count as whole numbers, and only in errors that are no ConnectionError.
+  if not isinstance(error, ConnectionError):
+    if (isinstance(error, PermissionError) or re.search(r"\b403\b", text)
+        or "AccessDenied" in text):
+      return (f"permission denied on {path}: the credentials in use may not write bucket "
+              f"'{bucket}' ({text})")
+    if (isinstance(error, FileNotFoundError) or "NoSuchBucket" in text
+        or re.search(r"\b404\b", text)):
+      return f"{path}: not found; does bucket '{bucket}' exist? ({text})"
   return (f"cannot reach the storage of {path} ({type(error).__name__}: {text}); check "
           f"the network, the credentials and {endpoint_vars}")
 

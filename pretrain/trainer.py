@@ -32,11 +32,12 @@ from pretrain import stragglers
 from pretrain import watchdog as watchdog_lib
 from pretrain.checkpointing import Checkpointer
 from pretrain.data.vocabularies import token_byte_lengths
-from pretrain.errors import StorageOutageError, UserError, usage_error, warn
+from pretrain.errors import (StorageOutageError, StorageOutageStop, UserError, usage_error,
+                             warn)
 from pretrain.metadata import RunMetadata, vocabulary_spec
 from pretrain.metrics import MetricsWriter, format_duration
 from pretrain.optimizer import OptimizerConfig, learning_rate_schedule, make_optimizer
-from pretrain.outage import StorageConfig
+from pretrain.outage import FLUSH_TIMEOUT_S, StorageConfig
 from pretrain.runtime import Runtime, host_scalar
 from pretrain.steps import TrainState, jit_train_step
 from sharding import partition
@@ -440,7 +441,7 @@ class Trainer:
     return self._result(step, preempted, hooks, time.perf_counter() - started)
 
   def _stop_for_outage(self, outage: StorageOutageError, step: int, state: TrainState,
-                       rng: jax.Array) -> UserError:
+                       rng: jax.Array) -> StorageOutageStop:
     """The error that stops a run whose bucket has been unreachable for longer than
     `StorageConfig.outage_s`, once `step` is saved to the secondary tiers (the local
     one, when configured): a rerun resumes from it."""
@@ -450,8 +451,8 @@ class Trainer:
     where = (f"saved the {' and the '.join(saved)}" if saved else
              "no local tier to save to (CheckpointConfig.local_dir): the steps after the "
              "newest persistent checkpoint are lost")
-    return UserError(f"{outage}; {where}; stopped: run the same command again once the "
-                     "storage answers")
+    return StorageOutageStop(f"{outage}; {where}; stopped: run the same command again "
+                             "once the storage answers")
 
   def _result(self, step: int, preempted: bool, hooks: Sequence[hooks_lib.Hook],
               seconds: float) -> RunResult:
@@ -515,6 +516,7 @@ def train(workdir: str, config: TrainConfig, runtime: Runtime,
   """
   clock = goodput.GoodputClock()
   writer = MetricsWriter(workdir, config.train_steps, storage_config=storage_config)
+  flush_timeout_s = FLUSH_TIMEOUT_S
   try:
     with clock.timed("startup"):
       trainer = _build_trainer(workdir, config, runtime, optimizer_config, checkpointer,
@@ -524,9 +526,12 @@ def train(workdir: str, config: TrainConfig, runtime: Runtime,
     if on_ready is not None:
       on_ready()
     return trainer.run()
+  except StorageOutageStop:
+    flush_timeout_s = 0.0   # the writes still queued go to the storage that is down
+    raise
   finally:
     checkpointer.close()
-    writer.close()
+    writer.close(flush_timeout_s)
 
 
 def _build_trainer(workdir: str, config: TrainConfig, runtime: Runtime,

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from pretrain import outage
+from pretrain import outage, storage
 from pretrain.errors import StorageOutageError, UserError
 
 
@@ -82,3 +82,14 @@ def test_uploads_raise_in_the_caller_once_the_outage_lasts_too_long(monkeypatch)
 def test_storage_config_rejects_a_negative_outage():
   with pytest.raises(ValueError, match="StorageConfig.outage_s must be >= 0"):
     outage.StorageConfig(outage_s=-1)
+
+
+def test_a_refused_connection_is_an_outage_whatever_its_port():
+  """The endpoint's port is in the error (127.0.0.1:40383): it is no HTTP 403."""
+  refused = ConnectionError("127.0.0.1:40383: Connection refused")
+  assert storage.describe_error("gs://b/run", refused).startswith(
+      "cannot reach the storage of gs://b/run (ConnectionError: 127.0.0.1:40383")
+  assert storage.describe_error("gs://b/run", OSError("HTTP 403 Forbidden")).startswith(
+      "permission denied on gs://b/run")
+  assert storage.describe_error("gs://b/run", OSError("404 NoSuchKey")).startswith(
+      "gs://b/run: not found")

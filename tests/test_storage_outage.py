@@ -92,10 +92,11 @@ def test_a_longer_outage_stops_after_a_local_save_and_resumes_from_it(
   assert "Traceback" not in errors
   (line,) = [line for line in errors.splitlines() if line.startswith("error: ")]
   assert "cannot reach the storage of gs://bucket/runs/long" in line
-  assert "longer than StorageConfig.outage_s = 5 s; saved step " in line
+  assert "longer than StorageConfig.outage_s = 5 s; saved the local checkpoint of step " \
+      in line
   assert line.endswith("stopped: run the same command again once the storage answers")
-  assert f"to the local tier in {local}" in line
-  saved = int(line.split("saved step ")[1].split()[0])
+  saved = int(line.split("local checkpoint of step ")[1].split()[0])
+  assert f"local checkpoint of step {saved} in {local}" in line
 
   stoppable_gcs.start()
   rerun = subprocess.run(trainer_env.train_command(workdir, *params),
