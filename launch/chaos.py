@@ -8,11 +8,21 @@ the quickstart model unless `--gin_file` says otherwise, every step logged):
 
   reference   uninterrupted (skipped when `--reference_workdir` already holds a finished
               run of the same steps);
-  chaos       under `launch.local --max_restarts`, while this harness sends SIGKILL or
-              SIGTERM to a random process at seeded random steps, `--faults` times. A
-              SIGKILL makes the launcher stop the others and start all again; a SIGTERM
-              is a preemption notice: every process saves the agreed step and exits 0,
-              and the harness (playing the scheduler) starts the launcher again.
+  chaos       under `launch.local --max_restarts`, while this harness injects a fault
+              of a seeded random kind (`--kinds`) into a random process at seeded random
+              steps, `--faults` times:
+                SIGKILL  the launcher stops the others and starts all again;
+                SIGTERM  a preemption notice: every process saves the agreed step and
+                         exits 0, and the harness (playing the scheduler) starts the
+                         launcher again;
+                corrupt  the newest checkpoint (of either tier) gets a data file torn
+                         to half its size, then the process is killed: the restart
+                         must skip that step for the previous good one;
+                hang     the process is frozen (SIGSTOP), as by a dead file-system
+                         mount: the other processes' watchdogs
+                         (`TrainConfig.hang_timeout_s`, `--hang_timeout_s` here) see a
+                         collective that never completes and exit, and the launcher
+                         restarts every process.
 
 Each fault waits until the previous one has recovered (the new session logged a step).
 Then every step's logged loss is compared with the reference (relative difference at
@@ -46,7 +56,9 @@ from pretrain.metrics import format_duration
 from sharding import distributed
 
 _POLL_S = 0.05
-KINDS = {"SIGKILL": signal.SIGKILL, "SIGTERM": signal.SIGTERM}
+SIGNALS = {"SIGKILL": signal.SIGKILL, "SIGTERM": signal.SIGTERM, "corrupt": signal.SIGKILL,
+           "hang": signal.SIGSTOP}
+KINDS = tuple(SIGNALS)
 
 
 @dataclasses.dataclass
@@ -63,20 +75,63 @@ class Fault:
   recover_s: Optional[float] = None
 
 
-def plan_faults(steps: int, count: int, processes: int, seed: int) -> list[Fault]:
+def plan_faults(steps: int, count: int, processes: int, seed: int,
+                kinds: Sequence[str] = ("SIGKILL", "SIGTERM")) -> list[Fault]:
   """`count` faults at distinct random steps between 10% and 75% of the run (a
   preemption needs a few steps to be agreed on, and a fault must leave a restart to
-  measure), kinds mixed (SIGKILL and SIGTERM alternate before shuffling), each at a
-  random process."""
+  measure), kinds mixed (`kinds` in turn before shuffling), each at a random
+  process."""
+  unknown = sorted(set(kinds) - set(KINDS))
+  if unknown or not kinds:
+    raise usage_error(f"--kinds: unknown fault kind(s) {unknown}; choose from {KINDS}")
+  if "hang" in kinds and processes < 2:
+    raise usage_error("--kinds=hang needs --num_processes >= 2 (a frozen process is "
+                      "noticed by the watchdogs of the others)")
   rng = random.Random(seed)
   low, high = max(2, steps // 10), max(3, steps * 3 // 4)
   if high - low < count:
     raise usage_error(f"--faults={count} do not fit in --steps={steps}; use more steps "
                       "or fewer faults")
   at = sorted(rng.sample(range(low, high), count))
-  kinds = [("SIGKILL", "SIGTERM")[i % 2] for i in range(count)]
-  rng.shuffle(kinds)
-  return [Fault(kind, rng.randrange(processes), step) for kind, step in zip(kinds, at)]
+  planned = [kinds[i % len(kinds)] for i in range(count)]
+  rng.shuffle(planned)
+  return [Fault(kind, rng.randrange(processes), step) for kind, step in zip(planned, at)]
+
+
+def _largest_file(directory: str) -> Optional[str]:
+  files = [os.path.join(parent, name) for parent, _, names in os.walk(directory)
+           for name in names]
+  return max(files, key=os.path.getsize) if files else None
+
+
+def corrupt_newest_checkpoint(workdir: str, local_dir: Optional[str]) -> Optional[str]:
+  """Truncates to half its size the largest array file of the newest complete step of
+  either tier (every process's copy, for a local step), as a torn copy would; returns
+  what it tore ("checkpoint 12", "local checkpoint 10"), None when there is no step."""
+  persistent = complete_steps(os.path.join(workdir, "checkpoints"))
+  local = {}   # step -> its directories, one per process
+  if local_dir and os.path.isdir(local_dir):
+    for run in os.listdir(local_dir):
+      for process in os.listdir(os.path.join(local_dir, run)):
+        root = os.path.join(local_dir, run, process)
+        for step in complete_steps(root):
+          local.setdefault(step, []).append(os.path.join(root, str(step), "shards"))
+  newest_local = max(local, default=-1)
+  if not persistent and newest_local < 0:
+    return None
+  if persistent and persistent[-1] >= newest_local:
+    targets = [os.path.join(workdir, "checkpoints", str(persistent[-1]), "params")]
+    name = f"checkpoint {persistent[-1]}"
+  else:
+    targets, name = local[newest_local], f"local checkpoint {newest_local}"
+  for target in targets:
+    try:
+      path = _largest_file(target)
+      if path is not None:
+        os.truncate(path, os.path.getsize(path) // 2)
+    except OSError:  # deleted meanwhile by the keep policy: the next copy is torn
+      continue
+  return name
 
 
 def read_rows(workdir: str) -> list[dict]:
@@ -127,9 +182,11 @@ class ChaosRun:
   """Runs the faulted training and watches its metrics to time the faults."""
 
   def __init__(self, launcher: list[str], workdir: str, faults: list[Fault],
-               max_relaunches: int, timeout_s: float, log_path: str):
+               max_relaunches: int, timeout_s: float, log_path: str,
+               local_dir: Optional[str] = None):
     self._launcher = launcher
     self._workdir = workdir
+    self._local_dir = local_dir
     self._faults = faults
     self._max_relaunches = max_relaunches
     self._timeout_s = timeout_s
@@ -157,10 +214,13 @@ class ChaosRun:
         if logged >= fault.planned_step:
           pid = _child_pid(process.pid, fault.process)
           if pid is not None:
-            os.kill(pid, KINDS[fault.kind])
+            torn = (corrupt_newest_checkpoint(self._workdir, self._local_dir)
+                    if fault.kind == "corrupt" else None)
+            os.kill(pid, SIGNALS[fault.kind])
             fault.at_step, fault.sent_s = logged, self._now()
-            print(f"launch.chaos: {fault.kind} to process {fault.process} at step {logged}"
-                  f" ({format_duration(fault.sent_s)} into the run)", flush=True)
+            what = f" (tore {torn}, then SIGKILL)" if torn else ""
+            print(f"launch.chaos: {fault.kind}{what} to process {fault.process} at step "
+                  f"{logged} ({format_duration(fault.sent_s)} into the run)", flush=True)
             recovering.append(pending.pop(0))
       time.sleep(_POLL_S)
 
@@ -269,7 +329,9 @@ def format_report(report: dict[str, Any]) -> str:
 def run_chaos(workdir: str, *, steps: int, faults: int, seed: int, processes: int,
               devices: int, gin_files: Sequence[str], gin_params: Sequence[str],
               local_every: int, checkpoint_every: Optional[int], tolerance: float,
-              reference_workdir: Optional[str], timeout_s: float) -> dict[str, Any]:
+              reference_workdir: Optional[str], timeout_s: float,
+              kinds: Sequence[str] = ("SIGKILL", "SIGTERM"),
+              hang_timeout_s: float = 20.0) -> dict[str, Any]:
   """Trains the reference and the faulted run; returns the report (also written)."""
   workdir = os.path.abspath(workdir)
   chaos_dir = os.path.join(workdir, "chaos")
@@ -280,7 +342,7 @@ def run_chaos(workdir: str, *, steps: int, faults: int, seed: int, processes: in
   params = list(gin_params)
   if checkpoint_every:
     params.append(f"CHECKPOINT_EVERY={checkpoint_every}")
-  plan = plan_faults(steps, faults, processes, seed)
+  plan = plan_faults(steps, faults, processes, seed, kinds)
 
   if not _finished(reference_dir, steps):
     print(f"launch.chaos: training the uninterrupted reference in {reference_dir}",
@@ -293,16 +355,17 @@ def run_chaos(workdir: str, *, steps: int, faults: int, seed: int, processes: in
       raise UserError(f"launch.chaos: the reference run failed (exit {code}; see "
                       f"{workdir}/reference.log)", EXIT_FAILED)
 
-  chaos_params = list(params)
+  chaos_params = list(params) + [f"TrainConfig.hang_timeout_s={hang_timeout_s}"]
+  local_dir = os.path.join(workdir, "local") if local_every else None
   if local_every:
-    chaos_params += [f"CheckpointConfig.local_dir='{os.path.join(workdir, 'local')}'",
+    chaos_params += [f"CheckpointConfig.local_dir='{local_dir}'",
                      f"CheckpointConfig.local_every={local_every}"]
   print(f"launch.chaos: training under {faults} faults in {chaos_dir}", flush=True)
   started = time.monotonic()
   run = ChaosRun(launcher_command(training_command(chaos_dir, steps, gin_files, chaos_params),
                                   processes, devices, max_restarts=faults + 2),
                  chaos_dir, plan, max_relaunches=faults + 2, timeout_s=timeout_s,
-                 log_path=os.path.join(workdir, "chaos.log"))
+                 log_path=os.path.join(workdir, "chaos.log"), local_dir=local_dir)
   run.run(lambda: _finished(chaos_dir, steps))
   wall = time.monotonic() - started
 
@@ -315,6 +378,7 @@ def run_chaos(workdir: str, *, steps: int, faults: int, seed: int, processes: in
   report = {
       "steps": steps, "processes": processes, "devices_per_process": devices,
       "seed": seed, "local_every": local_every, "checkpoint_every": checkpoint_every,
+      "kinds": list(kinds), "hang_timeout_s": hang_timeout_s,
       "gin_files": list(gin_files), "gin_params": list(gin_params),
       "faults": [dataclasses.asdict(f) for f in plan],
       "steps_lost": sum(f.steps_lost or 0 for f in plan),
@@ -359,6 +423,10 @@ def define_flags() -> None:
   flags.DEFINE_string("reference_workdir", None, "The uninterrupted run (trained there "
                       "unless it already finished); default <workdir>/reference.")
   flags.DEFINE_float("timeout_s", 3600.0, "Give up after this many seconds.")
+  flags.DEFINE_list("kinds", list(KINDS), "Fault kinds to draw from: SIGKILL, SIGTERM, "
+                    "corrupt (tear the newest checkpoint, then SIGKILL), hang (SIGSTOP).")
+  flags.DEFINE_float("hang_timeout_s", 20.0, "TrainConfig.hang_timeout_s of the faulted "
+                     "run: how long its watchdogs wait for a frozen peer.")
   flags.mark_flag_as_required("workdir")
 
 
@@ -371,7 +439,8 @@ def main(argv: Sequence[str]) -> None:
                      devices=FLAGS.devices_per_process, gin_files=FLAGS.gin_file,
                      gin_params=FLAGS.gin_param, local_every=FLAGS.local_every,
                      checkpoint_every=FLAGS.checkpoint_every, tolerance=FLAGS.tolerance,
-                     reference_workdir=FLAGS.reference_workdir, timeout_s=FLAGS.timeout_s)
+                     reference_workdir=FLAGS.reference_workdir, timeout_s=FLAGS.timeout_s,
+                     kinds=FLAGS.kinds, hang_timeout_s=FLAGS.hang_timeout_s)
   print(report["text"], flush=True)
   if report["verdict"] != "pass":
     sys.exit(EXIT_FAILED)

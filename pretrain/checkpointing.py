@@ -50,6 +50,7 @@ from pretrain.errors import (CheckpointMismatchError, CheckpointSaveError,
                              UnreadableCheckpointError, UserError, warn)
 from pretrain.integrity import COMMIT_MARKER
 from pretrain.local_checkpoints import MAX_LOCAL_KEEP, LocalCheckpointer, process_directory
+from pretrain.outage import Outage, StorageConfig
 from sharding.partition import path_str
 
 T = TypeVar("T")
@@ -154,8 +155,10 @@ class Checkpointer:
   name = "persistent"
 
   def __init__(self, workdir: str, config: CheckpointConfig = CheckpointConfig(),
-               read_only: bool = False):
+               read_only: bool = False, outage_s: float = StorageConfig.outage_s):
     self.directory = checkpoint_dir(workdir)
+    # Since when saves to a bucket have failed for want of an answer (CheckpointHook).
+    self.outage = Outage(outage_s)
     self._async = config.async_save
     self._saving: Optional[int] = None    # the step of the async save in flight
     self._sealing: Optional[int] = None   # the step the manifest callback seals
@@ -191,6 +194,7 @@ class Checkpointer:
     self._options = options
     self._manager = self._open_manager()
     self._secondary: list[tuple[CheckpointTier, int]] = []   # (tier, save interval)
+    self._secondary_saved: dict[int, int] = {}   # id(tier) -> the step it last saved
     if config.local_dir and not read_only:
       self.add_tier(LocalCheckpointer(process_directory(config.local_dir, workdir),
                                       config.local_keep, config.async_save),
@@ -395,8 +399,40 @@ class Checkpointer:
       if step % every == 0:
         try:
           tier.save(step, params=params, opt_state=opt_state, rng=rng, metadata=None)
+          self._secondary_saved[id(tier)] = step
         except CheckpointSaveError as failure:
           self._drop(tier, failure)
+
+  def saving(self) -> bool:
+    """Whether a persistent save is still being written in the background."""
+    return self._saving is not None and self._manager.is_saving_in_progress()
+
+  def unreachable(self) -> Optional[str]:
+    """Why the persistent tier's storage does not answer now, in one line; None when it
+    does (always for a local disk: `storage.reachable`)."""
+    reason = storage.reachable(str(self.directory))
+    if jax.process_count() > 1:   # every process saves, or none: agree
+      down = multihost_utils.process_allgather(np.int32(reason is not None))
+      if reason is None and int(np.max(down)):
+        reason = f"the storage of {self.directory} does not answer another process"
+    return reason
+
+  def save_secondary_now(self, step: int, *, params: Any, opt_state: Any,
+                         rng: jax.Array) -> list[str]:
+    """Saves `step` to every secondary tier and waits for it: the last thing a run does
+    before it stops because the persistent tier is unreachable. Returns where it is
+    saved (one description per tier that holds it; empty without a secondary tier)."""
+    saved = []
+    for tier, _ in list(self._secondary):
+      try:
+        tier.wait()
+        if self._secondary_saved.get(id(tier)) != step:
+          tier.save(step, params=params, opt_state=opt_state, rng=rng, metadata=None)
+          tier.wait()
+        saved.append(tier.describe(step))
+      except CheckpointSaveError as failure:
+        self._drop(tier, failure)
+    return saved
 
   def _drop(self, tier: CheckpointTier, failure: CheckpointSaveError) -> None:
     """A secondary save failed: one line, the failed save's leftovers deleted, and no
@@ -466,6 +502,10 @@ class Checkpointer:
     """Waits for the saves in flight and closes. A save that failed now is reported in
     one line, not raised: the run is ending (it failed or was stopped) and nothing is
     left to retry it."""
+    if self.outage.ongoing:   # the storage does not answer: nothing left to wait for
+      for tier in self.tiers[1:]:
+        tier.close()
+      return
     try:
       self.wait()
     except CheckpointSaveError as failure:

@@ -9,6 +9,8 @@ that `pretrain.quiet` hides.
 """
 from __future__ import annotations
 
+import atexit
+import os
 import sys
 from typing import Callable, Optional, Sequence
 
@@ -18,7 +20,7 @@ from absl import logging
 
 from pretrain import quiet
 from pretrain import storage
-from pretrain.errors import EXIT_USAGE, UserError, usage_error
+from pretrain.errors import EXIT_USAGE, StorageOutageStop, UserError, usage_error
 
 flags.DEFINE_bool("traceback", False, "Show the full Python traceback of a failure.")
 flags.DEFINE_bool("verbose", False, "Show third-party logs (TensorFlow, XLA, Orbax, "
@@ -103,6 +105,14 @@ def run(main: Callable[[Sequence[str]], Optional[int]]) -> None:
       if flags.FLAGS.traceback:
         raise
       print(f"error: {str(error).strip() or type(error).__name__}", file=sys.stderr)
+      if isinstance(error, StorageOutageStop):
+        # Threads still write to the storage that does not answer, and an ordinary exit
+        # joins them: exit as usual (atexit handlers, the stderr filter's drain among
+        # them), less that join.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        atexit._run_exitfuncs()   # pylint: disable=protected-access
+        os._exit(error.exit_code)   # pylint: disable=protected-access
       sys.exit(error.exit_code)
 
   _list_shared_flags_in_help()

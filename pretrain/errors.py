@@ -83,6 +83,32 @@ class UnreadableCheckpointError(UserError):
     self.detail = detail
 
 
+class StorageOutageError(UserError):
+  """Object storage has failed every write for longer than `StorageConfig.outage_s`.
+
+  Attributes:
+    down_s: seconds since the first failed write of the outage.
+  """
+
+  def __init__(self, what: str, down_s: float, outage_s: float, error: BaseException):
+    super().__init__(f"{str(error).rstrip('.')}; writing {what} has failed for "
+                     f"{down_s:.0f} s, longer than StorageConfig.outage_s = "
+                     f"{outage_s:.0f} s")
+    self.down_s = down_s
+
+
+class StorageOutageStop(UserError):
+  """The run stopped because its object storage did not answer for longer than
+  `StorageConfig.outage_s` (after saving its secondary tiers).
+
+  Writes to that storage may still be in flight in threads nothing can cancel: the
+  persistent tier's async save (Orbax's thread pools, the storage client retrying for
+  minutes). Python joins such threads when it exits, so a process that merely returned
+  would wait for the storage it is stopping because of; `pretrain.cli.run` ends the
+  process at once (`os._exit`) after printing the error's line.
+  """
+
+
 def warn(message: str) -> None:
   """One line on stderr about a problem the command works around (a failed save it
   retries, an unreadable checkpoint it skips): the non-fatal sibling of a UserError."""

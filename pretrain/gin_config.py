@@ -31,6 +31,7 @@ from pretrain.data import pipeline as pipeline_lib
 from pretrain.data import synthetic, tasks, vocabularies  # pylint: disable=unused-import
 from pretrain.errors import UserError, usage_error
 from pretrain.optimizer import OptimizerConfig
+from pretrain.outage import StorageConfig
 from pretrain.runtime import Runtime
 from pretrain.trainer import TrainConfig
 from sharding import distributed
@@ -49,8 +50,8 @@ T = TypeVar("T")
 _CONFIGURABLES = {
     target: gin.external_configurable(target, module=target.__module__)
     for target in (ModelConfig, ScanOptions, MeshConfig, ReplicationCheck,
-                   CheckpointConfig, OptimizerConfig, TrainConfig, logical_axis_rules,
-                   initialize_from_environment)
+                   CheckpointConfig, StorageConfig, OptimizerConfig, TrainConfig,
+                   logical_axis_rules, initialize_from_environment)
 }
 
 
@@ -179,7 +180,7 @@ def check_training_config() -> None:
 # binding of a training config must be read by one of them.
 TRAINING_ROOTS = (initialize_from_environment, TrainConfig, ModelConfig, ScanOptions,
                   MeshConfig, logical_axis_rules, ReplicationCheck, CheckpointConfig,
-                  OptimizerConfig, pipeline_lib.DataPipeline)
+                  StorageConfig, OptimizerConfig, pipeline_lib.DataPipeline)
 
 
 def unreachable_bindings(roots: Sequence[Callable[..., Any]]) -> list[str]:

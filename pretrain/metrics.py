@@ -21,6 +21,8 @@ from etils import epy
 import jax
 
 from pretrain import storage
+from pretrain.errors import StorageOutageError, warn
+from pretrain.outage import FLUSH_TIMEOUT_S, StorageConfig, Uploads
 
 # clu's TensorBoard writer imports TensorFlow (about 6 s): loaded when a run first
 # writes events, not by every command that imports this module.
@@ -101,22 +103,29 @@ class _ObjectJsonl:
   """metrics.jsonl on object storage, which cannot append: the rows are kept in memory
   and every change uploads the whole object, an atomic put, so a reader (or a resumed
   run) sees every row written so far or the previous version, never a torn line. A log
-  row costs one upload of the file (tens of bytes per row)."""
+  row costs one upload of the file (tens of bytes per row), made in the background
+  (`Uploads`: retried while the storage is down, a newer version replacing a queued
+  one)."""
 
-  def __init__(self, path: str):
+  def __init__(self, path: str, uploads: Uploads):
     self._path = path
+    self._uploads = uploads
     self._lines = storage.read_text(path).splitlines(True) if storage.exists(path) else []
+
+  def _upload(self) -> None:
+    path, text = self._path, "".join(self._lines)
+    self._uploads.submit(path, lambda: storage.write_text(path, text))
 
   def append(self, line: str) -> None:
     self._lines.append(line)
-    storage.write_text(self._path, "".join(self._lines))
+    self._upload()
 
   def lines(self) -> list[str]:
     return list(self._lines)
 
   def replace(self, lines: list[str]) -> None:
     self._lines = list(lines)
-    storage.write_text(self._path, "".join(self._lines))
+    self._upload()
 
   def close(self) -> None:
     pass
@@ -126,10 +135,12 @@ class _UploadedTensorBoard:
   """TensorBoard events for an object-storage workdir: TensorFlow's event writer cannot
   reach every store (no s3://, no emulator endpoints), so events go to a local staging
   directory and are copied to `workdir/tensorboard` at most every `every_s` seconds and
-  on close (each upload replaces the previous copy of a file whole)."""
+  on close (each upload replaces the previous copy of a file whole), in the background
+  (`Uploads`)."""
 
-  def __init__(self, destination: str, every_s: float = 60.0):
+  def __init__(self, destination: str, uploads: Uploads, every_s: float = 60.0):
     self._destination = destination
+    self._uploads = uploads
     self._staging = tempfile.mkdtemp(prefix="griffin_tensorboard_")
     self._writer = metric_writers.SummaryWriter(self._staging)
     self._every_s = every_s
@@ -142,16 +153,20 @@ class _UploadedTensorBoard:
 
   def _upload(self) -> None:
     self._writer.flush()
-    storage.upload_tree(self._staging, self._destination)
+    staging, destination = self._staging, self._destination
+    self._uploads.submit(destination, lambda: storage.upload_tree(staging, destination))
     self._uploaded_at = time.monotonic()
 
   def flush(self) -> None:
     self._upload()
 
-  def close(self) -> None:
-    self._upload()
+  def close(self, timeout_s: float = FLUSH_TIMEOUT_S) -> None:
+    """Uploads the events a last time, waiting at most `timeout_s`; the staging
+    directory stays when the upload has not landed by then (it reads from there)."""
     self._writer.close()
-    shutil.rmtree(self._staging, ignore_errors=True)
+    self._upload()
+    if self._uploads.flush(timeout_s):
+      shutil.rmtree(self._staging, ignore_errors=True)
 
 
 class MetricsWriter:
@@ -168,21 +183,26 @@ class MetricsWriter:
   """
 
   def __init__(self, workdir: str, total_steps: int, *, tensorboard: bool = True,
-               stream: TextIO = sys.stdout):
+               stream: TextIO = sys.stdout, storage_config: StorageConfig = StorageConfig()):
     self._enabled = jax.process_index() == 0
     self._total_steps = total_steps
     self._stream = stream
     self._jsonl = None
     self._summary = None
+    self._uploads: Optional[Uploads] = None
     self._eval_steps: set[int] = set()
     self._downstream_steps: set[int] = set()
     if not self._enabled:
       return
     path = storage.join(workdir, "metrics.jsonl")
-    self._jsonl = _ObjectJsonl(path) if storage.is_url(workdir) else _LocalJsonl(path)
+    if storage.is_url(workdir):
+      self._uploads = Uploads(storage_config.outage_s)
+      self._jsonl = _ObjectJsonl(path, self._uploads)
+    else:
+      self._jsonl = _LocalJsonl(path)
     if tensorboard:
       events = storage.join(workdir, "tensorboard")
-      self._summary = (_UploadedTensorBoard(events) if storage.is_url(workdir)
+      self._summary = (_UploadedTensorBoard(events, self._uploads) if self._uploads
                        else metric_writers.SummaryWriter(events))
 
   def _write(self, step: int, row: Mapping[str, Optional[float]]) -> None:
@@ -263,12 +283,29 @@ class MetricsWriter:
     if self._enabled:
       print(message, file=self._stream, flush=True)
 
-  def close(self) -> None:
+  def close(self, flush_timeout_s: float = FLUSH_TIMEOUT_S) -> None:
+    """Closes the files; in a bucket workdir, waits up to `flush_timeout_s` for the
+    writes still queued (one line when the storage has not taken them). A run that
+    stops because the storage does not answer passes 0: a write in flight can take
+    the storage client's own retries (gcsfs: about 36 s) to fail."""
     if self._jsonl is not None:
       self._jsonl.close()
-    if self._summary is not None:
-      self._summary.flush()
-      self._summary.close()
+    try:
+      if self._summary is not None:
+        self._summary.flush()
+        if isinstance(self._summary, _UploadedTensorBoard):
+          self._summary.close(flush_timeout_s)
+        else:
+          self._summary.close()
+    except StorageOutageError:
+      pass   # the run is stopping because of it, and says so
+    if self._uploads is not None:
+      if not self._uploads.flush(flush_timeout_s):
+        down_s = self._uploads.outage.down_s()
+        warn("metrics and TensorBoard writes " + (f"of the last {down_s:.0f} s " if down_s
+                                                  else "still queued ")
+             + "did not reach the storage")
+      self._uploads.close(timeout_s=0)
 
 
 def _is_downstream(row: Mapping[str, object]) -> bool:

@@ -84,9 +84,11 @@ NOISE_PATTERNS = (
 )
 
 # Orbax logs at WARNING every time a command opens checkpoints to read them,
-# and, when a save overlaps the next one, how long it waited (the trainer already reports
-# where its time goes).
-LOG_NOISE = ("Given directory is read only", "Waiting for previous save to complete took")
+# when a save overlaps the next one, how long it waited (the trainer already reports
+# where its time goes), and, for a local-tier save made while the run stops (a bucket
+# outage), that it keeps no object-size statistics.
+LOG_NOISE = ("Given directory is read only", "Waiting for previous save to complete took",
+             "Global object size logging disabled")
 
 _FILTER_PROGRAM = """
 import re, sys

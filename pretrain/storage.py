@@ -30,12 +30,13 @@ import base64
 import functools
 import hashlib
 import logging
+import re
 import socket
 import tempfile
 import time
 import urllib.parse
 import uuid
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
 import fsspec
 import fsspec.config
@@ -245,7 +246,7 @@ def check_writable(directory: str, flag: str = "--workdir") -> None:
   if not is_url(directory) and os.path.exists(directory) and not os.path.isdir(directory):
     raise usage_error(f"{flag} {directory} is a file, not a directory; choose a "
                       "directory (it is created if missing)")
-  check_reachable(directory)
+  check_reachable(directory, schemes=SCHEMES)
   try:
     if not is_url(directory):  # on S3, s3fs's makedirs would create a missing bucket
       makedirs(directory)
@@ -263,30 +264,51 @@ def check_writable(directory: str, flag: str = "--workdir") -> None:
                     f"Choose another {flag} or fix its permissions.") from None
 
 
-def _gcs_endpoint() -> tuple[str, int]:
-  """(host, port) gcsfs talks to: `STORAGE_EMULATOR_HOST` (an emulator) or GCS itself."""
-  url = os.environ.get("STORAGE_EMULATOR_HOST") or "https://storage.googleapis.com"
-  parsed = urllib.parse.urlsplit(url if "://" in url else "http://" + url)
+def _endpoint(url: str) -> tuple[str, int]:
+  """(host, port) the clients of `url` talk to: for gs://, `STORAGE_EMULATOR_HOST` (an
+  emulator) or GCS itself; for s3://, `AWS_ENDPOINT_URL_S3` / `AWS_ENDPOINT_URL` or
+  S3 itself."""
+  if str(url).startswith("gs://"):
+    address = os.environ.get("STORAGE_EMULATOR_HOST") or "https://storage.googleapis.com"
+  else:
+    address = (os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+               or "https://s3.amazonaws.com")
+  parsed = urllib.parse.urlsplit(address if "://" in address else "http://" + address)
   return parsed.hostname or "", parsed.port or (443 if parsed.scheme == "https" else 80)
 
 
-def check_reachable(url: str, timeout_s: float = 10) -> None:
-  """Fails fast, in one line, when nothing answers at a `gs://` URL's endpoint.
+def check_reachable(url: str, timeout_s: float = 10, schemes: tuple[str, ...] = ("gs://",)
+                    ) -> None:
+  """Fails fast, in one line, when nothing answers at the endpoint of a URL of
+  `schemes` (other paths pass).
 
   gcsfs retries a refused connection 6 times with exponential backoff (about 36 s before
   the error) and offers no setting for it; one TCP connection to its endpoint tells the
   same in milliseconds. Skipped behind an HTTP(S) proxy, which may be the only route to
-  the endpoint. s3fs/botocore take `AWS_MAX_ATTEMPTS` and need no probe.
+  the endpoint. `check_writable` and the checkpoint hook (`reachable`) probe `s3://`
+  endpoints too: botocore's connection errors reach s3fs's callers under several names,
+  one connection attempt names the problem the same way every time.
   """
   proxies = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy")
-  if not str(url).startswith("gs://") or any(os.environ.get(name) for name in proxies):
+  if not str(url).startswith(schemes) or any(os.environ.get(name) for name in proxies):
     return
-  host, port = _gcs_endpoint()
+  host, port = _endpoint(url)
   try:
     socket.create_connection((host, port), timeout=timeout_s).close()
   except OSError as error:
     reason = ConnectionError(f"{host}:{port}: {error.strerror or error}")
     raise UserError(describe_error(url, reason)) from None
+
+
+def reachable(url: str, timeout_s: float = 2.0) -> Optional[str]:
+  """None when the storage of `url` answers (always, for a local path); otherwise why
+  not, in one line. One TCP connection: cheap enough to ask at every step of an
+  outage."""
+  try:
+    check_reachable(url, timeout_s, schemes=SCHEMES)
+  except UserError as error:
+    return str(error)
+  return None
 
 
 def describe_error(path: str, error: BaseException) -> str:
@@ -298,11 +320,16 @@ def describe_error(path: str, error: BaseException) -> str:
   endpoint_vars = ("STORAGE_EMULATOR_HOST" if scheme == "gs"
                    else "AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_S3")
   bucket = str(path).split("/")[2] if "//" in str(path) else path
-  if isinstance(error, PermissionError) or "403" in text or "AccessDenied" in text:
-    return (f"permission denied on {path}: the credentials in use may not write bucket "
-            f"'{bucket}' ({text})")
-  if isinstance(error, FileNotFoundError) or "NoSuchBucket" in text or "404" in text:
-    return f"{path}: not found; does bucket '{bucket}' exist? ({text})"
+  # A refused connection names the endpoint, whose port may hold "403" (127.0.0.1:40383):
+  # HTTP statuses count as whole numbers, and only in errors that are no ConnectionError.
+  if not isinstance(error, ConnectionError):
+    if (isinstance(error, PermissionError) or re.search(r"\b403\b", text)
+        or "AccessDenied" in text):
+      return (f"permission denied on {path}: the credentials in use may not write bucket "
+              f"'{bucket}' ({text})")
+    if (isinstance(error, FileNotFoundError) or "NoSuchBucket" in text
+        or re.search(r"\b404\b", text)):
+      return f"{path}: not found; does bucket '{bucket}' exist? ({text})"
   return (f"cannot reach the storage of {path} ({type(error).__name__}: {text}); check "
           f"the network, the credentials and {endpoint_vars}")
 

@@ -24,6 +24,7 @@ from pretrain import storage
 from pretrain import trainer
 from pretrain.checkpointing import CheckpointConfig, Checkpointer
 from pretrain.optimizer import OptimizerConfig
+from pretrain.outage import StorageConfig
 from sharding.distributed import initialize_from_environment
 
 FLAGS = flags.FLAGS
@@ -83,10 +84,13 @@ def train_from_gin(workdir: str, gin_files: Sequence[str],
   gin_config.build(initialize_from_environment)
   train_config = gin_config.build(trainer.TrainConfig)
   runtime = gin_config.build_runtime(gin_config.build_model_config())
-  checkpointer = Checkpointer(workdir, gin_config.build(CheckpointConfig))
+  storage_config = gin_config.build(StorageConfig)
+  checkpointer = Checkpointer(workdir, gin_config.build(CheckpointConfig),
+                              outage_s=storage_config.outage_s)
   return trainer.train(workdir, train_config, runtime,
                        gin_config.build(OptimizerConfig), checkpointer,
-                       gin_config.build_pipeline, on_ready=lambda: write_config(workdir))
+                       gin_config.build_pipeline, on_ready=lambda: write_config(workdir),
+                       storage_config=storage_config)
 
 
 def main(argv: Sequence[str]) -> None:

@@ -28,12 +28,16 @@ from pretrain import goodput
 from pretrain import hooks as hooks_lib
 from pretrain import storage
 from pretrain.checkpoint_tier import CheckpointTier
+from pretrain import stragglers
+from pretrain import watchdog as watchdog_lib
 from pretrain.checkpointing import Checkpointer
 from pretrain.data.vocabularies import token_byte_lengths
-from pretrain.errors import UserError, usage_error, warn
+from pretrain.errors import (StorageOutageError, StorageOutageStop, UserError, usage_error,
+                             warn)
 from pretrain.metadata import RunMetadata, vocabulary_spec
 from pretrain.metrics import MetricsWriter, format_duration
 from pretrain.optimizer import OptimizerConfig, learning_rate_schedule, make_optimizer
+from pretrain.outage import FLUSH_TIMEOUT_S, StorageConfig
 from pretrain.runtime import Runtime, host_scalar
 from pretrain.steps import TrainState, jit_train_step
 from sharding import partition
@@ -75,6 +79,12 @@ class TrainConfig:
     downstream_include_path: a directory of lm_eval YAML tasks, as lm_eval's
       `--include_path`.
     downstream_limit: score at most this many examples of each task (None: all).
+    hang_timeout_s: a process whose current phase (data, step, collective, ...) makes
+      no progress for this many seconds dumps its Python stacks and exits with code 1,
+      so the launcher restarts the run (`pretrain.watchdog`); None derives it from the
+      run: 10 x the median step time, at least 120 s; 0 turns the watchdog off.
+    hang_long_s: the allowance before the first step completes (restore, compilation)
+      and of evaluations and checkpoint waits.
   """
   train_steps: int = 1000
   batch_size: int = 8
@@ -97,6 +107,8 @@ class TrainConfig:
   downstream_every: int = 0
   downstream_include_path: Optional[str] = None
   downstream_limit: Optional[int] = None
+  hang_timeout_s: Optional[float] = None
+  hang_long_s: float = watchdog_lib.LONG_S
 
   def __post_init__(self):
     for name in ("train_steps", "batch_size", "sequence_length", "checkpoint_every",
@@ -129,6 +141,11 @@ class TrainConfig:
     if self.downstream_every < 0:
       raise ValueError(f"TrainConfig.downstream_every must be >= 0, got "
                        f"{self.downstream_every}")
+    if self.hang_timeout_s is not None and self.hang_timeout_s < 0:
+      raise ValueError(f"TrainConfig.hang_timeout_s must be None or >= 0, got "
+                       f"{self.hang_timeout_s}")
+    if self.hang_long_s <= 0:
+      raise ValueError(f"TrainConfig.hang_long_s must be > 0, got {self.hang_long_s}")
     if self.downstream_limit is not None and self.downstream_limit < 1:
       raise ValueError(f"TrainConfig.downstream_limit must be None or >= 1, got "
                        f"{self.downstream_limit}")
@@ -179,6 +196,7 @@ class _PendingMetrics:
   def __init__(self, hooks: Sequence[hooks_lib.Hook]):
     self._hooks = hooks
     self._queue: collections.deque = collections.deque()
+    self.fetched: Optional[int] = None   # the newest step whose metrics were fetched
 
   def push(self, step: int, metrics: Mapping[str, jax.Array]) -> None:
     """Queues step `step`; fetches the previous one, which has finished by now."""
@@ -192,6 +210,7 @@ class _PendingMetrics:
 
   def _fetch(self, step: int, metrics: Mapping[str, jax.Array]) -> None:
     values = {name: host_scalar(value) for name, value in metrics.items()}
+    self.fetched = step
     for hook in self._hooks:
       hook.on_metrics(step, values)
 
@@ -238,6 +257,10 @@ class Trainer:
         max_length=config.sequence_length, batch_size=config.batch_size,
         include_path=config.downstream_include_path,
         limit=config.downstream_limit) if config.downstream_tasks else None
+    self.watchdog = watchdog_lib.Watchdog(
+        config.hang_timeout_s, long_s=config.hang_long_s,
+        stacks_dir=watchdog_lib.stacks_dir(str(checkpointer.directory.parent)),
+        process_index=jax.process_index(), multi_process=jax.process_count() > 1)
 
   def initial_state(self) -> tuple[TrainState, jax.Array, Optional[CheckpointTier]]:
     """The newest good checkpoint's state and RNG (of any tier), or a fresh start;
@@ -298,6 +321,9 @@ class Trainer:
       hooks.append(hooks_lib.DownstreamHook(
           self.downstream, self.writer, every=cfg.downstream_every,
           final_eval=cfg.final_eval, train_steps=cfg.train_steps))
+    if jax.process_count() > 1:
+      hooks.append(stragglers.StragglerHook(self.watchdog, self.writer,
+                                            every=cfg.log_every))
     if cfg.sample_prompt:
       hooks.append(hooks_lib.SampleHook(self.sample, cfg.sample_prompt, self.writer))
     if cfg.profile_steps and (cfg.profile_all_processes or jax.process_index() == 0):
@@ -350,8 +376,17 @@ class Trainer:
 
   def run(self) -> RunResult:
     """Trains from the newest checkpoint (or from scratch) to `train_steps`, with the
-    default hooks and those added (`add_hook`)."""
-    clock = self.clock
+    default hooks and those added (`add_hook`), under the hang watchdog unless
+    `hang_timeout_s` is 0."""
+    if self.config.hang_timeout_s != 0:
+      self.watchdog.start()
+    try:
+      return self._run()
+    finally:
+      self.watchdog.stop()
+
+  def _run(self) -> RunResult:
+    clock, watchdog = self.clock, self.watchdog
     restore_started = time.perf_counter()
     state, rng, tier = self.initial_state()
     clock.seconds["restore" if tier else "startup"] += time.perf_counter() - restore_started
@@ -363,29 +398,39 @@ class Trainer:
     try:
       with self.runtime.activation_context():
         while step < self.config.train_steps and not any(h.stop_requested for h in hooks):
-          with clock.timed("data"):
+          with clock.timed("data"), watchdog.phase("data"):
             batch = self.runtime.global_batch(self.pipeline.batch(step))
           # The first call traces and compiles before it dispatches the step.
-          with clock.timed("compile") if step == start_step else contextlib.nullcontext():
+          with (clock.timed("compile") if step == start_step else contextlib.nullcontext(),
+                watchdog.phase("step")):
             state, metrics = self.train_step(state, batch)
           step += 1
-          pending.push(step, metrics)
+          with watchdog.phase(watchdog.wait_phase):  # the previous step's metrics
+            pending.push(step, metrics)
           due = [hook for hook in hooks if hook.is_due(step)]
           if any(hook.drains_metrics for hook in due):
-            pending.drain()
+            with watchdog.phase(watchdog.wait_phase):
+              pending.drain()
+          if pending.fetched is not None:   # its results reached the host
+            watchdog.step_done(pending.fetched)
           for hook in due:
-            with clock.timed(hook.goodput_category):
+            with clock.timed(hook.goodput_category), watchdog.phase(hook.goodput_category):
               hook.on_step(step, state)
+          if due:
+            watchdog.paused()
           if any(hook.drains_metrics for hook in due):
             for hook in hooks:
               hook.resumed(step)
           if step % self.config.log_every == 0:
             self.writer.log_record(clock.row(step))
-        pending.drain()
+        with watchdog.phase(watchdog.wait_phase):
+          pending.drain()
       preempted = step < self.config.train_steps
       for hook in hooks:
-        with clock.timed(hook.goodput_category):
+        with clock.timed(hook.goodput_category), watchdog.phase(hook.goodput_category):
           hook.on_end(step, state, preempted)
+    except StorageOutageError as outage:
+      raise self._stop_for_outage(outage, step, state, rng) from None
     finally:
       for hook in hooks:
         hook.close()
@@ -394,6 +439,20 @@ class Trainer:
     if totals is not None:
       self.writer.info(goodput.format_totals(totals))
     return self._result(step, preempted, hooks, time.perf_counter() - started)
+
+  def _stop_for_outage(self, outage: StorageOutageError, step: int, state: TrainState,
+                       rng: jax.Array) -> StorageOutageStop:
+    """The error that stops a run whose bucket has been unreachable for longer than
+    `StorageConfig.outage_s`, once `step` is saved to the secondary tiers (the local
+    one, when configured): a rerun resumes from it."""
+    with self.watchdog.phase("checkpoint"):
+      saved = self.checkpointer.save_secondary_now(step, params=state.params,
+                                                   opt_state=state.opt_state, rng=rng)
+    where = (f"saved the {' and the '.join(saved)}" if saved else
+             "no local tier to save to (CheckpointConfig.local_dir): the steps after the "
+             "newest persistent checkpoint are lost")
+    return StorageOutageStop(f"{outage}; {where}; stopped: run the same command again "
+                             "once the storage answers")
 
   def _result(self, step: int, preempted: bool, hooks: Sequence[hooks_lib.Hook],
               seconds: float) -> RunResult:
@@ -440,8 +499,8 @@ def train(workdir: str, config: TrainConfig, runtime: Runtime,
           optimizer_config: OptimizerConfig, checkpointer: Checkpointer,
           pipeline_factory: Callable[[TrainConfig, Runtime], Pipeline],
           on_ready: Optional[Callable[[], None]] = None,
-          hooks: Sequence[Union[hooks_lib.Hook, hooks_lib.StepCallback]] = ()
-          ) -> RunResult:
+          hooks: Sequence[Union[hooks_lib.Hook, hooks_lib.StepCallback]] = (),
+          storage_config: StorageConfig = StorageConfig()) -> RunResult:
   """Trains (or resumes) a run in `workdir` from explicit configs.
 
   Args:
@@ -453,9 +512,11 @@ def train(workdir: str, config: TrainConfig, runtime: Runtime,
       writes the operative Gin config there).
     hooks: added to the default hooks (`Trainer.add_hook`: Hooks with their own
       `every`, functions of a `StepInfo` every step).
+    storage_config: how long a bucket workdir may be unreachable (`pretrain.outage`).
   """
   clock = goodput.GoodputClock()
-  writer = MetricsWriter(workdir, config.train_steps)
+  writer = MetricsWriter(workdir, config.train_steps, storage_config=storage_config)
+  flush_timeout_s = FLUSH_TIMEOUT_S
   try:
     with clock.timed("startup"):
       trainer = _build_trainer(workdir, config, runtime, optimizer_config, checkpointer,
@@ -465,9 +526,12 @@ def train(workdir: str, config: TrainConfig, runtime: Runtime,
     if on_ready is not None:
       on_ready()
     return trainer.run()
+  except StorageOutageStop:
+    flush_timeout_s = 0.0   # the writes still queued go to the storage that is down
+    raise
   finally:
     checkpointer.close()
-    writer.close()
+    writer.close(flush_timeout_s)
 
 
 def _build_trainer(workdir: str, config: TrainConfig, runtime: Runtime,

@@ -11,6 +11,7 @@ are session-scoped: a server starts once per test process and is stopped at its 
 import contextlib
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import urllib.request
 from typing import Iterator
 
 import boto3  # moto's own dependency: creates the S3 bucket
+import fsspec
 import fsspec.config
 import pytest
 
@@ -145,7 +147,64 @@ def s3_bucket() -> Iterator[str]:
     yield f"s3://{BUCKET}"
 
 
-def _serve_gcs_emulator(port: int) -> None:
+class StoppableGcs:
+  """A GCS emulator keeping its objects on disk, which a test stops and starts again on
+  the same port: a bucket that goes away mid-run and comes back with its contents.
+
+  Attributes:
+    url: `gs://bucket`.
+    endpoint: the emulator's URL.
+  """
+
+  def __init__(self, data_dir: str):
+    self._port = free_port()
+    self.endpoint = f"http://127.0.0.1:{self._port}"
+    self.url = f"gs://{BUCKET}"
+    self._command = [sys.executable, os.path.abspath(__file__), "gcs", str(self._port),
+                     data_dir]
+    self._process: subprocess.Popen | None = None
+
+  def start(self) -> None:
+    self._process = subprocess.Popen(self._command, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_until_serving(self.endpoint + "/storage/v1/b", self._process)
+
+  def stop(self) -> None:
+    """Stops the server: connections are refused until `start`.
+
+    Ctrl-C (SIGINT) lets it finish the request it is serving: the emulator rewrites its
+    whole index (`.meta`, every object's metadata) in place after each write, and a
+    SIGKILL during that left the file empty and the restarted server failing to read
+    it (1 start in 3 when the bucket was stopped during a checkpoint save)."""
+    if self._process is not None:
+      self._process.send_signal(signal.SIGINT)
+      try:
+        self._process.wait(timeout=10)
+      except subprocess.TimeoutExpired:
+        self._process.kill()
+        self._process.wait()
+      self._process = None
+
+
+@pytest.fixture()
+def stoppable_gcs(tmp_path) -> Iterator[StoppableGcs]:
+  """A started `StoppableGcs`, the environment pointing every client at it."""
+  bucket = StoppableGcs(str(tmp_path / "gcs_data"))
+  bucket.start()
+  try:
+    with (environment(**gcs_environment(bucket.endpoint)),
+          fsspec_options(("gs", "gcs"), token="anon")):
+      # gcsfs (imported here, once its variables are set) caches its file systems,
+      # each bound to the endpoint it was made with.
+      gcs = fsspec.get_filesystem_class("gs")
+      gcs.clear_instance_cache()
+      yield bucket
+      gcs.clear_instance_cache()
+  finally:
+    bucket.stop()
+
+
+def _serve_gcs_emulator(port: int, data_dir: str | None = None) -> None:
   """gcp-storage-emulator, in memory, with the generation headers of real GCS.
 
   Its media downloads omit `x-goog-generation`, which GCS sends and tensorstore reads to
@@ -187,10 +246,11 @@ def _serve_gcs_emulator(port: int) -> None:
       (pattern, {method: download if handler is plain_download else handler
                  for method, handler in handlers.items()})
       for pattern, handlers in emulator.HANDLERS)
-  server = emulator.create_server("127.0.0.1", port, in_memory=True, default_bucket=BUCKET)
+  server = emulator.create_server("127.0.0.1", port, in_memory=data_dir is None,
+                                  default_bucket=BUCKET, data_dir=data_dir)
   server.run()
 
 
 if __name__ == "__main__":
   if sys.argv[1:2] == ["gcs"]:
-    _serve_gcs_emulator(int(sys.argv[2]))
+    _serve_gcs_emulator(int(sys.argv[2]), *sys.argv[3:4])

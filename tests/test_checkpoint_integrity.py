@@ -4,12 +4,14 @@ failed save (retry once, then stop)."""
 import errno
 import json
 import os
+import time
 
 import pytest
 
 from pretrain import hooks as hooks_lib
 from pretrain import integrity
-from pretrain.errors import CheckpointSaveError, UserError
+from pretrain import outage
+from pretrain.errors import CheckpointSaveError, StorageOutageError, UserError
 
 FILES = {"params/_METADATA": b"{}" * 10, "params/ocdbt.process_0/d/abc": bytes(range(256)) * 8,
          "params/ocdbt.process_0/d/def": b"\1" * 300, "opt_state/d/xyz": b"\2" * 500,
@@ -133,10 +135,18 @@ class _FailingCheckpointer:
   next `save`, as Orbax reports it."""
   directory = "/w/checkpoints"
 
-  def __init__(self, failing):
+  def __init__(self, failing, clock=time.monotonic):
     self.failing = list(failing)
     self.saved, self.discarded, self.committed = [], [], [2]
     self._in_flight = None
+    self.down = None   # why the storage does not answer; None: it does
+    self.outage = outage.Outage(300, clock=clock)
+
+  def unreachable(self):
+    return self.down
+
+  def saving(self):
+    return False
 
   def _failure(self):
     step, self._in_flight = self._in_flight, None
@@ -167,9 +177,17 @@ class _FailingCheckpointer:
     return self.committed[-1]
 
 
+class _Writer:
+  def __init__(self):
+    self.lines = []
+
+  def info(self, line):
+    self.lines.append(line)
+
+
 def _hook(checkpointer):
   return hooks_lib.CheckpointHook(checkpointer, 4, start_step=0, rng=None, metadata={},
-                                  writer=None)
+                                  writer=_Writer())
 
 
 class _State:
@@ -218,3 +236,60 @@ def test_a_failed_final_save_is_retried_before_the_run_ends():
   _run(hook, [7, 8])
   hook.on_end(8, _State(), preempted=False)
   assert checkpointer.saved == [8, 8] and checkpointer.committed == [2, 8]
+
+
+def test_a_save_while_the_bucket_is_down_is_deferred_then_made_once_it_answers(
+    capsys, monkeypatch):
+  now = [1000.0]
+  monkeypatch.setattr(hooks_lib.time, "monotonic", lambda: now[0])
+  checkpointer = _FailingCheckpointer(failing=[], clock=lambda: now[0])
+  hook = _hook(checkpointer)
+  checkpointer.down = "cannot reach the storage of gs://b/w/checkpoints (refused)"
+  _run(hook, [1, 2, 3, 4])
+  assert checkpointer.saved == []   # deferred: training goes on
+  assert capsys.readouterr().err.strip() == (
+      "warning: checkpoint 4 deferred: cannot reach the storage of gs://b/w/checkpoints "
+      "(refused); training goes on and the save is retried with backoff for up to 300 s "
+      "(StorageConfig.outage_s)")
+  now[0] += 0.5
+  _run(hook, [5])                   # inside the backoff: not even asked
+  now[0] += 10
+  _run(hook, [6])                   # asked again: still down, one line only
+  assert checkpointer.saved == [] and not capsys.readouterr().err
+  checkpointer.down = None
+  now[0] += 59.5
+  _run(hook, [7])
+  assert checkpointer.saved == [7]
+  assert hook._writer.lines == [   # pylint: disable=protected-access
+      "The storage of /w/checkpoints answers again after 70 s: saving step 7"]
+  assert not hook.is_due(9) and hook.is_due(8)
+
+
+def test_a_save_failing_because_the_bucket_went_away_is_deferred(capsys):
+  checkpointer = _FailingCheckpointer(failing=[4])
+  hook = _hook(checkpointer)
+  _run(hook, [1, 2, 3, 4])
+  checkpointer.down = "cannot reach the storage"
+  hook.on_metrics(4, {})
+  hook.on_step(5, _State())
+  assert "warning: checkpoint 5 deferred: cannot reach the storage" in capsys.readouterr().err
+  assert checkpointer.discarded == []     # its leftovers are in the unreachable bucket
+  checkpointer.down = None
+  hook._retry_at = 0                       # pylint: disable=protected-access
+  hook.on_step(6, _State())
+  assert checkpointer.discarded == [4] and checkpointer.saved == [4, 6]
+
+
+def test_an_outage_longer_than_outage_s_stops_the_run(monkeypatch):
+  now = [0.0]
+  monkeypatch.setattr(hooks_lib.time, "monotonic", lambda: now[0])
+  checkpointer = _FailingCheckpointer(failing=[], clock=lambda: now[0])
+  checkpointer.down = "cannot reach the storage"
+  hook = _hook(checkpointer)
+  _run(hook, [4])
+  now[0] = 299
+  _run(hook, [5])
+  now[0] = 301
+  with pytest.raises(StorageOutageError, match="writing checkpoint 6 has failed for 301 s, "
+                     "longer than StorageConfig.outage_s = 300 s"):
+    _run(hook, [6])

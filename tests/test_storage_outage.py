@@ -1,0 +1,111 @@
+"""A bucket workdir whose storage goes away mid-run: the real GCS emulator (objects kept
+on disk) is stopped and started again on the same port while a tiny run trains into it.
+
+Shorter than `StorageConfig.outage_s`: training goes on, the deferred save and the
+metrics reach the bucket once it answers, and the run ends with the uninterrupted run's
+loss at every step. Longer: the run saves its local tier and stops with one line; rerun
+once the bucket is back, it resumes from that local step, to the same losses.
+"""
+import os
+import subprocess
+import time
+
+import pytest
+
+from pretrain.checkpointing import checkpoint_dir, complete_steps
+from storage_servers import stoppable_gcs  # pylint: disable=unused-import
+from trainer_helpers import (REPO, assert_ok, bucket_rows,  # pylint: disable=unused-import
+                             storage_env, train_losses, trained_workdir, trainer_env)
+
+pytestmark = pytest.mark.slow
+
+
+def _start(trainer_env, workdir, tmp_path, *gin_params):
+  """The training process, its stdout and stderr going to files under tmp_path."""
+  out = open(tmp_path / "stdout", "w+", encoding="utf-8")   # pylint: disable=consider-using-with
+  err = open(tmp_path / "stderr", "w+", encoding="utf-8")   # pylint: disable=consider-using-with
+  return subprocess.Popen(trainer_env.train_command(workdir, *gin_params),
+                          env=storage_env(trainer_env.env), cwd=REPO, stdout=out,
+                          stderr=err), out, err
+
+
+def _wait_for_rows(workdir, process, count, timeout_s=240):
+  deadline = time.time() + timeout_s
+  while len(bucket_rows(workdir)) < count:
+    assert process.poll() is None, "the run ended before the outage"
+    assert time.time() < deadline
+    time.sleep(0.1)
+
+
+def _progress_lines(out):
+  out.seek(0)
+  return [line for line in out.read().splitlines() if line.startswith("step ")]
+
+
+def test_a_short_outage_is_ridden_out_with_equal_losses(trainer_env, trained_workdir,
+                                                         stoppable_gcs, tmp_path):
+  workdir = stoppable_gcs.url + "/runs/short"
+  process, out, err = _start(trainer_env, workdir, tmp_path)
+  _wait_for_rows(workdir, process, 6)
+  stoppable_gcs.stop()
+  stopped_at = len(_progress_lines(out))
+  time.sleep(20)
+  trained_meanwhile = len(_progress_lines(out)) - stopped_at
+  stoppable_gcs.start()
+  process.wait(timeout=300)
+  err.seek(0)
+  errors = err.read()
+  out.seek(0)
+  output = out.read()
+  assert process.returncode == 0, errors[-3000:]
+  assert "Traceback" not in errors
+  assert trained_meanwhile > 0, output        # training went on while the bucket was down
+  (warning,) = [line for line in errors.splitlines() if line.startswith("warning: ")]
+  assert warning.startswith("warning: checkpoint ") and " deferred: cannot reach the " \
+      "storage of gs://bucket/runs/short/checkpoints" in warning, warning
+  assert "training goes on and the save is retried with backoff for up to 300 s" in warning
+  assert "answers again after " in output
+  reference = train_losses(trained_workdir[0])
+  rows = bucket_rows(workdir)
+  assert [row["step"] for row in rows] == list(range(1, 25))   # every row reached it
+  assert {row["step"]: row["loss"] for row in rows} == reference
+  assert complete_steps(checkpoint_dir(workdir))[-1] == 24
+
+
+def test_a_longer_outage_stops_after_a_local_save_and_resumes_from_it(
+    trainer_env, trained_workdir, stoppable_gcs, tmp_path):
+  """The bucket stays down past `outage_s` (5 s): one line, the local tier holds the
+  step reached, and the rerun resumes from it. Metric rows logged while the bucket
+  was down never reached it (they are not in the local tier): the rows it has, and
+  every row of the rerun, equal the reference."""
+  workdir = stoppable_gcs.url + "/runs/long"
+  local = str(tmp_path / "local")
+  params = ("StorageConfig.outage_s=5", f"CheckpointConfig.local_dir='{local}'",
+            "CheckpointConfig.local_every=1")
+  process, out, err = _start(trainer_env, workdir, tmp_path, *params)
+  _wait_for_rows(workdir, process, 4)
+  stoppable_gcs.stop()
+  process.wait(timeout=300)
+  err.seek(0)
+  errors = err.read()
+  assert process.returncode == 1, errors[-3000:]
+  assert "Traceback" not in errors
+  (line,) = [line for line in errors.splitlines() if line.startswith("error: ")]
+  assert "cannot reach the storage of gs://bucket/runs/long" in line
+  assert "longer than StorageConfig.outage_s = 5 s; saved the local checkpoint of step " \
+      in line
+  assert line.endswith("stopped: run the same command again once the storage answers")
+  saved = int(line.split("local checkpoint of step ")[1].split()[0])
+  assert f"local checkpoint of step {saved} in {local}" in line
+
+  stoppable_gcs.start()
+  rerun = subprocess.run(trainer_env.train_command(workdir, *params),
+                         env=storage_env(trainer_env.env), cwd=REPO, capture_output=True,
+                         text=True, timeout=300)
+  assert_ok(rerun)
+  assert f"Resuming from the local checkpoint of step {saved}" in rerun.stdout
+  rows = {row["step"]: row["loss"] for row in bucket_rows(workdir)}
+  reference = train_losses(trained_workdir[0])
+  assert set(range(saved + 1, 25)) <= set(rows)
+  assert all(rows[step] == reference[step] for step in rows), (rows, reference)
+  assert complete_steps(checkpoint_dir(workdir))[-1] == 24
