@@ -212,6 +212,8 @@ def _serve_gcs_emulator(port: int, data_dir: str | None = None) -> None:
   generation 0 and the next conditional write fails as 'Malformed StorageGeneration'.
   The wrapper adds the object's generation headers to each successful download.
 
+  It lists within `startOffset`/`endOffset` as GCS does (`ls` below).
+
   It also serves suffix byte ranges (`Range: bytes=-N`, the last N bytes), as GCS does
   with HTTP 206 and a `Content-Range`: the emulator serves `bytes=A-B` and `bytes=A-` but
   answers a suffix range with the whole object, and tensorstore reads the index at the
@@ -241,10 +243,34 @@ def _serve_gcs_emulator(port: int, data_dir: str | None = None) -> None:
       response["x-goog-generation"] = str(obj["generation"])
       response["x-goog-metageneration"] = str(obj.get("metageneration", "1"))
 
+  plain_ls = objects.ls
+
+  def ls(request, response, store, *args, **kwargs):
+    """Lists as GCS does, within [startOffset, endOffset): tensorstore lists a key range
+    with these parameters (not `prefix`) and strips its path from every returned name,
+    and the emulator ignores them. Then any shorter name elsewhere in the bucket made
+    tensorstore's C++ abort the process (`basic_string_view::substr`: seen in CI as a
+    `pretrain.data.prepare` child dying with SIGABRT once other tests had written to the
+    session's bucket)."""
+    start, end = (request.query.get(name, [None])[0] for name in ("startOffset", "endOffset"))
+    if start is None and end is None:
+      return plain_ls(request, response, store, *args, **kwargs)
+    in_range = lambda name: (start is None or name >= start) and (end is None or name < end)
+
+    class RangedStore:  # the store, listing only the range (a proxy: requests run in threads)
+      def __getattr__(self, name):
+        return getattr(store, name)
+
+      def get_file_list(self, *list_args, **list_kwargs):
+        files, prefixes = store.get_file_list(*list_args, **list_kwargs)
+        return [f for f in files if in_range(f["name"])], [p for p in prefixes if in_range(p)]
+
+    return plain_ls(request, response, RangedStore(), *args, **kwargs)
+
   objects.download = download  # `objects.get` (?alt=media) calls it through the module
+  replaced = {plain_download: download, plain_ls: ls}
   emulator.HANDLERS = tuple(
-      (pattern, {method: download if handler is plain_download else handler
-                 for method, handler in handlers.items()})
+      (pattern, {method: replaced.get(handler, handler) for method, handler in handlers.items()})
       for pattern, handlers in emulator.HANDLERS)
   server = emulator.create_server("127.0.0.1", port, in_memory=data_dir is None,
                                   default_bucket=BUCKET, data_dir=data_dir)

@@ -154,3 +154,26 @@ def test_bad_storage_is_one_line_and_keeps_the_saved_run(bucket_run, trainer_env
 
   assert complete_steps(checkpoint_dir(workdir)) == saved
   assert storage.read_text(storage.join(workdir, "metrics.jsonl")) == metrics
+
+
+_LIST_UNDER_A_PATH = """
+import tensorstore as ts
+bucket = ts.KvStore.open({"driver": "gcs", "bucket": "bucket"}).result()
+bucket.write("short", b"0").result()
+path = "listing_test/a_directory_whose_name_is_long/"
+bucket.write(path + "shard_0", b"1").result()
+print(ts.KvStore.open({"driver": "gcs", "bucket": "bucket", "path": path}).result()
+      .list().result())
+"""
+
+
+def test_gcs_emulator_lists_only_the_requested_range(gcs_bucket):
+  """tensorstore lists a path as the key range [startOffset, endOffset) and strips the
+  path from every returned name; the emulator ignored the range, so a shorter name
+  elsewhere in the session's bucket made tensorstore abort (SIGABRT in CI). The
+  fixture's emulator now answers like GCS."""
+  del gcs_bucket  # its environment points tensorstore at the emulator
+  listed = subprocess.run([sys.executable, "-c", _LIST_UNDER_A_PATH], capture_output=True,
+                          text=True, timeout=120)
+  assert listed.returncode == 0, listed.stderr[-2000:]
+  assert listed.stdout.strip() == "[b'shard_0']"
