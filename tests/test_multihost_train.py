@@ -211,8 +211,12 @@ def test_chaos_run_recovers_from_sigkill_and_sigterm_with_equal_losses(
   every step; a killed process stops its peers and is named."""
   for name, value in trainer_env.env.items():
     monkeypatch.setenv(name, value)
+  # Seed 43 plans the SIGTERM at step 2 and the SIGKILL at step 6 (of process 1). With
+  # seed 0 (steps 8 and 11) the harness, starved of CPU under CI's load, twice saw step 8
+  # only as the 16-step run was ending, so the preemption (agreed 2-3 steps after the
+  # signal) never happened: early faults leave it the run's remaining steps.
   report = chaos.run_chaos(
-      str(tmp_path / "chaos"), steps=STEPS, faults=2, seed=0, processes=2, devices=2,
+      str(tmp_path / "chaos"), steps=STEPS, faults=2, seed=43, processes=2, devices=2,
       gin_files=[trainer_env.gin], gin_params=["BATCH_SIZE=8", *MESH_2X2],
       local_every=2, checkpoint_every=6, tolerance=1e-6,
       reference_workdir=two_process_run[0], timeout_s=400)
