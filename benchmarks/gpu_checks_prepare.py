@@ -7,11 +7,11 @@ writes CARRY_DIR/griffin_100m.model.json and CARRY_DIR/griffin_1_3b.model.json
 (`benchmarks/train_step.py --preset=FILE.json` reads them).
 """
 from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
-import dataclasses
 import json
 import os
 import sys
 
+from model.config import model_config_to_dict
 from train_step import load_model_config
 
 PRESETS = ("griffin_100m", "griffin_1_3b")
@@ -22,7 +22,7 @@ def main(carry_dir: str) -> None:
   for preset in PRESETS:
     path = os.path.join(carry_dir, f"{preset}.model.json")
     with open(path, "w") as f:
-      json.dump(dataclasses.asdict(load_model_config(preset)), f, indent=1)
+      json.dump(model_config_to_dict(load_model_config(preset)), f, indent=1)
     print(path)
 
 

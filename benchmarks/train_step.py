@@ -61,10 +61,9 @@ from recurrentgemma.jax import modules as rg_modules
 
 from model import lm
 from model import recurrentgemma_params
-from model.config import BlockType, ModelConfig
+from model.config import BlockType, ModelConfig, model_config_from_dict
 from absl import flags
 
-from model.scan import ScanOptions
 from pretrain import cli
 from pretrain import flops as flops_lib
 from pretrain import optimizer as optimizer_lib
@@ -98,23 +97,18 @@ def preset_file(preset: str) -> str:
 
 
 def config_from_json(path: str) -> ModelConfig:
-  """The ModelConfig in a JSON file: its fields, e.g. the "config" of an earlier --json.
+  """The ModelConfig in a JSON file: `model.config.model_config_to_dict`'s form, e.g.
+  the "config" of an earlier --json (its extra "depth_unroll" is ignored).
 
-  Keys that are not ModelConfig fields (such as the result's "depth_unroll") are
-  ignored. This path needs no Gin and none of the trainer's data stack (SeqIO,
-  TensorFlow), so the benchmark also runs where only JAX and Flax are installed.
+  This path needs no Gin and none of the trainer's data stack (SeqIO, TensorFlow), so
+  the benchmark also runs where only JAX and Flax are installed.
   """
   with open(path) as f:
     fields = json.load(f)
   fields = fields.get("config", fields)  # a whole result file works too
-  names = {field.name for field in dataclasses.fields(ModelConfig)}
-  kwargs = {k: v for k, v in fields.items() if k in names}
-  if "block_pattern" in kwargs:
-    kwargs["block_pattern"] = tuple(kwargs["block_pattern"])
-  if isinstance(kwargs.get("scan"), dict):
-    kwargs["scan"] = ScanOptions(**kwargs["scan"])
+  fields.pop("depth_unroll", None)
   try:
-    return ModelConfig(**kwargs)
+    return model_config_from_dict(fields)
   except (TypeError, ValueError) as error:
     raise usage_error(f"--preset={path}: not a ModelConfig: {error}") from None
 
