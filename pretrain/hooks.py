@@ -216,10 +216,15 @@ class CheckpointHook(Hook):
   (and a failed save's leftovers deleted). After `StorageConfig.outage_s` of outage,
   `Outage.failed` raises StorageOutageError and the trainer stops after a save to the
   secondary tiers. The final save waits for the storage the same way.
+
+  `persisted_step` is the step the run starts at when the persistent tier holds it (a
+  fresh start's 0 too), None when it resumed from another tier: a run resumed from a
+  local save of its last step (the bucket was down when it ended) trains no step and
+  still owes the bucket that step's save.
   """
   goodput_category = "checkpoint"
 
-  def __init__(self, checkpointer: Checkpointer, every: int, *, start_step: int,
+  def __init__(self, checkpointer: Checkpointer, every: int, *, persisted_step: Optional[int],
                rng: jax.Array, metadata: Mapping[str, Any], writer: MetricsWriter,
                tier_every: Sequence[int] = ()):
     self.every = every
@@ -229,7 +234,7 @@ class CheckpointHook(Hook):
     self._metadata = dict(metadata)
     self._writer = writer
     self._failure: Optional[CheckpointSaveError] = None
-    self.last_saved = start_step
+    self.last_saved = persisted_step
     self._down: Optional[str] = None    # why the storage does not answer, while it does not
     self._retry_at = 0.0
     self._discard_later: list[int] = []  # failed saves whose leftovers are in the bucket

@@ -295,9 +295,11 @@ class Trainer:
     return TrainState(jax.device_put(jnp.int32(step), self.runtime.replicated), params,
                       opt_state)
 
-  def default_hooks(self, start_step: int, rng: jax.Array) -> list[hooks_lib.Hook]:
+  def default_hooks(self, start_step: int, rng: jax.Array,
+                    start_tier: Optional[CheckpointTier] = None) -> list[hooks_lib.Hook]:
     """Divergence check, logging, preemption, checkpoints, evaluation, downstream
-    tasks and sampling."""
+    tasks and sampling, for a run starting at `start_step`, restored from `start_tier`
+    (None: a fresh start)."""
     cfg = self.config
     workdir = str(self.checkpointer.directory.parent)
     metadata = RunMetadata(self.runtime.config,
@@ -311,7 +313,9 @@ class Trainer:
             flops_per_token=self.flops_per_token, log_z_loss=bool(cfg.z_loss_weight)),
         hooks_lib.PreemptionHook(self.checkpointer),
         hooks_lib.CheckpointHook(self.checkpointer, cfg.checkpoint_every,
-                                 start_step=start_step, rng=rng,
+                                 persisted_step=(start_step if start_tier in
+                                                 (None, self.checkpointer) else None),
+                                 rng=rng,
                                  metadata=metadata.to_json(), writer=self.writer,
                                  tier_every=self.checkpointer.secondary_intervals()),
         hooks_lib.EvalHook(self.evaluate, self.writer, every=cfg.eval_every,
@@ -392,7 +396,7 @@ class Trainer:
     clock.seconds["restore" if tier else "startup"] += time.perf_counter() - restore_started
     step = start_step = int(host_scalar(state.step))
     self._resume_accounting(start_step, tier)
-    hooks = self.default_hooks(start_step, rng) + self._added_hooks
+    hooks = self.default_hooks(start_step, rng, tier) + self._added_hooks
     pending = _PendingMetrics(hooks)
     started = time.perf_counter()
     try:

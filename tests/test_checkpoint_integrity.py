@@ -186,7 +186,7 @@ class _Writer:
 
 
 def _hook(checkpointer):
-  return hooks_lib.CheckpointHook(checkpointer, 4, start_step=0, rng=None, metadata={},
+  return hooks_lib.CheckpointHook(checkpointer, 4, persisted_step=0, rng=None, metadata={},
                                   writer=_Writer())
 
 

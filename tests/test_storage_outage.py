@@ -108,4 +108,5 @@ def test_a_longer_outage_stops_after_a_local_save_and_resumes_from_it(
   reference = train_losses(trained_workdir[0])
   assert set(range(saved + 1, 25)) <= set(rows)
   assert all(rows[step] == reference[step] for step in rows), (rows, reference)
-  assert complete_steps(checkpoint_dir(workdir))[-1] == 24
+  steps = complete_steps(checkpoint_dir(workdir))
+  assert steps and steps[-1] == 24, (steps, rerun.stdout[-3000:], rerun.stderr[-3000:])

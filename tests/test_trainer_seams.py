@@ -5,6 +5,7 @@ when due, resumed from exactly when it holds the newest good step, an unreadable
 of it set aside."""
 import json
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -13,7 +14,7 @@ import pytest
 from model.config import ModelConfig
 from pretrain import hooks as hooks_lib
 from pretrain.checkpoint_tier import CheckpointTier, Restored
-from pretrain.checkpointing import CheckpointConfig, Checkpointer
+from pretrain.checkpointing import CheckpointConfig, Checkpointer, complete_steps
 from pretrain.errors import UnreadableCheckpointError
 from inprocess_trainer import make_trainer
 
@@ -147,6 +148,12 @@ def test_a_third_tier_is_one_class_and_a_restart_resumes_from_it(tmp_path):
   # Exact resume: the same losses as the uninterrupted run.
   assert _train_losses(workdir) == losses
   assert resumed.last_step == 6
+
+  # Resumed from another tier at its last step (the bucket was down as the run ended):
+  # nothing is left to train, and the persistent tier still gets that step.
+  shutil.rmtree(workdir / "checkpoints" / "6")
+  _run(workdir, 6, store=store)
+  assert complete_steps(workdir / "checkpoints") == [4, 6]
 
 
 def test_every_tier_implements_the_protocol(tmp_path):
