@@ -34,7 +34,6 @@ curve, 1 otherwise, 2 for a bad command line.
 """
 from __future__ import annotations
 
-from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
 import dataclasses
 import json
 import os
@@ -48,10 +47,10 @@ from typing import Any, Optional, Sequence
 
 from absl import flags
 
-from pretrain import cli
+from plumbing import cli
+from plumbing.errors import EXIT_FAILED, UserError, usage_error
 from pretrain import goodput
 from pretrain.checkpointing import complete_steps
-from pretrain.errors import EXIT_FAILED, UserError, usage_error
 from pretrain.metrics import format_duration
 from sharding import distributed
 

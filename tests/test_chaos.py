@@ -6,7 +6,7 @@ import os
 import pytest
 
 from launch import chaos
-from pretrain.errors import UserError
+from plumbing.errors import UserError
 
 
 def test_fault_plan_is_seeded_mixed_and_inside_the_run():
