@@ -1,7 +1,7 @@
 """Command-line plumbing shared by every command: absl flags, Gin flags, one-line errors.
 
-Every `python -m pretrain.<command>`, `launch.<command>`, `pretrain.summary` and
-`benchmarks/*.py` runs its `main` through `run`. A `UserError` (see `plumbing.errors`)
+Every `python -m pretrain.<command>` and `launch.<command>`, and every
+`benchmarks/*.py`, runs its `main` through `run`. A `UserError` (see `plumbing.errors`)
 becomes one line on stderr and its exit code; anything else is a bug and keeps its
 traceback. `--traceback` shows the stack of a UserError too. `--help` (or `-h`) lists
 the command's own flags and the shared ones; `--verbose` shows the third-party logs
