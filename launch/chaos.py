@@ -35,6 +35,7 @@ curve, 1 otherwise, 2 for a bad command line.
 from __future__ import annotations
 
 from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
+import contextlib
 import dataclasses
 import json
 import os
@@ -44,21 +45,30 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 from absl import flags
+import fsspec.config
+
+from launch import gcs_emulator
+from launch.storage_faults import CuttableProxy, SmallDisk, start_gcs_emulator, stop_process
 
 from pretrain import cli
 from pretrain import goodput
+from pretrain import storage
 from pretrain.checkpointing import complete_steps
 from pretrain.errors import EXIT_FAILED, UserError, usage_error
 from pretrain.metrics import format_duration
 from sharding import distributed
 
 _POLL_S = 0.05
+_POLL_BUCKET_S = 0.5   # a bucket workdir's metrics are read through the emulator
 SIGNALS = {"SIGKILL": signal.SIGKILL, "SIGTERM": signal.SIGTERM, "corrupt": signal.SIGKILL,
            "hang": signal.SIGSTOP}
-KINDS = tuple(SIGNALS)
+STORAGE_KINDS = ("disk_full", "outage")   # no signal: the storage fails for a while
+KINDS = tuple(SIGNALS) + STORAGE_KINDS
+DEFAULT_KINDS = tuple(SIGNALS)            # the storage kinds need a mount or an emulator
+BUCKET_WORKDIR = f"gs://{gcs_emulator.BUCKET}/chaos"
 
 
 @dataclasses.dataclass
@@ -73,6 +83,8 @@ class Fault:
   tier: Optional[str] = None
   steps_lost: Optional[int] = None
   recover_s: Optional[float] = None
+  ended_s: Optional[float] = None     # a storage fault: when the storage was given back
+  outcome: Optional[str] = None       # "restarted" or "rode it out" (training went on)
 
 
 def plan_faults(steps: int, count: int, processes: int, seed: int,
@@ -98,20 +110,30 @@ def plan_faults(steps: int, count: int, processes: int, seed: int,
   return [Fault(kind, rng.randrange(processes), step) for kind, step in zip(planned, at)]
 
 
-def _largest_file(directory: str) -> Optional[str]:
-  files = [os.path.join(parent, name) for parent, _, names in os.walk(directory)
-           for name in names]
-  return max(files, key=os.path.getsize) if files else None
+def _tear_largest(directory: str) -> None:
+  """Truncates the largest file under `directory` (local or in a bucket) to half."""
+  files = storage.list_files(directory)
+  if not files:
+    return
+  name, size = max(files.items(), key=lambda item: item[1])
+  path = storage.join(directory, name)
+  if storage.is_url(path):
+    storage.write_bytes(path, storage.read_bytes(path)[:size // 2])
+  else:
+    os.truncate(path, size // 2)
 
 
 def corrupt_newest_checkpoint(workdir: str, local_dir: Optional[str]) -> Optional[str]:
   """Truncates to half its size the largest array file of the newest complete step of
   either tier (every process's copy, for a local step), as a torn copy would; returns
-  what it tore ("checkpoint 12", "local checkpoint 10"), None when there is no step."""
-  persistent = complete_steps(os.path.join(workdir, "checkpoints"))
+  what it tore ("checkpoint 12", "local checkpoint 10"), None when there is no step.
+  `workdir` may be a bucket URL (objects are rewritten at half their size)."""
+  persistent = complete_steps(storage.join(workdir, "checkpoints"))
   local = {}   # step -> its directories, one per process
   if local_dir and os.path.isdir(local_dir):
     for run in os.listdir(local_dir):
+      if not os.path.isdir(os.path.join(local_dir, run)):
+        continue   # e.g. the disk_full filler
       for process in os.listdir(os.path.join(local_dir, run)):
         root = os.path.join(local_dir, run, process)
         for step in complete_steps(root):
@@ -120,27 +142,32 @@ def corrupt_newest_checkpoint(workdir: str, local_dir: Optional[str]) -> Optiona
   if not persistent and newest_local < 0:
     return None
   if persistent and persistent[-1] >= newest_local:
-    targets = [os.path.join(workdir, "checkpoints", str(persistent[-1]), "params")]
+    targets = [storage.join(workdir, "checkpoints", str(persistent[-1]), "params")]
     name = f"checkpoint {persistent[-1]}"
   else:
     targets, name = local[newest_local], f"local checkpoint {newest_local}"
   for target in targets:
     try:
-      path = _largest_file(target)
-      if path is not None:
-        os.truncate(path, os.path.getsize(path) // 2)
-    except OSError:  # deleted meanwhile by the keep policy: the next copy is torn
+      _tear_largest(target)
+    except (OSError, UserError):  # deleted meanwhile by the keep policy
       continue
   return name
 
 
 def read_rows(workdir: str) -> list[dict]:
-  """Complete rows of `workdir/metrics.jsonl` (a line being written is skipped)."""
-  path = os.path.join(workdir, "metrics.jsonl")
-  if not os.path.exists(path):
+  """Complete rows of `workdir/metrics.jsonl` (a line being written is skipped); the
+  workdir may be a bucket URL."""
+  path = storage.join(workdir, "metrics.jsonl")
+  if not storage.is_url(path):
+    if not os.path.exists(path):
+      return []
+    with open(path, encoding="utf-8") as f:
+      return [json.loads(line) for line in f if line.endswith("\n")]
+  try:
+    text = storage.read_text(path) if storage.exists(path) else ""
+  except UserError:   # replaced while being read: the next poll reads it
     return []
-  with open(path, encoding="utf-8") as f:
-    return [json.loads(line) for line in f if line.endswith("\n")]
+  return [json.loads(line) for line in text.splitlines(True) if line.endswith("\n")]
 
 
 def train_rows(rows: Sequence[dict]) -> dict[int, float]:
@@ -178,15 +205,68 @@ def _child_pid(launcher_pid: int, process_id: int) -> Optional[int]:
   return None
 
 
+class StorageFaults:
+  """Starts and ends the storage faults: the local tier's disk filled (`disk`), the
+  bucket's proxy cut (`proxy`).
+
+  Each lasts `duration_s` at least. A full disk matters only to a save, so it lasts
+  until the run has also logged the step after its next local save (`local_every`), or
+  restarted, or 4 x `duration_s` passed: a fault that no save met would measure nothing.
+  """
+
+  def __init__(self, duration_s: float, disk: Optional[SmallDisk] = None,
+               proxy: Optional[CuttableProxy] = None, local_every: int = 0):
+    self.duration_s = duration_s
+    self.disk = disk
+    self.proxy = proxy
+    self._local_every = local_every
+
+  def start(self, fault: Fault) -> str:
+    """Makes the fault; returns what was done, for the log."""
+    if fault.kind == "disk_full":
+      size = self.disk.fill()
+      return (f"filled the local tier's disk at {self.disk.directory} ({size / 2**20:.0f} "
+              "MiB filler)")
+    self.proxy.cut()
+    return f"cut every connection to the bucket (proxy port {self.proxy.port})"
+
+  def due(self, fault: Fault, now_s: float, logged: int, restarted: bool) -> bool:
+    """Whether `fault`, started at `fault.sent_s`, should end at `now_s`."""
+    elapsed = now_s - fault.sent_s
+    if elapsed < self.duration_s:
+      return False
+    if fault.kind != "disk_full" or restarted or elapsed > 4 * self.duration_s:
+      return True
+    next_save = (fault.at_step // self._local_every + 1) * self._local_every
+    return logged > next_save
+
+  def end(self, fault: Fault) -> None:
+    if fault.kind == "disk_full":
+      self.disk.free()
+    elif self.proxy.is_cut:
+      self.proxy.restore()
+
+  def end_all(self) -> None:
+    """Gives the storage back whatever is under way (the run stopped early)."""
+    if self.disk is not None:
+      self.disk.free()
+    if self.proxy is not None and self.proxy.is_cut:
+      self.proxy.restore()
+
+
 class ChaosRun:
   """Runs the faulted training and watches its metrics to time the faults."""
 
   def __init__(self, launcher: list[str], workdir: str, faults: list[Fault],
                max_relaunches: int, timeout_s: float, log_path: str,
-               local_dir: Optional[str] = None):
+               local_dir: Optional[str] = None, storage_faults: Optional[StorageFaults] = None,
+               env: Optional[dict[str, str]] = None):
     self._launcher = launcher
     self._workdir = workdir
     self._local_dir = local_dir
+    self._storage = storage_faults
+    self._env = env
+    self._poll_s = _POLL_BUCKET_S if storage.is_url(workdir) else _POLL_S
     self._faults = faults
     self._max_relaunches = max_relaunches
     self._timeout_s = timeout_s
@@ -207,11 +287,21 @@ class ChaosRun:
                         f" s (see {self._log_path})", EXIT_FAILED)
       rows = read_rows(self._workdir)
       if recovering:
-        self._note_recovery(recovering, rows)
+        fault = recovering[0]
+        if fault.kind in STORAGE_KINDS and fault.ended_s is None:
+          self._maybe_end(fault, rows)
+        else:
+          self._note_recovery(recovering, rows)
       elif pending:
         logged = max(train_rows(rows), default=0)
         fault = pending[0]
-        if logged >= fault.planned_step:
+        if logged >= fault.planned_step and fault.kind in STORAGE_KINDS:
+          what = self._storage.start(fault)
+          fault.at_step, fault.sent_s = logged, self._now()
+          print(f"launch.chaos: {fault.kind}: {what} at step {logged} "
+                f"({format_duration(fault.sent_s)} into the run)", flush=True)
+          recovering.append(pending.pop(0))
+        elif logged >= fault.planned_step:
           pid = _child_pid(process.pid, fault.process)
           if pid is not None:
             torn = (corrupt_newest_checkpoint(self._workdir, self._local_dir)
@@ -222,7 +312,25 @@ class ChaosRun:
             print(f"launch.chaos: {fault.kind}{what} to process {fault.process} at step "
                   f"{logged} ({format_duration(fault.sent_s)} into the run)", flush=True)
             recovering.append(pending.pop(0))
-      time.sleep(_POLL_S)
+      time.sleep(self._poll_s)
+
+  def _wall(self, since_start_s: float) -> float:
+    """The wall-clock time (as in metric rows) of a time since the run started."""
+    return time.time() - (self._now() - since_start_s)
+
+  def _restarted_since(self, rows: list[dict], wall: float) -> bool:
+    return any(row.get("kind") == goodput.RESTART and row["time"] >= wall - 1.0
+               for row in rows)
+
+  def _maybe_end(self, fault: Fault, rows: list[dict]) -> None:
+    """Gives the storage back once the fault has lasted long enough."""
+    logged = max(train_rows(rows), default=0)
+    restarted = self._restarted_since(rows, self._wall(fault.sent_s))
+    if self._storage.due(fault, self._now(), logged, restarted):
+      self._storage.end(fault)
+      fault.ended_s = self._now()
+      print(f"launch.chaos: {fault.kind} over after {fault.ended_s - fault.sent_s:.1f} s "
+            f"(newest logged step {logged})", flush=True)
 
   def _note_recovery(self, recovering: list[Fault], rows: list[dict]) -> None:
     """A fault has recovered once a restart row newer than it is followed by a step."""
@@ -238,8 +346,27 @@ class ChaosRun:
                     if fault.tier else "scratch (no checkpoint yet)")
           print(f"launch.chaos: resumed from {origin} ({fault.steps_lost} steps lost), "
                 f"training again {fault.recover_s:.1f} s after the {fault.kind}", flush=True)
+          fault.outcome = "restarted"
           recovering.pop(0)
         return
+    if fault.kind in STORAGE_KINDS:
+      self._note_ridden_out(recovering, rows, sent_at)
+
+  def _note_ridden_out(self, recovering: list[Fault], rows: list[dict],
+                       sent_at: float) -> None:
+    """A storage fault that ended with no restart, once a step was logged after it
+    ended, was ridden out: no step lost; recovery is the fault's start to the first
+    step logged after it (the run's own times: rows logged while a bucket was down
+    reach it later). A step's time is that of its goodput row (step rows have none)."""
+    fault = recovering[0]
+    times = [row["time"] for row in rows if row.get("kind") == goodput.GOODPUT]
+    if not any(t >= self._wall(fault.ended_s) for t in times):
+      return
+    fault.steps_lost, fault.outcome = 0, "rode it out"
+    fault.recover_s = min(t for t in times if t >= sent_at) - sent_at
+    print(f"launch.chaos: the run rode out the {fault.kind} (no restart, no step lost); "
+          f"next step {fault.recover_s:.1f} s after it began", flush=True)
+    recovering.pop(0)
 
   def run(self, finished) -> None:
     """Launches until `finished()`; relaunches after a preemption's clean exit."""
@@ -247,11 +374,14 @@ class ChaosRun:
     pending, recovering = list(self._faults), []
     with open(self._log_path, "a", encoding="utf-8") as log:
       while True:
-        process = subprocess.Popen(self._launcher, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(self._launcher, stdout=log, stderr=subprocess.STDOUT,
+                                   env=self._env)
         try:
           self._watch(process, pending, recovering)
         finally:
           _stop_launcher(process)
+          if self._storage is not None:
+            self._storage.end_all()
         if process.returncode != 0:
           raise UserError(f"launch.chaos: launch.local gave up with exit code "
                           f"{process.returncode} (see {self._log_path})", EXIT_FAILED)
@@ -295,7 +425,7 @@ def launcher_command(command: Sequence[str], processes: int, devices: int,
 
 
 def _finished(workdir: str, steps: int) -> bool:
-  return steps in complete_steps(os.path.join(workdir, "checkpoints"))
+  return steps in complete_steps(storage.join(workdir, "checkpoints"))
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -305,12 +435,16 @@ def format_report(report: dict[str, Any]) -> str:
            f"(seed {report['seed']}), local tier "
            f"{'every %d steps' % report['local_every'] if report['local_every'] else 'off'}"
            f", persistent every {report['checkpoint_every'] or 'config'} steps",
-           "fault  kind     process  at step  resumed from        lost  recover"]
+           "fault  kind       process  at step  resumed from        lost  recover"]
   for i, f in enumerate(report["faults"], 1):
-    resumed = ("-" if f["resumed_step"] is None else
-               f"{f['resumed_step']} ({f['tier'] or 'scratch'})")
+    if f.get("outcome") == "rode it out":
+      resumed = "- (rode it out)"
+    else:
+      resumed = ("-" if f["resumed_step"] is None else
+                 f"{f['resumed_step']} ({f['tier'] or 'scratch'})")
+    process = "-" if f["kind"] in STORAGE_KINDS else f["process"]
     recover = f"{f['recover_s']:.1f} s" if f["recover_s"] is not None else "-"
-    lines.append(f"{i:>5}  {f['kind']:<7}  {f['process']:>7}  {str(f['at_step']):>7}  "
+    lines.append(f"{i:>5}  {f['kind']:<9}  {process:>7}  {str(f['at_step']):>7}  "
                  f"{resumed:<18}  {str(f['steps_lost']):>4}  {recover}")
   loss = report["loss_check"]
   lines.append(f"loss curve: {loss['steps_compared']} steps compared with the "
@@ -326,17 +460,77 @@ def format_report(report: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
+def check_storage_kinds(kinds: Sequence[str], local_every: int, bucket: bool) -> None:
+  """The storage kinds need what they fault: a local tier to fill, a bucket to cut."""
+  if "disk_full" in kinds and not local_every:
+    raise usage_error("--kinds=disk_full fills the disk of the local checkpoint tier: "
+                      "it needs --local_every > 0")
+  if "outage" in kinds and not bucket:
+    raise usage_error("--kinds=outage cuts the run off its bucket: pass --gcs_emulator "
+                      f"(the faulted run then trains into {BUCKET_WORKDIR} on a local GCS "
+                      "emulator, through a proxy that the outage cuts)")
+
+
+def _point_clients_at(endpoint: str) -> None:
+  """This process's storage clients (gcsfs, reading the run's metrics and checkpoints)
+  talk to `endpoint`; fsspec read its FSSPEC_* variables at import, so its config is
+  set too, and gcsfs's cached file systems (each bound to an endpoint) are dropped."""
+  os.environ.update(gcs_emulator.environment(endpoint))
+  for protocol in ("gs", "gcs"):
+    fsspec.config.conf.setdefault(protocol, {})["token"] = "anon"
+  fsspec.get_filesystem_class("gs").clear_instance_cache()
+
+
+@contextlib.contextmanager
+def faulted_storage(workdir: str, plan: Sequence[Fault], local_dir: Optional[str],
+                    bucket: bool, duration_s: float, disk_mb: int, local_every: int
+                    ) -> Iterator[tuple[str, Optional[dict[str, str]], StorageFaults]]:
+  """The faulted run's storage, for the block: yields its workdir, the launcher's
+  environment (None: this process's) and the `StorageFaults` that fault it.
+
+  With `bucket`, a GCS emulator (objects under `workdir/bucket`) and a proxy in front of
+  it: the trainers reach the bucket only through the proxy, this process directly. With
+  a disk_full in the plan, a `disk_mb` MiB tmpfs at the local tier's directory, mounted
+  from the start (the run's local checkpoints live on it throughout)."""
+  disk = (SmallDisk(local_dir, disk_mb)
+          if local_dir and any(f.kind == "disk_full" for f in plan) else None)
+  emulator = proxy = None
+  try:
+    if disk is not None:
+      disk.mount()
+    chaos_dir, env = os.path.join(workdir, "chaos"), None
+    if bucket:
+      os.makedirs(os.path.join(workdir, "bucket"))
+      emulator, port = start_gcs_emulator(os.path.join(workdir, "bucket"))
+      proxy = CuttableProxy(port)
+      _point_clients_at(f"http://127.0.0.1:{port}")
+      env = dict(os.environ, **gcs_emulator.environment(proxy.endpoint))
+      chaos_dir = BUCKET_WORKDIR
+    yield chaos_dir, env, StorageFaults(duration_s, disk, proxy, local_every)
+  finally:
+    if proxy is not None:
+      proxy.close()
+    if emulator is not None:
+      stop_process(emulator)
+    if disk is not None:
+      disk.unmount()
+
+
 def run_chaos(workdir: str, *, steps: int, faults: int, seed: int, processes: int,
               devices: int, gin_files: Sequence[str], gin_params: Sequence[str],
               local_every: int, checkpoint_every: Optional[int], tolerance: float,
               reference_workdir: Optional[str], timeout_s: float,
               kinds: Sequence[str] = ("SIGKILL", "SIGTERM"),
-              hang_timeout_s: float = 20.0) -> dict[str, Any]:
+              hang_timeout_s: float = 20.0, gcs_emulator_bucket: bool = False,
+              storage_fault_s: float = 30.0, outage_s: float = 60.0,
+              disk_mb: int = 512) -> dict[str, Any]:
   """Trains the reference and the faulted run; returns the report (also written)."""
   workdir = os.path.abspath(workdir)
-  chaos_dir = os.path.join(workdir, "chaos")
-  if os.path.exists(chaos_dir):
-    raise usage_error(f"{chaos_dir} exists (a previous chaos run); pass a new --workdir")
+  for used in ("chaos", "bucket"):
+    if os.path.exists(os.path.join(workdir, used)):
+      raise usage_error(f"{os.path.join(workdir, used)} exists (a previous chaos run); "
+                        "pass a new --workdir")
+  check_storage_kinds(kinds, local_every, gcs_emulator_bucket)
   os.makedirs(workdir, exist_ok=True)
   reference_dir = os.path.abspath(reference_workdir or os.path.join(workdir, "reference"))
   params = list(gin_params)
@@ -360,16 +554,21 @@ def run_chaos(workdir: str, *, steps: int, faults: int, seed: int, processes: in
   if local_every:
     chaos_params += [f"CheckpointConfig.local_dir='{local_dir}'",
                      f"CheckpointConfig.local_every={local_every}"]
-  print(f"launch.chaos: training under {faults} faults in {chaos_dir}", flush=True)
-  started = time.monotonic()
-  run = ChaosRun(launcher_command(training_command(chaos_dir, steps, gin_files, chaos_params),
-                                  processes, devices, max_restarts=faults + 2),
-                 chaos_dir, plan, max_relaunches=faults + 2, timeout_s=timeout_s,
-                 log_path=os.path.join(workdir, "chaos.log"), local_dir=local_dir)
-  run.run(lambda: _finished(chaos_dir, steps))
-  wall = time.monotonic() - started
-
-  rows = read_rows(chaos_dir)
+  if gcs_emulator_bucket:
+    chaos_params.append(f"StorageConfig.outage_s={outage_s}")
+  with faulted_storage(workdir, plan, local_dir, gcs_emulator_bucket, storage_fault_s,
+                       disk_mb, local_every) as (chaos_dir, env, storage_faults):
+    print(f"launch.chaos: training under {faults} faults in {chaos_dir}", flush=True)
+    started = time.monotonic()
+    run = ChaosRun(
+        launcher_command(training_command(chaos_dir, steps, gin_files, chaos_params),
+                         processes, devices, max_restarts=faults + 2),
+        chaos_dir, plan, max_relaunches=faults + 2, timeout_s=timeout_s,
+        log_path=os.path.join(workdir, "chaos.log"), local_dir=local_dir,
+        storage_faults=storage_faults, env=env)
+    run.run(lambda: _finished(chaos_dir, steps))
+    wall = time.monotonic() - started
+    rows = read_rows(chaos_dir)
   loss = compare_losses(train_rows(read_rows(reference_dir)), train_rows(rows), tolerance)
   recovered = [f.recover_s for f in plan if f.recover_s is not None]
   # A fault sent so late that the run finished without a restart is reported, not failed.
@@ -379,6 +578,8 @@ def run_chaos(workdir: str, *, steps: int, faults: int, seed: int, processes: in
       "steps": steps, "processes": processes, "devices_per_process": devices,
       "seed": seed, "local_every": local_every, "checkpoint_every": checkpoint_every,
       "kinds": list(kinds), "hang_timeout_s": hang_timeout_s,
+      "workdir": chaos_dir, "storage_fault_s": storage_fault_s,
+      "outage_s": outage_s if gcs_emulator_bucket else None,
       "gin_files": list(gin_files), "gin_params": list(gin_params),
       "faults": [dataclasses.asdict(f) for f in plan],
       "steps_lost": sum(f.steps_lost or 0 for f in plan),
@@ -423,8 +624,25 @@ def define_flags() -> None:
   flags.DEFINE_string("reference_workdir", None, "The uninterrupted run (trained there "
                       "unless it already finished); default <workdir>/reference.")
   flags.DEFINE_float("timeout_s", 3600.0, "Give up after this many seconds.")
-  flags.DEFINE_list("kinds", list(KINDS), "Fault kinds to draw from: SIGKILL, SIGTERM, "
-                    "corrupt (tear the newest checkpoint, then SIGKILL), hang (SIGSTOP).")
+  flags.DEFINE_list("kinds", list(DEFAULT_KINDS), "Fault kinds to draw from: SIGKILL, "
+                    "SIGTERM, corrupt (tear the newest checkpoint, then SIGKILL), hang "
+                    "(SIGSTOP); and, not drawn unless named, disk_full (the local tier's "
+                    "disk, a tmpfs of --disk_mb mounted by this command, filled for "
+                    "--storage_fault_s; needs root) and outage (the bucket cut off for "
+                    "--storage_fault_s; needs --gcs_emulator).")
+  flags.DEFINE_bool("gcs_emulator", False, "Train the faulted run into "
+                    f"{BUCKET_WORKDIR} on a GCS emulator this command starts (objects "
+                    "under <workdir>/bucket; the gcp-storage-emulator package), which the "
+                    "trainers reach through a proxy that an outage cuts.")
+  flags.DEFINE_float("storage_fault_s", 30.0, "How long a disk_full or outage lasts (a "
+                     "disk_full also until a local save has met it).", lower_bound=0)
+  flags.DEFINE_float("outage_s", 60.0, "StorageConfig.outage_s of the faulted run with "
+                     "--gcs_emulator: an outage shorter than this is ridden out, a longer "
+                     "one stops the run after a local save and the launcher restarts it.",
+                     lower_bound=0)
+  flags.DEFINE_integer("disk_mb", 512, "Size in MiB of the tmpfs that holds the local "
+                       "tier when disk_full is drawn: it must hold the local steps kept.",
+                       lower_bound=1)
   flags.DEFINE_float("hang_timeout_s", 20.0, "TrainConfig.hang_timeout_s of the faulted "
                      "run: how long its watchdogs wait for a frozen peer.")
   flags.mark_flag_as_required("workdir")
@@ -440,7 +658,10 @@ def main(argv: Sequence[str]) -> None:
                      gin_params=FLAGS.gin_param, local_every=FLAGS.local_every,
                      checkpoint_every=FLAGS.checkpoint_every, tolerance=FLAGS.tolerance,
                      reference_workdir=FLAGS.reference_workdir, timeout_s=FLAGS.timeout_s,
-                     kinds=FLAGS.kinds, hang_timeout_s=FLAGS.hang_timeout_s)
+                     kinds=FLAGS.kinds, hang_timeout_s=FLAGS.hang_timeout_s,
+                     gcs_emulator_bucket=FLAGS.gcs_emulator,
+                     storage_fault_s=FLAGS.storage_fault_s, outage_s=FLAGS.outage_s,
+                     disk_mb=FLAGS.disk_mb)
   print(report["text"], flush=True)
   if report["verdict"] != "pass":
     sys.exit(EXIT_FAILED)
