@@ -38,6 +38,7 @@ from pretrain import quiet  # pylint: disable=unused-import  # first: see its do
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import random
 import signal
@@ -175,16 +176,31 @@ def train_rows(rows: Sequence[dict]) -> dict[int, float]:
 
 
 def compare_losses(reference: dict[int, float], run: dict[int, float],
-                   tolerance: float) -> dict[str, Any]:
+                   tolerance: float, unsent: Sequence[int] = ()) -> dict[str, Any]:
   """Every step of the reference must be in the run with a relative difference of at
-  most `tolerance`."""
-  missing = sorted(set(reference) - set(run))
+  most `tolerance`, except the `unsent` steps (see `unsent_steps`), which may be missing
+  (never different)."""
+  absent = set(reference) - set(run)
+  missing = sorted(absent - set(unsent))
   diffs = {step: abs(run[step] - loss) / max(abs(loss), 1e-12)
            for step, loss in reference.items() if step in run}
   worse = sorted(step for step, diff in diffs.items() if diff > tolerance)
   return {"steps_compared": len(diffs), "missing_steps": missing[:20],
           "max_rel_diff": max(diffs.values(), default=0.0), "mismatched_steps": worse[:20],
-          "tolerance": tolerance, "equal": not missing and not worse and bool(diffs)}
+          "tolerance": tolerance, "equal": not missing and not worse and bool(diffs),
+          "unsent_steps": sorted(absent & set(unsent))}
+
+
+def unsent_steps(faults: Sequence[Fault]) -> list[int]:
+  """Steps whose metric rows an outage may have kept from the bucket: those after the
+  newest row seen as it began, up to the local step the stopped run saved and resumed
+  from. The rows are queued in memory while the bucket is down, and the run stopped by
+  a long outage exits with them (the trainer's local tier holds the training state,
+  not `metrics.jsonl`); training from that step on, to the reference's losses, is what
+  shows the state saved then was whole."""
+  return sorted(step for f in faults
+                if f.kind == "outage" and f.outcome == "restarted" and f.resumed_step
+                for step in range(f.at_step + 1, f.resumed_step + 1))
 
 
 def _child_pid(launcher_pid: int, process_id: int) -> Optional[int]:
@@ -209,14 +225,16 @@ class StorageFaults:
   """Starts and ends the storage faults: the local tier's disk filled (`disk`), the
   bucket's proxy cut (`proxy`).
 
-  Each lasts `duration_s` at least. A full disk matters only to a save, so it lasts
-  until the run has also logged the step after its next local save (`local_every`), or
-  restarted, or 4 x `duration_s` passed: a fault that no save met would measure nothing.
+  An outage lasts `outage_fault_s`. A full disk lasts `disk_full_s` at least, and as it
+  matters only to a save, until the run has also logged the step after its next local
+  save (`local_every`), or restarted, or 4 x `disk_full_s` + 60 s passed: a full disk
+  that no save met would measure nothing.
   """
 
-  def __init__(self, duration_s: float, disk: Optional[SmallDisk] = None,
-               proxy: Optional[CuttableProxy] = None, local_every: int = 0):
-    self.duration_s = duration_s
+  def __init__(self, outage_fault_s: float = 30.0, disk_full_s: float = 10.0,
+               disk: Optional[SmallDisk] = None, proxy: Optional[CuttableProxy] = None,
+               local_every: int = 0):
+    self.durations = {"outage": outage_fault_s, "disk_full": disk_full_s}
     self.disk = disk
     self.proxy = proxy
     self._local_every = local_every
@@ -232,10 +250,10 @@ class StorageFaults:
 
   def due(self, fault: Fault, now_s: float, logged: int, restarted: bool) -> bool:
     """Whether `fault`, started at `fault.sent_s`, should end at `now_s`."""
-    elapsed = now_s - fault.sent_s
-    if elapsed < self.duration_s:
+    elapsed, duration = now_s - fault.sent_s, self.durations[fault.kind]
+    if elapsed < duration:
       return False
-    if fault.kind != "disk_full" or restarted or elapsed > 4 * self.duration_s:
+    if fault.kind != "disk_full" or restarted or elapsed > 4 * duration + 60:
       return True
     next_save = (fault.at_step // self._local_every + 1) * self._local_every
     return logged > next_save
@@ -450,6 +468,11 @@ def format_report(report: dict[str, Any]) -> str:
   lines.append(f"loss curve: {loss['steps_compared']} steps compared with the "
                f"uninterrupted run, max relative difference {loss['max_rel_diff']:.2e} "
                f"({'equal' if loss['equal'] else 'DIFFERENT'} within {loss['tolerance']})")
+  if loss.get("unsent_steps"):
+    unsent = loss["unsent_steps"]
+    lines.append(f"  not compared: the rows of steps {unsent[0]}-{unsent[-1]}, logged while "
+                 "the bucket was down by the run that the outage then stopped, never "
+                 "reached it (that run resumed from its local save of those steps)")
   if report["goodput"]:
     lines.append(goodput.format_totals(report["goodput"]))
   if report["median_recover_s"] is not None:
@@ -458,6 +481,15 @@ def format_report(report: dict[str, Any]) -> str:
                  f", launcher relaunches after preemption {report['relaunches']}")
   lines.append(f"verdict: {report['verdict']}")
   return "\n".join(lines)
+
+
+def restart_budget(plan: Sequence[Fault], outage_fault_s: float) -> int:
+  """`launch.local --max_restarts` of the faulted run: one restart per fault, 2 to
+  spare, and for each outage one per 3 s it lasts. A run stopped by an outage is
+  restarted at once, and a restart while the bucket is still down ends in seconds
+  (its first check of the workdir fails with one line): the launcher has no backoff."""
+  outages = sum(f.kind == "outage" for f in plan)
+  return len(plan) + 2 + outages * math.ceil(outage_fault_s / 3)
 
 
 def check_storage_kinds(kinds: Sequence[str], local_every: int, bucket: bool) -> None:
@@ -483,10 +515,10 @@ def _point_clients_at(endpoint: str) -> None:
 
 @contextlib.contextmanager
 def faulted_storage(workdir: str, plan: Sequence[Fault], local_dir: Optional[str],
-                    bucket: bool, duration_s: float, disk_mb: int, local_every: int
+                    bucket: bool, disk_mb: int, faults: StorageFaults
                     ) -> Iterator[tuple[str, Optional[dict[str, str]], StorageFaults]]:
   """The faulted run's storage, for the block: yields its workdir, the launcher's
-  environment (None: this process's) and the `StorageFaults` that fault it.
+  environment (None: this process's) and `faults`, given the disk and proxy to fault.
 
   With `bucket`, a GCS emulator (objects under `workdir/bucket`) and a proxy in front of
   it: the trainers reach the bucket only through the proxy, this process directly. With
@@ -506,7 +538,8 @@ def faulted_storage(workdir: str, plan: Sequence[Fault], local_dir: Optional[str
       _point_clients_at(f"http://127.0.0.1:{port}")
       env = dict(os.environ, **gcs_emulator.environment(proxy.endpoint))
       chaos_dir = BUCKET_WORKDIR
-    yield chaos_dir, env, StorageFaults(duration_s, disk, proxy, local_every)
+    faults.disk, faults.proxy = disk, proxy
+    yield chaos_dir, env, faults
   finally:
     if proxy is not None:
       proxy.close()
@@ -522,8 +555,8 @@ def run_chaos(workdir: str, *, steps: int, faults: int, seed: int, processes: in
               reference_workdir: Optional[str], timeout_s: float,
               kinds: Sequence[str] = ("SIGKILL", "SIGTERM"),
               hang_timeout_s: float = 20.0, gcs_emulator_bucket: bool = False,
-              storage_fault_s: float = 30.0, outage_s: float = 60.0,
-              disk_mb: int = 512) -> dict[str, Any]:
+              outage_fault_s: float = 30.0, outage_s: float = 60.0,
+              disk_full_s: float = 10.0, disk_mb: int = 512) -> dict[str, Any]:
   """Trains the reference and the faulted run; returns the report (also written)."""
   workdir = os.path.abspath(workdir)
   for used in ("chaos", "bucket"):
@@ -556,20 +589,22 @@ def run_chaos(workdir: str, *, steps: int, faults: int, seed: int, processes: in
                      f"CheckpointConfig.local_every={local_every}"]
   if gcs_emulator_bucket:
     chaos_params.append(f"StorageConfig.outage_s={outage_s}")
-  with faulted_storage(workdir, plan, local_dir, gcs_emulator_bucket, storage_fault_s,
-                       disk_mb, local_every) as (chaos_dir, env, storage_faults):
+  faults_made = StorageFaults(outage_fault_s, disk_full_s, local_every=local_every)
+  with faulted_storage(workdir, plan, local_dir, gcs_emulator_bucket, disk_mb,
+                       faults_made) as (chaos_dir, env, storage_faults):
     print(f"launch.chaos: training under {faults} faults in {chaos_dir}", flush=True)
     started = time.monotonic()
     run = ChaosRun(
         launcher_command(training_command(chaos_dir, steps, gin_files, chaos_params),
-                         processes, devices, max_restarts=faults + 2),
+                         processes, devices, max_restarts=restart_budget(plan, outage_fault_s)),
         chaos_dir, plan, max_relaunches=faults + 2, timeout_s=timeout_s,
         log_path=os.path.join(workdir, "chaos.log"), local_dir=local_dir,
         storage_faults=storage_faults, env=env)
     run.run(lambda: _finished(chaos_dir, steps))
     wall = time.monotonic() - started
     rows = read_rows(chaos_dir)
-  loss = compare_losses(train_rows(read_rows(reference_dir)), train_rows(rows), tolerance)
+  loss = compare_losses(train_rows(read_rows(reference_dir)), train_rows(rows), tolerance,
+                        unsent_steps(plan))
   recovered = [f.recover_s for f in plan if f.recover_s is not None]
   # A fault sent so late that the run finished without a restart is reported, not failed.
   unanswered = [f for f in plan if f.sent_s is not None and f.recover_s is None]
@@ -578,7 +613,7 @@ def run_chaos(workdir: str, *, steps: int, faults: int, seed: int, processes: in
       "steps": steps, "processes": processes, "devices_per_process": devices,
       "seed": seed, "local_every": local_every, "checkpoint_every": checkpoint_every,
       "kinds": list(kinds), "hang_timeout_s": hang_timeout_s,
-      "workdir": chaos_dir, "storage_fault_s": storage_fault_s,
+      "workdir": chaos_dir, "outage_fault_s": outage_fault_s, "disk_full_s": disk_full_s,
       "outage_s": outage_s if gcs_emulator_bucket else None,
       "gin_files": list(gin_files), "gin_params": list(gin_params),
       "faults": [dataclasses.asdict(f) for f in plan],
@@ -628,14 +663,16 @@ def define_flags() -> None:
                     "SIGTERM, corrupt (tear the newest checkpoint, then SIGKILL), hang "
                     "(SIGSTOP); and, not drawn unless named, disk_full (the local tier's "
                     "disk, a tmpfs of --disk_mb mounted by this command, filled for "
-                    "--storage_fault_s; needs root) and outage (the bucket cut off for "
-                    "--storage_fault_s; needs --gcs_emulator).")
+                    "--disk_full_s; needs root) and outage (the bucket cut off for "
+                    "--outage_fault_s; needs --gcs_emulator).")
   flags.DEFINE_bool("gcs_emulator", False, "Train the faulted run into "
                     f"{BUCKET_WORKDIR} on a GCS emulator this command starts (objects "
                     "under <workdir>/bucket; the gcp-storage-emulator package), which the "
                     "trainers reach through a proxy that an outage cuts.")
-  flags.DEFINE_float("storage_fault_s", 30.0, "How long a disk_full or outage lasts (a "
-                     "disk_full also until a local save has met it).", lower_bound=0)
+  flags.DEFINE_float("outage_fault_s", 30.0, "How long an outage cuts the bucket off.",
+                     lower_bound=0)
+  flags.DEFINE_float("disk_full_s", 10.0, "How long a disk_full fills the disk at least "
+                     "(it lasts until a local save has met it).", lower_bound=0)
   flags.DEFINE_float("outage_s", 60.0, "StorageConfig.outage_s of the faulted run with "
                      "--gcs_emulator: an outage shorter than this is ridden out, a longer "
                      "one stops the run after a local save and the launcher restarts it.",
@@ -660,8 +697,8 @@ def main(argv: Sequence[str]) -> None:
                      reference_workdir=FLAGS.reference_workdir, timeout_s=FLAGS.timeout_s,
                      kinds=FLAGS.kinds, hang_timeout_s=FLAGS.hang_timeout_s,
                      gcs_emulator_bucket=FLAGS.gcs_emulator,
-                     storage_fault_s=FLAGS.storage_fault_s, outage_s=FLAGS.outage_s,
-                     disk_mb=FLAGS.disk_mb)
+                     outage_fault_s=FLAGS.outage_fault_s, outage_s=FLAGS.outage_s,
+                     disk_full_s=FLAGS.disk_full_s, disk_mb=FLAGS.disk_mb)
   print(report["text"], flush=True)
   if report["verdict"] != "pass":
     sys.exit(EXIT_FAILED)
