@@ -23,12 +23,37 @@ the quickstart model unless `--gin_file` says otherwise, every step logged):
                          (`TrainConfig.hang_timeout_s`, `--hang_timeout_s` here) see a
                          collective that never completes and exit, and the launcher
                          restarts every process.
+              Two storage faults are drawn only when `--kinds` names them:
+                disk_full  the local tier's disk fills up: this command mounts a tmpfs of
+                         `--disk_mb` MiB at `<workdir>/local` before the run (it needs
+                         root or CAP_SYS_ADMIN; where the mount is refused it stops with
+                         one line saying so) and at the fault writes a filler that
+                         leaves no byte free, removed after `--disk_full_s` seconds and
+                         once the run has logged the step after its next local save (a
+                         save met the full disk). The trainer turns that tier off with
+                         one line and trains on: the run rides it out.
+                outage   the bucket goes away: with `--gcs_emulator` the faulted run
+                         trains into gs://bucket/chaos on a GCS emulator this command
+                         starts (`launch.gcs_emulator`, a real server; objects under
+                         `<workdir>/bucket`), reached by the trainers only through a TCP
+                         proxy this command controls. The outage closes the proxy's
+                         connections and refuses new ones for `--outage_fault_s`
+                         seconds. Shorter than the run's `StorageConfig.outage_s`
+                         (`--outage_s`), the run rides it out (saves deferred, training
+                         goes on); longer, it saves its local tier and stops with one
+                         line, and `launch.local` restarts it (restarts that find the
+                         bucket still down end at once, with one line, and are retried).
+                         The rows of `metrics.jsonl` logged while the bucket was down by
+                         a run that then stopped never reach it: those steps are listed
+                         in the report as not compared, not counted as missing.
 
-Each fault waits until the previous one has recovered (the new session logged a step).
+Each fault waits until the previous one has recovered (the new session logged a step;
+for a storage fault ridden out, a step logged after the storage came back).
 Then every step's logged loss is compared with the reference (relative difference at
 most `--tolerance`), and a report is written to `<workdir>/chaos_report.json` and
 `chaos_report.txt`: each fault (kind, process, step), the step resumed from and its
-tier, steps lost, time to recover (signal to the next logged step), the run's goodput
+tier (or that it was ridden out), steps lost, time to recover (fault to the next logged
+step: the trainers' own step times for a fault ridden out), the run's goodput
 breakdown, and the verdict. Exit status 0 when the run finished with an equal loss
 curve, 1 otherwise, 2 for a bad command line.
 """
@@ -503,14 +528,30 @@ def check_storage_kinds(kinds: Sequence[str], local_every: int, bucket: bool) ->
                       "emulator, through a proxy that the outage cuts)")
 
 
-def _point_clients_at(endpoint: str) -> None:
-  """This process's storage clients (gcsfs, reading the run's metrics and checkpoints)
-  talk to `endpoint`; fsspec read its FSSPEC_* variables at import, so its config is
-  set too, and gcsfs's cached file systems (each bound to an endpoint) are dropped."""
-  os.environ.update(gcs_emulator.environment(endpoint))
-  for protocol in ("gs", "gcs"):
+@contextlib.contextmanager
+def _clients_pointed_at(endpoint: str) -> Iterator[None]:
+  """For the block, this process's storage clients (gcsfs, reading the run's metrics
+  and checkpoints) talk to `endpoint`; fsspec read its FSSPEC_* variables at import, so
+  its config is set too, and gcsfs's cached file systems (each bound to an endpoint)
+  are dropped. Everything is put back after (a caller's own bucket, if any)."""
+  variables = gcs_emulator.environment(endpoint)
+  saved_env = {name: os.environ.get(name) for name in variables}
+  saved_conf = {p: dict(fsspec.config.conf.get(p, {})) for p in ("gs", "gcs")}
+  gcs = fsspec.get_filesystem_class("gs")
+  os.environ.update(variables)
+  for protocol in saved_conf:
     fsspec.config.conf.setdefault(protocol, {})["token"] = "anon"
-  fsspec.get_filesystem_class("gs").clear_instance_cache()
+  gcs.clear_instance_cache()
+  try:
+    yield
+  finally:
+    for name, value in saved_env.items():
+      if value is None:
+        os.environ.pop(name, None)
+      else:
+        os.environ[name] = value
+    fsspec.config.conf.update(saved_conf)
+    gcs.clear_instance_cache()
 
 
 @contextlib.contextmanager
@@ -528,18 +569,19 @@ def faulted_storage(workdir: str, plan: Sequence[Fault], local_dir: Optional[str
           if local_dir and any(f.kind == "disk_full" for f in plan) else None)
   emulator = proxy = None
   try:
-    if disk is not None:
-      disk.mount()
-    chaos_dir, env = os.path.join(workdir, "chaos"), None
-    if bucket:
-      os.makedirs(os.path.join(workdir, "bucket"))
-      emulator, port = start_gcs_emulator(os.path.join(workdir, "bucket"))
-      proxy = CuttableProxy(port)
-      _point_clients_at(f"http://127.0.0.1:{port}")
-      env = dict(os.environ, **gcs_emulator.environment(proxy.endpoint))
-      chaos_dir = BUCKET_WORKDIR
-    faults.disk, faults.proxy = disk, proxy
-    yield chaos_dir, env, faults
+    with contextlib.ExitStack() as stack:
+      if disk is not None:
+        disk.mount()
+      chaos_dir, env = os.path.join(workdir, "chaos"), None
+      if bucket:
+        os.makedirs(os.path.join(workdir, "bucket"))
+        emulator, port = start_gcs_emulator(os.path.join(workdir, "bucket"))
+        proxy = CuttableProxy(port)
+        env = dict(os.environ, **gcs_emulator.environment(proxy.endpoint))
+        stack.enter_context(_clients_pointed_at(f"http://127.0.0.1:{port}"))
+        chaos_dir = BUCKET_WORKDIR
+      faults.disk, faults.proxy = disk, proxy
+      yield chaos_dir, env, faults
   finally:
     if proxy is not None:
       proxy.close()

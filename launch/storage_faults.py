@@ -15,6 +15,7 @@ reads the run's metrics from it directly), so the bucket comes back with its con
 from __future__ import annotations
 
 import errno
+import importlib.util
 import os
 import signal
 import socket
@@ -180,12 +181,10 @@ def free_port() -> int:
 def start_gcs_emulator(data_dir: str, timeout_s: float = 60.0) -> tuple[subprocess.Popen, int]:
   """Starts `launch.gcs_emulator` on a free port, its objects under `data_dir`; returns
   the process and its port once it answers. A missing emulator package is one line."""
-  try:
-    import gcp_storage_emulator  # pylint: disable=import-outside-toplevel,unused-import
-  except ImportError:
+  if importlib.util.find_spec("gcp_storage_emulator") is None:
     raise UserError("launch.chaos: --gcs_emulator needs the gcp-storage-emulator package: "
                     "pip install gcp-storage-emulator (or the project's `test` extra)",
-                    EXIT_FAILED) from None
+                    EXIT_FAILED)
   port = free_port()
   process = subprocess.Popen([sys.executable, "-m", "launch.gcs_emulator", str(port),
                               data_dir], stdin=subprocess.DEVNULL,

@@ -14,8 +14,9 @@ PACKAGES = ("pretrain", "model/scan")
 # may be missing from a JAX build); plotting only where a plot is written; the `hf`
 # extra's packages only where a Hugging Face model or tokenizer is written or read;
 # lm_eval (the `eval` extra, and the backend that subclasses its LM) only where
-# downstream tasks run.
-OPTIONAL_INSIDE_FUNCTIONS = {"matplotlib", "matplotlib.pyplot", "jax.experimental.pallas",
+# downstream tasks run; the GCS emulator (the `test` extra) only where one is served.
+OPTIONAL_INSIDE_FUNCTIONS = {"gcp_storage_emulator", "gcp_storage_emulator.handlers",
+                             "matplotlib", "matplotlib.pyplot", "jax.experimental.pallas",
                              "model.scan", "model.scan.pallas_scan", "safetensors.numpy",
                              "tokenizers", "transformers",
                              "transformers.tokenization_utils_base", "sentencepiece",
