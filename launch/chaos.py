@@ -537,8 +537,11 @@ def _clients_pointed_at(endpoint: str) -> Iterator[None]:
   variables = gcs_emulator.environment(endpoint)
   saved_env = {name: os.environ.get(name) for name in variables}
   saved_conf = {p: dict(fsspec.config.conf.get(p, {})) for p in ("gs", "gcs")}
-  gcs = fsspec.get_filesystem_class("gs")
   os.environ.update(variables)
+  # Imported after the variables are set: gcsfs picks its file system class at import,
+  # and with GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT unset that one first probes the real
+  # service over gRPC (minutes of retries per call here; seen under pytest).
+  gcs = fsspec.get_filesystem_class("gs")
   for protocol in saved_conf:
     fsspec.config.conf.setdefault(protocol, {})["token"] = "anon"
   gcs.clear_instance_cache()
