@@ -517,6 +517,20 @@ def restart_budget(plan: Sequence[Fault], outage_fault_s: float) -> int:
   return len(plan) + 2 + outages * math.ceil(outage_fault_s / 3)
 
 
+def train_reference(reference_dir: str, workdir: str, command: list[str],
+                    steps: int) -> None:
+  """Trains the uninterrupted run unless `reference_dir` holds it finished already."""
+  if _finished(reference_dir, steps):
+    return
+  print(f"launch.chaos: training the uninterrupted reference in {reference_dir}",
+        flush=True)
+  with open(os.path.join(workdir, "reference.log"), "a", encoding="utf-8") as log:
+    code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT)
+  if code != 0 or not _finished(reference_dir, steps):
+    raise UserError(f"launch.chaos: the reference run failed (exit {code}; see "
+                    f"{workdir}/reference.log)", EXIT_FAILED)
+
+
 def check_storage_kinds(kinds: Sequence[str], local_every: int, bucket: bool) -> None:
   """The storage kinds need what they fault: a local tier to fill, a bucket to cut."""
   if "disk_full" in kinds and not local_every:
@@ -616,17 +630,6 @@ def run_chaos(workdir: str, *, steps: int, faults: int, seed: int, processes: in
     params.append(f"CHECKPOINT_EVERY={checkpoint_every}")
   plan = plan_faults(steps, faults, processes, seed, kinds)
 
-  if not _finished(reference_dir, steps):
-    print(f"launch.chaos: training the uninterrupted reference in {reference_dir}",
-          flush=True)
-    with open(os.path.join(workdir, "reference.log"), "a", encoding="utf-8") as log:
-      code = subprocess.call(launcher_command(
-          training_command(reference_dir, steps, gin_files, params), processes, devices, 0),
-          stdout=log, stderr=subprocess.STDOUT)
-    if code != 0 or not _finished(reference_dir, steps):
-      raise UserError(f"launch.chaos: the reference run failed (exit {code}; see "
-                      f"{workdir}/reference.log)", EXIT_FAILED)
-
   chaos_params = list(params) + [f"TrainConfig.hang_timeout_s={hang_timeout_s}"]
   local_dir = os.path.join(workdir, "local") if local_every else None
   if local_every:
@@ -635,8 +638,12 @@ def run_chaos(workdir: str, *, steps: int, faults: int, seed: int, processes: in
   if gcs_emulator_bucket:
     chaos_params.append(f"StorageConfig.outage_s={outage_s}")
   faults_made = StorageFaults(outage_fault_s, disk_full_s, local_every=local_every)
+  # The storage first: a refused mount is said before the reference's minutes of training.
   with faulted_storage(workdir, plan, local_dir, gcs_emulator_bucket, disk_mb,
                        faults_made) as (chaos_dir, env, storage_faults):
+    train_reference(reference_dir, workdir, launcher_command(
+        training_command(reference_dir, steps, gin_files, params), processes, devices, 0),
+                    steps)
     print(f"launch.chaos: training under {faults} faults in {chaos_dir}", flush=True)
     started = time.monotonic()
     run = ChaosRun(
