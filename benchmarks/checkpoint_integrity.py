@@ -19,7 +19,9 @@ process holds about two copies at a time, and the disk up to two steps.
 """
 from __future__ import annotations
 
-from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
+from plumbing import quiet
+quiet.setup()  # first, before JAX or TensorFlow load: see plumbing/quiet.py
+# pylint: disable=wrong-import-position
 import contextlib
 import json
 import os
@@ -30,7 +32,8 @@ from typing import Any, Callable, Iterator, Sequence
 from absl import flags
 import jax
 
-from pretrain import checkpointing, cli, gin_config, integrity, storage
+from plumbing import cli, storage
+from pretrain import checkpointing, gin_config, integrity
 from pretrain.runtime import Runtime
 
 flags.DEFINE_string("preset", "griffin_1_3b", "Model preset under configs/models/.")

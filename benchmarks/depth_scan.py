@@ -16,7 +16,9 @@ Examples:
 """
 from __future__ import annotations
 
-from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
+from plumbing import quiet
+quiet.setup()  # first, before JAX or TensorFlow load: see plumbing/quiet.py
+# pylint: disable=wrong-import-position
 import os
 import statistics
 import sys
@@ -34,8 +36,8 @@ from train_step import load_model_config
 
 from model import lm  # pylint: disable=wrong-import-position
 from model.config import ModelConfig  # pylint: disable=wrong-import-position
-from pretrain import cli  # pylint: disable=wrong-import-position
-from pretrain.errors import usage_error  # pylint: disable=wrong-import-position
+from plumbing import cli  # pylint: disable=wrong-import-position
+from plumbing.errors import usage_error  # pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS
 

@@ -14,7 +14,9 @@ cache misscores requests, see tests/test_lm_eval_backend.py). One JSON line.
 """
 from __future__ import annotations
 
-from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
+from plumbing import quiet
+quiet.setup()  # first, before JAX or TensorFlow load: see plumbing/quiet.py
+# pylint: disable=wrong-import-position
 import json
 import os
 import random
@@ -28,8 +30,9 @@ from lm_eval.models.huggingface import HFLM
 import numpy as np
 
 from model import lm as lm_lib
-from pretrain import cli, convert, downstream, export, gin_config
-from pretrain.load import load
+from plumbing import cli
+from pretrain import convert, downstream, export, gin_config
+from pretrain.loading import load
 from pretrain.metadata import make_vocabulary
 
 flags.DEFINE_string("workdir", None, "Scratch directory (emptied first).")

@@ -10,7 +10,9 @@ wall time, its peak resident memory and the output's size. One JSON line.
 """
 from __future__ import annotations
 
-from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
+from plumbing import quiet
+quiet.setup()  # first, before JAX or TensorFlow load: see plumbing/quiet.py
+# pylint: disable=wrong-import-position
 import json
 import os
 import resource
@@ -25,7 +27,8 @@ import jax
 import numpy as np
 
 from model import lm
-from pretrain import cli, convert, export, gin_config
+from plumbing import cli
+from pretrain import convert, export, gin_config
 from pretrain.metadata import make_vocabulary
 
 flags.DEFINE_string("preset", "griffin_1_3b", "Model preset under configs/models/.")

@@ -6,7 +6,9 @@ without the trainer's data stack (SeqIO, TensorFlow) that the Gin presets import
 writes CARRY_DIR/griffin_100m.model.json and CARRY_DIR/griffin_1_3b.model.json
 (`benchmarks/train_step.py --preset=FILE.json` reads them).
 """
-from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
+from plumbing import quiet
+quiet.setup()  # first, before JAX or TensorFlow load: see plumbing/quiet.py
+# pylint: disable=wrong-import-position
 import json
 import os
 import sys

@@ -17,7 +17,9 @@ XLA_FLAGS=--xla_force_host_platform_device_count=N for N simulated devices.
 """
 from __future__ import annotations
 
-from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
+from plumbing import quiet
+quiet.setup()  # first, before JAX or TensorFlow load: see plumbing/quiet.py
+# pylint: disable=wrong-import-position
 import statistics
 import time
 
@@ -31,8 +33,8 @@ from jax.sharding import PartitionSpec as P
 from model import lm
 from model.config import ModelConfig
 from model.scan import ScanOptions
-from pretrain import cli
-from pretrain.errors import UserError
+from plumbing import cli
+from plumbing.errors import UserError
 from pretrain.losses import token_losses
 from sharding import mesh as mesh_lib
 from sharding import partition

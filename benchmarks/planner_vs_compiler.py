@@ -1,6 +1,6 @@
 """The memory planner's analytic plan against the TPU or GPU compiler's peak, for one run.
 
-`model.summary --mesh` answers instantly from `model.memory`'s analytic model; this
+`pretrain.summary --mesh` answers instantly from `model.memory`'s analytic model; this
 script compiles the trainer's own train step for a TPU slice or GPUs (`pretrain.compile`:
 libtpu's XLA:TPU and Mosaic, or the CUDA plugin's XLA:GPU, Triton and ptxas, on this
 host, no accelerator needed) and prints both per device, with
@@ -23,7 +23,9 @@ holds the analytic plan against every record there.
 """
 from __future__ import annotations
 
-from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
+from plumbing import quiet
+quiet.setup()  # first, before JAX or TensorFlow load: see plumbing/quiet.py
+# pylint: disable=wrong-import-position
 import datetime
 import importlib.metadata
 import json
@@ -36,7 +38,7 @@ from absl import flags
 import jax
 
 from model import memory
-from pretrain import cli
+from plumbing import cli
 from pretrain import compile as compile_lib
 from pretrain import gin_config
 from pretrain import gpu_target

@@ -20,7 +20,9 @@ whole process's for `inprocess`, and the largest Beam worker's (each worker reco
 """
 from __future__ import annotations
 
-from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
+from plumbing import quiet
+quiet.setup()  # first, before JAX or TensorFlow load: see plumbing/quiet.py
+# pylint: disable=wrong-import-position
 import json
 import re
 import os
@@ -33,7 +35,8 @@ from typing import Dict, List, Sequence
 import gin
 from absl import flags
 
-from pretrain import cli, gin_config
+from plumbing import cli
+from pretrain import gin_config
 from pretrain.data import pipeline, prepare
 from pretrain.trainer import TrainConfig
 

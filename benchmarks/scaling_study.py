@@ -39,7 +39,7 @@ import numpy as np
 
 from launch import scaling_fit
 from launch import scaling_laws
-from pretrain import cli
+from plumbing import cli
 
 FAMILY = "mqa"
 FIT_BUDGETS = (2.5e11, 6e11, 1.5e12)

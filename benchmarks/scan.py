@@ -26,7 +26,9 @@ number: it is skipped unless --include_interpret, and then marked "interpret".
 """
 from __future__ import annotations
 
-from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
+from plumbing import quiet
+quiet.setup()  # first, before JAX or TensorFlow load: see plumbing/quiet.py
+# pylint: disable=wrong-import-position
 import statistics
 import time
 from typing import Callable, Sequence
@@ -35,10 +37,10 @@ from absl import flags
 import jax
 import jax.numpy as jnp
 
-from model.scan import linear_scan
 from model.scan import ScanOptions
-from pretrain import cli
-from pretrain.errors import usage_error
+from model.scan import linear_scan
+from plumbing import cli
+from plumbing.errors import usage_error
 
 ALL_IMPLS = ("lax:1", "lax:8", "lax:128", "associative", "pallas", "pallas:chunked",
              "pallas:lookback", "recurrentgemma")

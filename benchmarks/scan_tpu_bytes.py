@@ -13,7 +13,9 @@ timing. The copies exist because XLA:TPU tiles the last two axes of an array by
 """
 from __future__ import annotations
 
-from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
+from plumbing import quiet
+quiet.setup()  # first, before JAX or TensorFlow load: see plumbing/quiet.py
+# pylint: disable=wrong-import-position
 import re
 from typing import Sequence
 
@@ -23,10 +25,10 @@ from absl import flags
 
 from model.scan import ScanOptions
 from model.scan import linear_scan
+from plumbing import cli
+from plumbing.errors import usage_error
 from pretrain import aot
-from pretrain import cli
 from pretrain import tpu_target
-from pretrain.errors import usage_error
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("shape", ["4", "2048", "1024"], "B,T,D of the scan.")

@@ -14,7 +14,9 @@ One JSON line; the ratios (bucket / local) are what to compare, on a shared mach
 """
 from __future__ import annotations
 
-from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
+from plumbing import quiet
+quiet.setup()  # first, before JAX or TensorFlow load: see plumbing/quiet.py
+# pylint: disable=wrong-import-position
 import json
 import os
 import statistics
@@ -27,7 +29,8 @@ from typing import Dict, List, Sequence
 import gin
 from absl import flags
 
-from pretrain import cli, gin_config, storage
+from plumbing import cli, storage
+from pretrain import gin_config
 from pretrain.data import pipeline, prepare
 from pretrain.trainer import TrainConfig
 

@@ -39,7 +39,9 @@ compile on CPU: expect the reference's compile time to dominate a CPU run.
 """
 from __future__ import annotations
 
-from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
+from plumbing import quiet
+quiet.setup()  # first, before JAX or TensorFlow load: see plumbing/quiet.py
+# pylint: disable=wrong-import-position
 import dataclasses
 import json
 import os
@@ -64,10 +66,10 @@ from model import recurrentgemma_params
 from model.config import BlockType, ModelConfig, model_config_from_dict
 from absl import flags
 
-from pretrain import cli
+from plumbing import cli
+from plumbing.errors import UserError, usage_error
 from pretrain import flops as flops_lib
 from pretrain import optimizer as optimizer_lib
-from pretrain.errors import UserError, usage_error
 from pretrain.losses import token_losses
 
 PRESET_FILES = {

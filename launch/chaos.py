@@ -59,7 +59,6 @@ curve, 1 otherwise, 2 for a bad command line.
 """
 from __future__ import annotations
 
-from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
 import contextlib
 import dataclasses
 import json
@@ -79,11 +78,11 @@ import fsspec.config
 from launch import gcs_emulator
 from launch.storage_faults import CuttableProxy, SmallDisk, start_gcs_emulator, stop_process
 
-from pretrain import cli
+from plumbing import cli
+from plumbing import storage
+from plumbing.errors import EXIT_FAILED, UserError, usage_error
 from pretrain import goodput
-from pretrain import storage
 from pretrain.checkpointing import complete_steps
-from pretrain.errors import EXIT_FAILED, UserError, usage_error
 from pretrain.metrics import format_duration
 from sharding import distributed
 

@@ -21,10 +21,10 @@ from typing import Sequence
 from absl import flags
 
 from launch import common
+from plumbing import cli
+from plumbing import storage
+from plumbing.errors import usage_error
 from pretrain import checkpointing
-from pretrain import cli
-from pretrain import storage
-from pretrain.errors import usage_error
 
 STAGING = "fork_seed.partial"
 

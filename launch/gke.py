@@ -18,7 +18,6 @@ otherwise it is piped to `kubectl apply -f -`.
 """
 from __future__ import annotations
 
-from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
 import dataclasses
 import subprocess
 import sys
@@ -28,8 +27,9 @@ from absl import flags
 
 from launch import common
 from launch import sweep_dispatch
-from pretrain import cli
-from pretrain.errors import usage_error
+from plumbing import cli
+from plumbing.errors import usage_error
+from sharding.tpu_slice import TpuSlice
 
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 REPLICATED_JOB = "slice"
@@ -56,7 +56,7 @@ def container_env(num_slices: int, extra: dict[str, str]) -> list[dict[str, Any]
   return env
 
 
-def jobset_manifest(name: str, image: str, command: Sequence[str], tpu_slice: common.TpuSlice,
+def jobset_manifest(name: str, image: str, command: Sequence[str], tpu_slice: TpuSlice,
                     num_slices: int = 1, env: Optional[dict[str, str]] = None,
                     max_restarts: int = common.DEFAULT_MAX_RESTARTS,
                     working_dir: Optional[str] = None) -> dict[str, Any]:
@@ -125,7 +125,7 @@ class SweepBackend(sweep_dispatch.ClusterBackend):
 
   def from_flags(self, values: flags.FlagValues) -> SweepBackend:
     sweep_dispatch.require_flags(values, self.name, ("image", "tpu_type"))
-    common.TpuSlice(values.tpu_type)  # a bad type is a usage error now, not at submission
+    TpuSlice(values.tpu_type)  # a bad type is a usage error now, not at submission
     return dataclasses.replace(self, **self.cluster_flags(values), image=values.image,
                                tpu_type=values.tpu_type)
 
@@ -133,7 +133,7 @@ class SweepBackend(sweep_dispatch.ClusterBackend):
                   study_dir: str) -> list[sweep_dispatch.Submission]:
     """One JobSet manifest (YAML) per job, applied with kubectl."""
     del study_dir  # the pods' logs stay in the cluster
-    tpu_slice = common.TpuSlice(self.tpu_type)
+    tpu_slice = TpuSlice(self.tpu_type)
     manifests = [common.to_yaml(jobset_manifest(
         sweep_dispatch.dns_name(self.job_name, job.name, suffix=f"a{attempt}"), self.image,
         job.wrapped(), tpu_slice, env=self.env)) for job in jobs]
@@ -165,7 +165,7 @@ def define_flags() -> None:
 
 def main(argv: Sequence[str]) -> None:
   command = common.child_command(argv)
-  tpu_slice = common.TpuSlice(FLAGS.tpu_type, FLAGS.topology)
+  tpu_slice = TpuSlice(FLAGS.tpu_type, FLAGS.topology)
   replica = common.gin_literal(command, "MeshConfig.replica")
   replica = 1 if replica is None else replica  # MeshConfig's default
   if FLAGS.num_slices > 1 and replica != FLAGS.num_slices:

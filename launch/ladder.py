@@ -27,8 +27,8 @@ from launch import scaling_fit
 from launch import scaling_laws
 from launch import size_rule
 from model import counting
-from pretrain import storage
-from pretrain.errors import usage_error
+from plumbing import storage
+from plumbing.errors import usage_error
 
 FORECAST = "forecast.json"
 

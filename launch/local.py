@@ -13,7 +13,6 @@ spent.
 """
 from __future__ import annotations
 
-from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
 import os
 import signal
 import socket
@@ -26,8 +25,8 @@ from typing import Optional, Sequence
 from absl import flags
 
 from launch import common
-from pretrain import cli
-from pretrain.errors import UserError, usage_error
+from plumbing import cli
+from plumbing.errors import UserError, usage_error
 
 _POLL_S = 0.05
 # A peer has failed: the survivors can no longer finish a collective (a save included),

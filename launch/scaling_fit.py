@@ -17,7 +17,7 @@ family, the fits of the three Chinchilla approaches (`launch.scaling_laws`) with
 bootstrap intervals and the compute-optimal N and D at `--target_flops` (default: the
 largest compute in the data), as tables or, with `--json`, as one JSON object; `--plots`
 writes the figures (`launch.scaling_plots`). `--runs`, the runs' workdirs and `--plots`
-may be `gs://` or `s3://` URLs (`pretrain.storage`).
+may be `gs://` or `s3://` URLs (`plumbing.storage`).
 
 Below: the single power law of loss against compute per family that `launch.sweep`
 reports for a fixed tokens-per-parameter design.
@@ -58,8 +58,8 @@ from scipy import optimize
 
 from launch import scaling_laws
 from launch import scaling_plots
-from pretrain import cli, storage
-from pretrain.errors import UserError, usage_error
+from plumbing import cli, storage
+from plumbing.errors import UserError, usage_error
 
 FULL_FORM = "E + A*C^-alpha"
 POWER_FORM = "A*C^-alpha"

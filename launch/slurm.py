@@ -17,7 +17,6 @@ submitting.
 """
 from __future__ import annotations
 
-from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
 import dataclasses
 import os
 import subprocess
@@ -29,8 +28,8 @@ from absl import flags
 
 from launch import common
 from launch import sweep_dispatch
-from pretrain import cli
-from pretrain.errors import usage_error
+from plumbing import cli
+from plumbing.errors import usage_error
 
 
 def _recovery_lines(max_restarts: int) -> list[str]:

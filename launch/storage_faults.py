@@ -27,7 +27,7 @@ import urllib.error
 import urllib.request
 from typing import Optional
 
-from pretrain.errors import EXIT_FAILED, UserError
+from plumbing.errors import EXIT_FAILED, UserError
 
 FILLER = "chaos-filler"
 _CHUNK = 1 << 20

@@ -50,7 +50,6 @@ the backends of `launch.sweep_dispatch`), the results and plots in
 """
 from __future__ import annotations
 
-from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
 import os
 from typing import Dict, List, Sequence, Tuple
 
@@ -67,10 +66,10 @@ from launch import wsd_design
 from launch.sweep_design import (FAMILY_PATTERNS, Run, budget_label, non_embedding_params,
                                  parse_size, plan, plan_isoflop, run_gin)
 from launch.sweep_results import runs_table_markdown, write_results
-from pretrain import cli
+from plumbing import cli
+from plumbing import storage
+from plumbing.errors import usage_error
 from pretrain import gin_config
-from pretrain import storage
-from pretrain.errors import usage_error
 
 
 def vocab_size_from_gin(gin_files: Sequence[str], gin_params: Sequence[str]) -> int:

@@ -35,7 +35,7 @@ from absl import flags
 
 from launch import common
 from launch import sweep_job
-from pretrain.errors import usage_error
+from plumbing.errors import usage_error
 
 FINISHED, RUNNING, INTERRUPTED, FAILED, PENDING = (
     "finished", "running", "interrupted", "failed", "pending")

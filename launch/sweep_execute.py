@@ -21,7 +21,7 @@ from launch import sweep_local
 from launch import tpu_vm
 from launch.sweep_design import Run, command, non_embedding_params
 from launch.sweep_results import collect, final_eval, write_results
-from pretrain.errors import UserError
+from plumbing.errors import UserError
 
 # The built-in backends; one defined elsewhere registers itself with
 # `sweep_dispatch.register` before `launch.sweep.define_flags` runs (docs/INTERNALS.md).

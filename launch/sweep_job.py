@@ -3,7 +3,7 @@
   python -m launch.sweep_job --run_dir=DIR -- python -m pretrain.train ... --workdir=DIR
 
 Every backend of `launch.sweep` starts its runs through this wrapper, so a run's own
-directory (local, `gs://` or `s3://`, through `pretrain.storage`) says what became of it wherever it
+directory (local, `gs://` or `s3://`, through `plumbing.storage`) says what became of it wherever it
 ran: `sweep_status.json` holds `{"state": "running", "host", "pid", "failures"}` while
 the command runs and `{"state": "exited", "exit_code", "failures"}` after it, where
 `failures` counts the attempts that failed (exit code other than 0 and not a
@@ -25,8 +25,8 @@ from typing import Optional, Sequence
 from absl import flags
 
 from launch import common
-from pretrain import cli
-from pretrain import storage
+from plumbing import cli
+from plumbing import storage
 
 STATUS_FILE = "sweep_status.json"
 _PROCESS_INDEX_VARIABLES = ("SLURM_PROCID", "TPU_WORKER_ID", "JOB_COMPLETION_INDEX")

@@ -18,7 +18,7 @@ from typing import Callable, Dict, Optional, Sequence
 from launch import scaling_fit
 from launch import wsd_design
 from launch.sweep_design import CSV_FIELDS, Run, non_embedding_params
-from pretrain import storage
+from plumbing import storage
 
 
 def final_eval(run: Run) -> Optional[dict]:

@@ -18,7 +18,6 @@ startup script runs it on every worker.
 """
 from __future__ import annotations
 
-from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
 import dataclasses
 import subprocess
 import sys
@@ -28,7 +27,8 @@ from absl import flags
 
 from launch import common
 from launch import sweep_dispatch
-from pretrain import cli
+from plumbing import cli
+from sharding.tpu_slice import TpuSlice
 
 
 def remote_command(command: Sequence[str], remote_dir: str, setup: str,
@@ -89,7 +89,7 @@ class SweepBackend(sweep_dispatch.ClusterBackend):
 
   def from_flags(self, values: flags.FlagValues) -> SweepBackend:
     sweep_dispatch.require_flags(values, self.name, ("tpu_type", "zone"))
-    common.TpuSlice(values.tpu_type)  # a bad type is a usage error now, not at submission
+    TpuSlice(values.tpu_type)  # a bad type is a usage error now, not at submission
     return dataclasses.replace(
         self, **self.cluster_flags(values), tpu_type=values.tpu_type, zone=values.zone,
         project=values.project, runtime_version=values.runtime_version,
@@ -148,7 +148,7 @@ def main(argv: Sequence[str]) -> None:
                           FLAGS.retry_delay_s)
   gcloud = gcloud_argv(FLAGS.tpu, FLAGS.zone, FLAGS.project, remote)
   if FLAGS.tpu_type:
-    tpu_slice = common.TpuSlice(FLAGS.tpu_type)
+    tpu_slice = TpuSlice(FLAGS.tpu_type)
     print(f"# {tpu_slice.name}: {tpu_slice.hosts} workers x {tpu_slice.chips_per_host} chips "
           f"(topology {tpu_slice.topology}); one process per worker", flush=True)
   print(common.shell_join(gcloud), flush=True)

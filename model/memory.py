@@ -6,7 +6,7 @@ activations at the peak of the backward pass are estimated per token from the bl
 structure, with buffer counts calibrated against the TPU compiler (below). Instant for
 any size; the 14B preset on 128 devices plans in seconds. The other method, XLA's own
 figures for the trainer's compiled step, needs the trainer's program and so lives
-above the model, in `pretrain.memory_plan` (which `model.summary` uses).
+above the model, in `pretrain.memory_plan` (which `pretrain.summary` uses).
 
 Analytic model of the peak (bytes per device). The total is
     params + optimizer + gradients + max(activations, workspace)

@@ -21,8 +21,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from plumbing.errors import CheckpointSaveError, UnreadableCheckpointError
 from pretrain import integrity
-from pretrain.errors import CheckpointSaveError, UnreadableCheckpointError
 
 # What can be wrong with a step (`integrity.Problem.kind`), numbered for a gather.
 PROBLEM_KINDS = ("size", "checksum", "missing", "manifest", "unreadable")

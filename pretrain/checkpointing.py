@@ -43,11 +43,11 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from pretrain import integrity
-from pretrain import storage
-from pretrain.checkpoint_tier import CheckpointTier, Restored, checked_read
-from pretrain.errors import (CheckpointMismatchError, CheckpointSaveError,
+from plumbing import storage
+from plumbing.errors import (CheckpointMismatchError, CheckpointSaveError,
                              UnreadableCheckpointError, UserError, warn)
+from pretrain import integrity
+from pretrain.checkpoint_tier import CheckpointTier, Restored, checked_read
 from pretrain.integrity import COMMIT_MARKER
 from pretrain.local_checkpoints import MAX_LOCAL_KEEP, LocalCheckpointer, process_directory
 from pretrain.outage import Outage, StorageConfig

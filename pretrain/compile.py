@@ -29,13 +29,13 @@ import jax
 from absl import flags
 from jax.experimental import serialize_executable
 
+from plumbing import cli
+from plumbing import storage
+from plumbing.errors import EXIT_FAILED, UserError, usage_error
 from pretrain import aot
-from pretrain import storage
-from pretrain import cli
 from pretrain import gin_config
 from pretrain import gpu_target
 from pretrain import tpu_target
-from pretrain.errors import EXIT_FAILED, UserError, usage_error
 from pretrain.optimizer import OptimizerConfig
 from pretrain.trainer import TrainConfig
 from sharding import partition

@@ -22,7 +22,6 @@ DIR/model.gin holds the ModelConfig bindings to train with.
 """
 from __future__ import annotations
 
-from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
 import os
 from typing import Any, Optional, Sequence
 
@@ -34,14 +33,14 @@ from absl import flags
 from model import hf_params
 from model import recurrentgemma_params as rg
 from model.config import ModelConfig, model_config_to_dict
-from pretrain import cli
+from plumbing import cli
+from plumbing import storage
+from plumbing.errors import UserError, usage_error
 from pretrain import extras
 from pretrain import gin_config
 from pretrain import hf_import
-from pretrain import storage
 from pretrain.checkpointing import (Checkpointer, checkpoint_dir, complete_steps,
                                    describe_mismatch, shapes_by_path)
-from pretrain.errors import UserError, usage_error
 from pretrain.metadata import RunMetadata, make_vocabulary, vocabulary_spec
 from pretrain.runtime import Runtime
 from sharding.mesh import MeshConfig

@@ -27,8 +27,8 @@ import logging
 import os
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
+from plumbing.errors import UserError, usage_error
 from pretrain import extras
-from pretrain.errors import UserError, usage_error
 from pretrain.metrics import DOWNSTREAM_PREFIX
 from pretrain.runtime import Runtime
 

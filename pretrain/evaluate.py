@@ -19,7 +19,6 @@ lm_eval's results table, and --output writes lm_eval's results JSON.
 """
 from __future__ import annotations
 
-from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
 import contextlib
 import json
 from typing import Any, Sequence
@@ -27,16 +26,16 @@ from typing import Any, Sequence
 from absl import flags
 from etils import epy
 
-from pretrain import cli
+from plumbing import cli
+from plumbing import storage
+from plumbing.errors import UserError, usage_error
 from pretrain import downstream
 from pretrain import evaluation
 from pretrain import gin_config
 from pretrain import metrics as metrics_lib
-from pretrain import storage
 from pretrain.data import synthetic
 from pretrain.data.vocabularies import token_byte_lengths
-from pretrain.errors import UserError, usage_error
-from pretrain.load import LoadedModel, load
+from pretrain.loading import LoadedModel, load
 from pretrain.trainer import TrainConfig
 
 # SeqIO and TensorFlow load on first use (about 6 s): commands that only parse

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from model import decoding
+from plumbing.errors import UserError
 from pretrain.data import synthetic
-from pretrain.errors import UserError
 from pretrain.losses import token_losses
 from pretrain.runtime import Runtime, host_scalar
 from pretrain.steps import make_eval_step

@@ -20,7 +20,6 @@ needs only safetensors and tokenizers (the `hf` extra); loading needs torch.
 """
 from __future__ import annotations
 
-from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
 import json
 import os
 import re
@@ -34,13 +33,13 @@ import ml_dtypes
 import numpy as np
 
 from model import hf_params
-from pretrain import cli
+from plumbing import cli
+from plumbing import storage
+from plumbing.errors import UserError, usage_error
 from pretrain import extras
 from pretrain import hf_tokenizer
 from pretrain import safetensors_writer
-from pretrain import storage
-from pretrain.errors import UserError, usage_error
-from pretrain.load import LoadedModel, load
+from pretrain.loading import LoadedModel, load
 
 FLAGS = flags.FLAGS
 DTYPES = ("float32", "bfloat16")

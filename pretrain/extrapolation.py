@@ -18,7 +18,6 @@ model trained on a shortened variant is evaluated on that variant); --task may n
 """
 from __future__ import annotations
 
-from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
 import json
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -28,12 +27,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pretrain import cli
+from plumbing import cli
+from plumbing import storage
+from plumbing.errors import usage_error
 from pretrain import gin_config
-from pretrain import storage
 from pretrain.data import synthetic
-from pretrain.errors import usage_error
-from pretrain.load import load
+from pretrain.loading import load
 
 LogitsFn = Callable[[np.ndarray, np.ndarray], jax.Array]
 

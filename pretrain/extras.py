@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from pretrain.errors import usage_error
+from plumbing.errors import usage_error
 
 
 def require(*modules: str, extra: str, purpose: str) -> None:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from model import decoding
-from pretrain.errors import UserError
+from plumbing.errors import UserError
 
 
 def generate(config: Any, params: Any, prompt_ids: Sequence[int], *, max_new_tokens: int,

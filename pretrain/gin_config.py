@@ -28,8 +28,8 @@ from model.scan.engine import ScanOptions
 from pretrain.checkpointing import CheckpointConfig
 from pretrain.data import pipeline as pipeline_lib
 # Data tasks register their Gin configurables where they are defined.
+from plumbing.errors import UserError, usage_error
 from pretrain.data import synthetic, tasks, vocabularies  # pylint: disable=unused-import
-from pretrain.errors import UserError, usage_error
 from pretrain.optimizer import OptimizerConfig
 from pretrain.outage import StorageConfig
 from pretrain.runtime import Runtime

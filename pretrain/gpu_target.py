@@ -22,7 +22,7 @@ from typing import Any
 
 from jax.experimental import topologies
 
-from pretrain.errors import UserError, usage_error
+from plumbing.errors import UserError, usage_error
 
 INSTALL_HINT = ('the CUDA plugin is not installed, so GPU programs cannot be compiled '
                 'here; install it with: pip install -e ".[gpu-aot]"')

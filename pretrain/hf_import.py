@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from pretrain.errors import UserError
+from plumbing.errors import UserError
 
 BYTE_TOKENIZER_SIZE = 259   # pad, EOS, UNK and 256 bytes
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from etils import epy
 
-from pretrain.errors import UserError
+from plumbing.errors import UserError
 
 # SeqIO and TensorFlow load on first use (about 6 s).
 with epy.lazy_imports():

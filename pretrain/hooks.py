@@ -33,10 +33,10 @@ from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
 import jax
 
+from plumbing import storage
+from plumbing.errors import CheckpointSaveError, TrainingDivergedError, UserError, warn
 from pretrain import flops as flops_lib
-from pretrain import storage
 from pretrain.checkpointing import Checkpointer
-from pretrain.errors import CheckpointSaveError, TrainingDivergedError, UserError, warn
 from pretrain.metrics import MetricsWriter, StepTimer
 from pretrain.steps import TrainState
 

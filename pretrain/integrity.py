@@ -38,8 +38,8 @@ from typing import Any, Collection, Iterator, Optional
 
 import google_crc32c
 
-from pretrain import storage
-from pretrain.errors import CheckpointSaveError, UserError
+from plumbing import storage
+from plumbing.errors import CheckpointSaveError, UserError
 
 MANIFEST = "integrity.json"
 FORMAT = 1

@@ -40,8 +40,8 @@ from lm_eval.api.model import LM
 import numpy as np
 
 from model import decoding
+from plumbing.errors import UserError
 from pretrain import metrics as metrics_lib
-from pretrain.errors import UserError
 from pretrain.losses import token_losses
 from pretrain.runtime import Runtime
 from sharding import partition

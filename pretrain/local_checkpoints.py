@@ -39,9 +39,9 @@ from etils import epath
 
 from jax.experimental import multihost_utils
 
+from plumbing.errors import CheckpointSaveError, UnreadableCheckpointError
 from pretrain import integrity
 from pretrain.checkpoint_tier import Restored, checked_read
-from pretrain.errors import CheckpointSaveError, UnreadableCheckpointError
 from pretrain.integrity import COMMIT_MARKER, TMP_SUFFIX
 
 # Local steps each process reports when the processes agree on one (a fixed-size gather).

@@ -4,7 +4,7 @@ own train step compiled ahead of time (`pretrain.aot`).
 The analytic model lives in `model/` (it needs only shapes and sharding rules); the
 compiled method must compile exactly the program that trains (its loss, microbatches,
 z-loss, chunked loss and optimizer), which is `pretrain.steps.jit_train_step`, so it
-lives here, above the trainer, and `model.summary` and the benchmarks ask this module.
+lives here, above the trainer, and `pretrain.summary` and the benchmarks ask this module.
 Compiling runs on this machine's devices (XLA:CPU's figures on a CPU host; for a TPU
 slice or GPUs use `pretrain.compile --topology=...`, which goes through the same
 `pretrain.aot.compile_train_step`).

@@ -17,9 +17,9 @@ from etils import epy
 import jax
 
 from model.config import ModelConfig, model_config_from_dict, model_config_to_dict
-from pretrain import storage
+from plumbing import storage
+from plumbing.errors import UserError
 from pretrain.data.vocabularies import get_vocabulary
-from pretrain.errors import UserError
 
 # SeqIO and TensorFlow load on first use (about 6 s): commands that only parse
 # configs, print help or plan memory never touch them.

@@ -20,8 +20,8 @@ from typing import Iterable, Iterator, Mapping, Optional, TextIO, TypeVar
 from etils import epy
 import jax
 
-from pretrain import storage
-from pretrain.errors import StorageOutageError, warn
+from plumbing import storage
+from plumbing.errors import StorageOutageError, warn
 from pretrain.outage import FLUSH_TIMEOUT_S, StorageConfig, Uploads
 
 # clu's TensorBoard writer imports TensorFlow (about 6 s): loaded when a run first

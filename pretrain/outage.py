@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-from pretrain.errors import StorageOutageError, UserError
+from plumbing.errors import StorageOutageError, UserError
 
 FIRST_BACKOFF_S = 1.0
 MAX_BACKOFF_S = 30.0
@@ -90,7 +90,7 @@ class Uploads:
 
   `submit(key, write)` queues `write` (it replaces a queued, not yet started write of the
   same `key`: each write is a whole new version of a file). The thread runs the queue in
-  order; a write that fails (a `UserError` from `pretrain.storage`, which is how every
+  order; a write that fails (a `UserError` from `plumbing.storage`, which is how every
   client failure surfaces) is retried after the `Outage` backoff, and later writes wait
   behind it, so a file's versions land in order. `check` raises the outage's
   `StorageOutageError` in the caller's thread once it has lasted `outage_s`.

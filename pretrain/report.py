@@ -17,17 +17,16 @@ directory. A workdir without metrics is a one-line error (exit 2).
 """
 from __future__ import annotations
 
-from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
 import json
 import os
 from typing import Any, Sequence
 
 from absl import flags
 
-from pretrain import cli
+from plumbing import cli
+from plumbing import storage
+from plumbing.errors import usage_error
 from pretrain import goodput
-from pretrain import storage
-from pretrain.errors import usage_error
 
 _DPI = 120
 

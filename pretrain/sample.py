@@ -7,14 +7,13 @@ See `pretrain.generation` for how decoding works (one prefill, then cached steps
 """
 from __future__ import annotations
 
-from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
 from typing import Sequence
 
 from absl import flags
 
-from pretrain import cli
+from plumbing import cli
 from pretrain.generation import sample_text
-from pretrain.load import load
+from pretrain.loading import load
 
 FLAGS = flags.FLAGS
 

@@ -13,7 +13,6 @@ bytes) and uses the ids the pipeline expects: 0 = padding, 1 = EOS, 2 = UNK, no 
 """
 from __future__ import annotations
 
-from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
 import io
 import os
 from typing import Iterator, Sequence
@@ -21,8 +20,8 @@ from typing import Iterator, Sequence
 from absl import flags
 import sentencepiece as spm
 
-from pretrain import cli
-from pretrain import storage
+from plumbing import cli
+from plumbing import storage
 from pretrain.data import corpus_files
 from pretrain.data.errors import DataError
 

@@ -16,8 +16,8 @@ from typing import Any
 
 from jax.experimental import topologies
 
-from launch.common import TpuSlice
-from pretrain.errors import UserError, usage_error
+from plumbing.errors import UserError, usage_error
+from sharding.tpu_slice import TpuSlice
 
 INSTALL_HINT = ('libtpu is not installed, so TPU programs cannot be compiled here; '
                 'install it with: pip install -e ".[tpu]"')

@@ -11,16 +11,15 @@ checkpoint problem), 2 bad command line or config.
 """
 from __future__ import annotations
 
-from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
 import os
 from typing import Sequence
 
 import jax
 from absl import flags
 
-from pretrain import cli
+from plumbing import cli
+from plumbing import storage
 from pretrain import gin_config
-from pretrain import storage
 from pretrain import trainer
 from pretrain.checkpointing import CheckpointConfig, Checkpointer
 from pretrain.optimizer import OptimizerConfig

@@ -20,20 +20,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from model import counting
+from plumbing import storage
+from plumbing.errors import (StorageOutageError, StorageOutageStop, UserError, usage_error,
+                             warn)
 from pretrain import downstream
 from pretrain import evaluation
 from pretrain import flops as flops_lib
 from pretrain import generation
 from pretrain import goodput
 from pretrain import hooks as hooks_lib
-from pretrain import storage
-from pretrain.checkpoint_tier import CheckpointTier
 from pretrain import stragglers
 from pretrain import watchdog as watchdog_lib
+from pretrain.checkpoint_tier import CheckpointTier
 from pretrain.checkpointing import Checkpointer
 from pretrain.data.vocabularies import token_byte_lengths
-from pretrain.errors import (StorageOutageError, StorageOutageStop, UserError, usage_error,
-                             warn)
 from pretrain.metadata import RunMetadata, vocabulary_spec
 from pretrain.metrics import MetricsWriter, format_duration
 from pretrain.optimizer import OptimizerConfig, learning_rate_schedule, make_optimizer

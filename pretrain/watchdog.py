@@ -40,8 +40,8 @@ import threading
 import time
 from typing import Callable, Iterator, Optional
 
-from pretrain import storage
-from pretrain.errors import EXIT_FAILED
+from plumbing import storage
+from plumbing.errors import EXIT_FAILED
 
 PHASES = ("startup", "data", "step", "collective", "checkpoint", "eval", "other")
 LONG_PHASES = frozenset({"startup", "checkpoint", "eval"})

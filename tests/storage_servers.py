@@ -5,7 +5,7 @@ server mode, each as a subprocess on a free loopback port, with one bucket creat
 a fixture is active the process environment points every client the project uses at the
 server: fsspec's gcsfs / s3fs (behind `etils.epath`, hence Orbax's directory handling),
 google-cloud-storage (Orbax's bucket probe), tensorstore's gcs and s3 kvstores (via
-`pretrain.storage.kvstore_spec`), and subprocesses started by the test inherit it. Both
+`plumbing.storage.kvstore_spec`), and subprocesses started by the test inherit it. Both
 are session-scoped: a server starts once per test process and is stopped at its end.
 """
 import contextlib

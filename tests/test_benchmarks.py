@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from pretrain.errors import UserError
+from plumbing.errors import UserError
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO_ROOT, "benchmarks", "train_step.py")

@@ -10,8 +10,8 @@ import pytest
 
 from launch import chaos
 from launch.storage_faults import CuttableProxy, SmallDisk
-from pretrain import storage
-from pretrain.errors import UserError
+from plumbing import storage
+from plumbing.errors import UserError
 
 
 def test_fault_plan_is_seeded_mixed_and_inside_the_run():

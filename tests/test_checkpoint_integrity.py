@@ -8,10 +8,10 @@ import time
 
 import pytest
 
+from plumbing.errors import CheckpointSaveError, StorageOutageError, UserError
 from pretrain import hooks as hooks_lib
 from pretrain import integrity
 from pretrain import outage
-from pretrain.errors import CheckpointSaveError, StorageOutageError, UserError
 
 FILES = {"params/_METADATA": b"{}" * 10, "params/ocdbt.process_0/d/abc": bytes(range(256)) * 8,
          "params/ocdbt.process_0/d/def": b"\1" * 300, "opt_state/d/xyz": b"\2" * 500,

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from model.config import ModelConfig
+from plumbing import storage
+from plumbing.errors import CheckpointSaveError, UnreadableCheckpointError
 from pretrain import checkpointing as ckpt
 from pretrain import integrity
-from pretrain import storage
-from pretrain.errors import CheckpointSaveError, UnreadableCheckpointError
-from pretrain.load import load
+from pretrain.loading import load
 from pretrain.metadata import RunMetadata
 from pretrain.optimizer import OptimizerConfig, make_optimizer
 from pretrain.runtime import Runtime

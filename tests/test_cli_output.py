@@ -78,7 +78,7 @@ COMMANDS = {
     "pretrain.tokenizer": ("--input_glob", "--vocab_size", "--output"),
     "pretrain.data.prepare": GIN_FLAGS + ("--output",),
     "pretrain.extrapolation": ("--workdir",),
-    "model.summary": GIN_FLAGS + ("--mesh", "--batch", "--seq"),
+    "pretrain.summary": GIN_FLAGS + ("--mesh", "--batch", "--seq"),
     "launch.local": ("--num_processes", "--devices_per_process"),
     "launch.sweep": GIN_FLAGS + ("--families", "--sizes", "--workdir", "--design",
                                  "--cooldown_tokens_per_param", "--lr_sweep",

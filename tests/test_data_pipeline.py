@@ -10,10 +10,10 @@ import pytest
 import seqio
 import tensorflow as tf
 
+from plumbing.errors import UserError
 from pretrain.data import DataError, corpus_files, pipeline, sources, tasks, token_store
 from pretrain.data.packing import PackedRows
 from pretrain.data.vocabularies import get_vocabulary
-from pretrain.errors import UserError
 
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
 

@@ -9,7 +9,7 @@ import pytest
 
 ENTRY_POINTS = [
     "pretrain.train", "pretrain.evaluate", "pretrain.sample", "pretrain.convert",
-    "pretrain.tokenizer", "pretrain.extrapolation", "model.summary", "launch.local",
+    "pretrain.tokenizer", "pretrain.extrapolation", "pretrain.summary", "launch.local",
     "launch.sweep", "launch.tpu_vm", "launch.gke", "launch.slurm", "launch.scaling_fit",
     "launch.sweep_job", "launch.chaos", "pretrain.report", "pretrain.export",
     "launch.fork",

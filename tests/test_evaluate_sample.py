@@ -14,12 +14,12 @@ from model import decoding
 import seqio
 
 from model.config import ModelConfig
+from plumbing.errors import UserError
 from pretrain import evaluate as evaluate_lib
 from pretrain import evaluation
 from pretrain import generation
 from pretrain import metadata
 from pretrain.data.vocabularies import token_byte_lengths
-from pretrain.errors import UserError
 from pretrain.losses import token_losses
 from pretrain.runtime import Runtime
 from sharding.mesh import MeshConfig
@@ -201,7 +201,7 @@ def test_answer_metrics_count_only_weighted_positions_across_batches():
   assert result["tokens"] == count
   np.testing.assert_allclose(result["loss"], nll / count, rtol=1e-5)
   assert result["accuracy"] == pytest.approx(correct / count)
-  with pytest.raises(pretrain.load.UserError, match="no batch"):
+  with pytest.raises(UserError, match="no batch"):
     evaluation.answer_metrics(runtime, params, iter([]))
 
 

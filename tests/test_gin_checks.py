@@ -7,9 +7,9 @@ import os
 import gin
 import pytest
 
+from plumbing.errors import EXIT_USAGE, UserError
 from pretrain import gin_config
 from pretrain.checkpointing import CheckpointConfig
-from pretrain.errors import EXIT_USAGE, UserError
 from pretrain.trainer import TrainConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

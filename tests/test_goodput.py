@@ -6,9 +6,9 @@ import time
 
 import pytest
 
+from plumbing.errors import UserError
 from pretrain import goodput
 from pretrain import report
-from pretrain.errors import UserError
 
 
 def _train_row(step, step_time=0.5):

@@ -21,10 +21,10 @@ import sys
 import jax
 import pytest
 
+from plumbing.errors import UserError
 from pretrain import aot
 from pretrain import compile as compile_lib
 from pretrain import gpu_target
-from pretrain.errors import UserError
 
 needs_plugin = pytest.mark.skipif(not gpu_target.plugin_available(),
                                   reason='CUDA plugin not installed (pip install -e ".[gpu-aot]")')
@@ -157,7 +157,7 @@ def test_each_spec_parses_into_devices(kind):
 def test_the_plugin_stays_out_of_cpu_runs():
   """With the CUDA plugin installed and no GPU, using the package as the README's
   snippet does (no JAX_PLATFORMS, no log-level variables) starts only the CPU backend
-  and writes nothing to stderr: `pretrain.quiet` keeps JAX off the plugin."""
+  and writes nothing to stderr: `plumbing.quiet` keeps JAX off the plugin."""
   env = {k: v for k, v in os.environ.items()
          if k not in ("JAX_PLATFORMS", "TF_CPP_MIN_LOG_LEVEL", "XLA_FLAGS")}
   env["PYTHONPATH"] = REPO

@@ -23,9 +23,9 @@ from model import lm
 from model.config import ModelConfig
 import seqio
 
+from plumbing.errors import UserError
 from pretrain import convert, export, extras, generation, gin_config, hf_import
 from pretrain import tokenizer as tokenizer_lib
-from pretrain.errors import UserError
 from pretrain.metadata import make_vocabulary
 from trainer_helpers import (REPO, assert_ok, storage_env,  # pylint: disable=unused-import
                              trainer_env)

@@ -11,7 +11,8 @@ import yaml
 
 from launch import common
 from launch import gke
-from pretrain.errors import EXIT_USAGE, UserError
+from plumbing.errors import EXIT_USAGE, UserError
+from sharding.tpu_slice import TpuSlice
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TRAIN = ["python", "-m", "pretrain.train", "--gin_file=configs/models/griffin_7b.gin",
@@ -61,21 +62,21 @@ def test_tpu_vm_dry_run_runs_train_command_on_all_workers():
     ("v6e-64", 64, 16, 4, "8x8", "tpu-v6e-slice"),
 ])
 def test_tpu_slice_shapes(tpu_type, chips, hosts, per_host, topology, label):
-  s = common.TpuSlice(tpu_type)
+  s = TpuSlice(tpu_type)
   assert (s.chips, s.hosts, s.chips_per_host, s.topology, s.gke_accelerator) == (
       chips, hosts, per_host, topology, label)
 
 
 def test_tpu_slice_errors():
   with pytest.raises(UserError, match="must look like") as error:
-    common.TpuSlice("v5x-128")
+    TpuSlice("v5x-128")
   assert error.value.exit_code == EXIT_USAGE
   with pytest.raises(UserError, match="has 64"):
-    common.TpuSlice("v5p-128", topology="4x4x8")
+    TpuSlice("v5p-128", topology="4x4x8")
   with pytest.raises(UserError, match="must look like 4x4x4"):
-    common.TpuSlice("v5p-128", topology="4x4xa")
+    TpuSlice("v5p-128", topology="4x4xa")
   with pytest.raises(UserError, match="whole number of chips"):
-    common.TpuSlice("v5p-7")
+    TpuSlice("v5p-7")
 
 
 @pytest.mark.parametrize("module, flags, fragment", [
@@ -165,7 +166,7 @@ def test_gke_multi_slice_manifest_joins_slices_over_dcn():
 
 def test_yaml_renderer_round_trips_awkward_strings():
   manifest = gke.jobset_manifest("n", "i", ["bash", "-c", "echo 'a: b' \"$(X)\" # c\n"],
-                                 common.TpuSlice("v4-8"), env={"K": "yes", "N": "007"})
+                                 TpuSlice("v4-8"), env={"K": "yes", "N": "007"})
   assert yaml.safe_load(common.to_yaml(manifest)) == manifest
 
 

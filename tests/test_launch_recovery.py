@@ -17,6 +17,7 @@ from launch import common
 from launch import gke
 from launch import slurm
 from launch import tpu_vm
+from sharding.tpu_slice import TpuSlice
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # srun shim: drops its own flags and runs the command; scontrol shim: logs its arguments.
@@ -104,7 +105,7 @@ def test_slurm_without_restarts_is_a_plain_srun():
 
 
 def test_gke_restarts_by_default():
-  manifest = gke.jobset_manifest("n", "i", ["python"], common.TpuSlice("v5p-16"))
+  manifest = gke.jobset_manifest("n", "i", ["python"], TpuSlice("v5p-16"))
   assert manifest["spec"]["failurePolicy"]["maxRestarts"] == common.DEFAULT_MAX_RESTARTS > 0
 
 

@@ -11,15 +11,15 @@ import pytest
 from lm_eval import evaluator
 from lm_eval.api.instance import Instance
 
-import pretrain
 from model.config import ModelConfig
 from model.lm import LanguageModel
+from plumbing.errors import EXIT_USAGE, UserError
 from pretrain import downstream
 from pretrain import evaluation
 from pretrain import export
 from pretrain import extras
 from pretrain import generation
-from pretrain.errors import EXIT_USAGE, UserError
+import pretrain
 from pretrain.lm_eval_backend import JaxLM, bucket_lengths
 from pretrain.runtime import Runtime
 from trainer_helpers import (LM_EVAL_TASKS as TASKS,  # pylint: disable=unused-import

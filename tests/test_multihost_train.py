@@ -33,7 +33,7 @@ import pytest
 from launch import chaos
 from pretrain import goodput
 from pretrain.checkpointing import complete_steps
-from pretrain.errors import UserError
+from plumbing.errors import UserError
 from trainer_helpers import (REPO, assert_ok, read_metrics,  # pylint: disable=unused-import
                              train_losses, trainer_env)
 

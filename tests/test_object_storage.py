@@ -19,10 +19,10 @@ import jax
 import numpy as np
 import pytest
 
+from plumbing import cli, storage
+from plumbing.errors import UserError
 import pretrain
-from pretrain import cli, storage
 from pretrain.checkpointing import checkpoint_dir, complete_steps
-from pretrain.errors import UserError
 from pretrain.evaluate import text_file_metrics
 from pretrain.generation import sample_text
 from storage_servers import environment, free_port, s3_environment, server

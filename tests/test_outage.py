@@ -5,8 +5,9 @@ import time
 
 import pytest
 
-from pretrain import outage, storage
-from pretrain.errors import StorageOutageError, UserError
+from plumbing import storage
+from plumbing.errors import StorageOutageError, UserError
+from pretrain import outage
 
 
 def test_backoff_doubles_and_the_outage_ends_the_run_after_outage_s():

@@ -8,12 +8,13 @@ import jax
 import numpy as np
 import pytest
 
-import pretrain
 from model.config import ModelConfig
-from pretrain import metadata, storage
+from plumbing import storage
+from plumbing.errors import UserError
+from pretrain import metadata
+import pretrain
 from pretrain.checkpointing import Checkpointer
 from pretrain.data.vocabularies import get_vocabulary
-from pretrain.errors import UserError
 from pretrain.evaluate import text_file_metrics
 from pretrain.generation import sample_text
 from pretrain.runtime import Runtime

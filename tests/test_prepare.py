@@ -8,10 +8,10 @@ import gin
 import numpy as np
 import pytest
 
+from plumbing.errors import EXIT_FAILED, EXIT_USAGE, UserError
 from pretrain import gin_config
 from pretrain.data import beam_stores, kvstore, pipeline, prepare, token_store
 from pretrain.data.errors import DataError
-from pretrain.errors import EXIT_FAILED, EXIT_USAGE, UserError
 from pretrain.trainer import TrainConfig
 from trainer_helpers import REPO, assert_ok, storage_env
 

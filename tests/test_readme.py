@@ -6,7 +6,7 @@ backslash continuations joined; ```python blocks), so a documented command canno
     command they wrap is checked without a cluster: its Gin configuration parses, has a
     model, trainer and data config, every binding is read, every config builds, and its
     mesh and batch divide the cluster's devices;
-  - `model.summary` runs verbatim and its memory plan must fit;
+  - `pretrain.summary` runs verbatim and its memory plan must fit;
   - local training runs for real, verbatim, shortened through the documented
     `GRIFFIN_EXTRA_GIN_PARAMS` override (2 steps on a tiny corpus); the Python snippet
     and the `pretrain.report` command then run against the workdir it wrote;
@@ -26,9 +26,9 @@ import pytest
 
 from launch import common
 from model.config import ModelConfig
+from plumbing import storage
 from pretrain import gin_config
 from pretrain.checkpointing import CheckpointConfig
-from pretrain import storage
 from pretrain.data import pipeline
 from pretrain.optimizer import OptimizerConfig
 from pretrain.trainer import TrainConfig
@@ -108,7 +108,7 @@ def _kind(piece):
     return "launcher"
   if piece.startswith("python -m pretrain.compile"):
     return "compile"  # run verbatim by tests/test_tpu_compile.py and test_gpu_compile.py
-  if piece.startswith("python -m model.summary"):
+  if piece.startswith("python -m pretrain.summary"):
     return "summary"
   if piece.startswith("python -m pretrain.train"):
     return "train"

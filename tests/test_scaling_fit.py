@@ -12,7 +12,7 @@ import pytest
 
 from launch import scaling_fit
 from launch import scaling_laws
-from pretrain import storage
+from plumbing import storage
 
 
 def synthetic_points(e, a, alpha, n=7, noise=0.0, seed=0):

@@ -13,13 +13,14 @@ from model import lm
 from model.config import ModelConfig
 from model.config import model_config_from_dict
 from model.config import model_config_to_dict
+from model.scan import ScanOptions
 from model.scan import engine
 from model.scan import linear_scan as _linear_scan
 from model.scan import linear_scan_pairs
+from model.scan import options as scan_options
 from model.scan import reference
-from model.scan import ScanOptions
+from plumbing.errors import UserError
 from pretrain import gin_config
-from pretrain.errors import UserError
 
 OPTIONS = ScanOptions()
 linear_scan = functools.partial(_linear_scan, options=OPTIONS)
@@ -128,8 +129,8 @@ def test_auto_follows_the_target_platform():
     options = ScanOptions(lowering_platform=platform)
     assert engine.resolve_impl("auto", options) == ("pallas", None)
   assert engine.resolve_impl("auto", ScanOptions(lowering_platform="rocm")) == ("lax", None)
-  assert engine.resolve_platform(ScanOptions(lowering_platform="rocm")) == "gpu"
-  assert engine.resolve_platform(OPTIONS) == "cpu"
+  assert scan_options.resolve_platform(ScanOptions(lowering_platform="rocm")) == "gpu"
+  assert scan_options.resolve_platform(OPTIONS) == "cpu"
 
 
 @pytest.fixture

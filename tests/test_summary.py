@@ -1,4 +1,4 @@
-"""`python -m model.summary`, run as users run it (a subprocess), plus its error paths."""
+"""`python -m pretrain.summary`, run as users run it (a subprocess), plus its error paths."""
 import json
 import os
 import subprocess
@@ -16,7 +16,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 
 def run_summary(*args: str) -> subprocess.CompletedProcess:
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  return subprocess.run([sys.executable, "-m", "model.summary", *args], cwd=ROOT, env=env,
+  return subprocess.run([sys.executable, "-m", "pretrain.summary", *args], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=120)
 
 

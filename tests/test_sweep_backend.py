@@ -91,7 +91,7 @@ _SWEEP_WITH_TOY = f"""
 import sys
 sys.path.insert(0, {TESTS!r})
 from launch import sweep, sweep_dispatch
-from pretrain import cli
+from plumbing import cli
 import test_sweep_backend
 sweep_dispatch.register(test_sweep_backend.ToyBackend())
 sweep.define_flags()

@@ -21,13 +21,13 @@ from launch import fork as fork_lib
 from launch import ladder
 from launch import size_rule
 from launch import sweep_design
-from launch import sweep_execute
 from launch import sweep_dispatch
+from launch import sweep_execute
 from launch import sweep_job
 from launch import sweep_local
 from launch import wsd_design
+from plumbing.errors import UserError
 from pretrain import optimizer as optimizer_lib
-from pretrain.errors import UserError
 from pretrain.integrity import COMMIT_MARKER
 from tiers import slow_after_first
 

@@ -20,10 +20,10 @@ import sys
 import jax
 import pytest
 
+from plumbing.errors import UserError
 from pretrain import aot
 from pretrain import compile as compile_lib
 from pretrain import tpu_target
-from pretrain.errors import UserError
 
 pytestmark = pytest.mark.skipif(not tpu_target.libtpu_available(),
                                 reason='libtpu is not installed (pip install -e ".[tpu]")')

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from pretrain import storage
+from plumbing import storage
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = ("def", "return", "class", "self", "import", "for", "in", "if", "else", "print",

@@ -53,112 +53,19 @@ can bind `ScanOptions.*`, but only entry points build options from it
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
-IMPLS = ("auto", "lax", "associative", "pallas")
-# Platform names `ScanOptions.lowering_platform` accepts, and the kernel target of each.
-PLATFORMS = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "cpu": "cpu"}
-# NVIDIA compute capabilities whose compilers built the Pallas kernels in
-# tests/test_gpu_compile.py, per Pallas GPU backend (module docstring, "auto").
-VERIFIED_CUDA_CAPABILITIES = {"triton": ("8.0", "9.0", "10.0"),
-                              "mosaic_gpu": ("9.0", "10.0")}
-
-
-def _is_power_of_two(n: int) -> bool:
-  return n >= 1 and n & (n - 1) == 0
-
-
-@dataclasses.dataclass(frozen=True)
-class ScanOptions:
-  """Tunables of the scan implementations (bind with Gin: `ScanOptions.lax_unroll = 16`).
-
-  A property of the machine a program runs on, not of a trained model: models carry
-  one in `ModelConfig.scan`, and checkpoints do not record it.
-
-  Attributes:
-    lax_unroll: unroll factor of `impl="lax"` (1 was fastest on CPU, see module doc).
-    pallas_time_chunk: time steps per Pallas block, a power of two >= 16 (shorter
-      sequences use one block of the next power of two). Mosaic GPU may shrink it so
-      the backward's blocks fit in shared memory.
-    pallas_channel_block: channels per Pallas block, a power of two >= 128
-      (lane-dense; narrower layers use one padded block of 128). On TPU a block grows
-      to 8 rows of 128 (1024 channels) unless it spans all of D, as Mosaic's block-shape
-      rule requires; Mosaic GPU uses one row of 128.
-    pallas_strategy: "auto", "sequential" (one pass, state carried across time blocks
-      in on-chip scratch: the TPU design), "chunked" (reduce-then-scan over time
-      chunks, many independent programs; reads a and x twice) or "lookback" (GPU
-      Triton: single pass, many programs chained by decoupled look-back through
-      global atomics; chunks of at most 32 steps and 128 channels, held in
-      registers). "auto" is "sequential" on TPU and "chunked" on GPU: on an H200
-      "lookback" ran right with 1536 programs in flight and is the faster forward
-      (1.33x the copy floor against 2.24x), but forward+backward is 9% slower than
-      "chunked" (benchmarks/RESULTS.md, "On a GPU").
-    pallas_gpu_backend: "auto" (Triton where this JAX still ships it, else Mosaic
-      GPU), "triton" or "mosaic_gpu".
-    pallas_interpret: None = interpret mode exactly when the target platform is CPU.
-    lowering_platform: the platform the scan is traced and lowered for: None = the
-      default backend; "tpu", "gpu" (or "cuda", "rocm") or "cpu" cross-lower from a
-      host without that device, e.g. to `jax.export` a TPU or GPU program from a CPU
-      machine (tiling, strategy and compiler parameters depend on the target, and
-      tracing happens on the host).
-  """
-  lax_unroll: int = 1
-  pallas_time_chunk: int = 128
-  pallas_channel_block: int = 128
-  pallas_strategy: str = "auto"
-  pallas_gpu_backend: str = "auto"
-  pallas_interpret: Optional[bool] = None
-  lowering_platform: Optional[str] = None
-
-  def __post_init__(self):
-    if self.lax_unroll < 1:
-      raise ValueError(f"ScanOptions.lax_unroll must be >= 1, got {self.lax_unroll}.")
-    if not _is_power_of_two(self.pallas_time_chunk) or self.pallas_time_chunk < 16:
-      raise ValueError("ScanOptions.pallas_time_chunk must be a power of two >= 16 "
-                       f"(Triton block shapes), got {self.pallas_time_chunk}.")
-    if (not _is_power_of_two(self.pallas_channel_block)
-        or self.pallas_channel_block < 128):
-      raise ValueError("ScanOptions.pallas_channel_block must be a power of two >= 128 "
-                       f"(lane-dense, Triton block shapes), got {self.pallas_channel_block}.")
-    if self.pallas_strategy not in ("auto", "sequential", "chunked", "lookback"):
-      raise ValueError("ScanOptions.pallas_strategy must be 'auto', 'sequential', "
-                       f"'chunked' or 'lookback', got {self.pallas_strategy!r}.")
-    if self.pallas_gpu_backend not in ("auto", "triton", "mosaic_gpu"):
-      raise ValueError("ScanOptions.pallas_gpu_backend must be 'auto', 'triton' or "
-                       f"'mosaic_gpu', got {self.pallas_gpu_backend!r}.")
-    if self.lowering_platform is not None and self.lowering_platform not in PLATFORMS:
-      raise ValueError(f"ScanOptions.lowering_platform must be one of {sorted(PLATFORMS)} "
-                       f"or None (the default backend), got {self.lowering_platform!r}.")
-
-
-def _target(options: ScanOptions) -> Optional[str]:
-  """The kernel target of `options` (None for a default backend with no kernels)."""
-  return PLATFORMS.get(options.lowering_platform or jax.default_backend())
-
-
-def resolve_platform(options: ScanOptions) -> str:
-  """"tpu", "gpu" or "cpu": the platform the Pallas kernels are traced and lowered for.
-
-  Interpret mode follows it ("cpu") unless `options.pallas_interpret` says otherwise.
-  """
-  target = _target(options)
-  if target is None:
-    raise ValueError(f"The Pallas scan has no lowering for the default backend "
-                     f"{jax.default_backend()!r}; set ScanOptions.lowering_platform to one "
-                     f"of {sorted(PLATFORMS)}, or use a non-Pallas scan impl.")
-  return target
-
-
-def accumulation_dtype(a: jax.Array, x: jax.Array) -> jnp.dtype:
-  """float32, or complex64 when either operand is complex."""
-  if jnp.iscomplexobj(a) or jnp.iscomplexobj(x):
-    return jnp.dtype(jnp.complex64)
-  return jnp.dtype(jnp.float32)
-
+from model.scan.options import IMPLS
+from model.scan.options import ScanOptions
+from model.scan.options import VERIFIED_CUDA_CAPABILITIES
+from model.scan.options import kernel_target
+from model.scan.xla_scans import accumulation_dtype
+from model.scan.xla_scans import associative_linear_scan
+from model.scan.xla_scans import lax_linear_scan
+from model.scan.xla_scans import validate
 
 def parse_impl(impl: str) -> tuple[str, Optional[int]]:
   """Splits "lax:16" into ("lax", 16); other names carry no unroll."""
@@ -182,7 +89,7 @@ def _local_cuda_capability() -> Optional[str]:
 
 def _auto_picks_pallas(options: ScanOptions) -> bool:
   """Whether "auto" is the Pallas kernel for `options`' target (module docstring)."""
-  target = _target(options)
+  target = kernel_target(options)
   if target == "tpu":
     return True
   if target != "gpu" or options.lowering_platform == "rocm":
@@ -202,50 +109,6 @@ def resolve_impl(impl: str, options: ScanOptions) -> tuple[str, Optional[int]]:
   if name == "auto":
     name = "pallas" if _auto_picks_pallas(options) else "lax"
   return name, unroll
-
-
-def validate(a: jax.Array, x: jax.Array, h0: Optional[jax.Array]) -> None:
-  if x.ndim != 3:
-    raise ValueError(f"linear_scan: x must be [batch, time, channels], got shape "
-                     f"{x.shape}.")
-  if a.shape != x.shape:
-    raise ValueError(f"linear_scan: a has shape {a.shape} but x has {x.shape}; "
-                     "broadcast the decay to x's shape first.")
-  if h0 is not None and h0.shape != (x.shape[0], x.shape[2]):
-    raise ValueError(f"linear_scan: h0 must be [batch, channels] = "
-                     f"{(x.shape[0], x.shape[2])}, got {h0.shape}.")
-
-
-def lax_linear_scan(a, x, h0, reverse, unroll, acc):
-  """Sequential scan; vmapped over batch so time is sliced in place (no transposes)."""
-
-  def one_row(a_row, x_row, h_init):
-
-    def step(h, ax):
-      a_t, x_t = ax
-      h = a_t.astype(acc) * h + x_t.astype(acc)
-      return h, h
-
-    return jax.lax.scan(step, h_init, (a_row, x_row), reverse=reverse, unroll=unroll)
-
-  h_last, h = jax.vmap(one_row)(a, x, h0)
-  return h, h_last
-
-
-def associative_linear_scan(a, x, h0, reverse, acc):
-  """Parallel prefix over (a, x) pairs; h0 is folded into the first step's input."""
-  a = a.astype(acc)
-  x = x.astype(acc)
-  first = -1 if reverse else 0
-  x = x.at[:, first].add(a[:, first] * h0)
-
-  def combine(earlier, later):
-    a_i, x_i = earlier
-    a_j, x_j = later
-    return a_j * a_i, a_j * x_i + x_j
-
-  _, h = jax.lax.associative_scan(combine, (a, x), axis=1, reverse=reverse)
-  return h, h[:, 0 if reverse else -1]
 
 
 def linear_scan(a: jax.Array, x: jax.Array, h0: Optional[jax.Array] = None, *,

@@ -55,10 +55,12 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from model.scan import engine
 from model.scan import pallas_compat
 from model.scan import pallas_kernels
 from model.scan.pallas_kernels import Tiling
+from model.scan.options import ScanOptions
+from model.scan.options import resolve_platform
+from model.scan.xla_scans import associative_linear_scan
 
 _F32 = jnp.float32
 
@@ -116,8 +118,8 @@ class _Launch:
   """Static launch description: tiling, padding and where the kernels lower to."""
 
   def __init__(self, batch: int, time: int, channels: int, x_dtype, components: int,
-               reverse: bool, options: engine.ScanOptions):
-    target = engine.resolve_platform(options)
+               reverse: bool, options: ScanOptions):
+    target = resolve_platform(options)
     self.interpret = (options.pallas_interpret if options.pallas_interpret is not None
                       else target == "cpu")
     strategy = options.pallas_strategy
@@ -280,7 +282,7 @@ def _scan_over_chunks(prod, local, init, ascending: bool):
   """
   n = len(prod)
   p, l, h0 = _as_complex(prod), _as_complex(local), _as_complex(init)
-  ends, final = engine.associative_linear_scan(p, l, h0, not ascending, p.dtype)
+  ends, final = associative_linear_scan(p, l, h0, not ascending, p.dtype)
   if ascending:
     starts = jnp.concatenate([h0[:, None], ends[:, :-1]], axis=1)
   else:
@@ -383,7 +385,7 @@ _scan.defvjp(_scan_fwd, _scan_bwd)
 
 
 def _run(a: tuple, x: tuple, h0: Optional[tuple], reverse: bool,
-         options: engine.ScanOptions):
+         options: ScanOptions):
   """Pads component tuples, launches, and crops. Returns (h tuple, last tuple)."""
   batch, time, channels = x[0].shape
   launch = _Launch(batch, time, channels, x[0].dtype, len(x), reverse, options)
@@ -409,7 +411,7 @@ def _run(a: tuple, x: tuple, h0: Optional[tuple], reverse: bool,
 
 
 def pallas_linear_scan(a: jax.Array, x: jax.Array, h0: Optional[jax.Array] = None, *,
-                       options: engine.ScanOptions,
+                       options: ScanOptions,
                        reverse: bool = False) -> tuple[jax.Array, jax.Array]:
   """`linear_scan` with the Pallas kernel (same contract; see `engine.linear_scan`)."""
   if not (jnp.iscomplexobj(a) or jnp.iscomplexobj(x)):
@@ -423,7 +425,7 @@ def pallas_linear_scan(a: jax.Array, x: jax.Array, h0: Optional[jax.Array] = Non
 
 def pallas_linear_scan_pairs(a: tuple[jax.Array, jax.Array], x: tuple[jax.Array, jax.Array],
                              h0: Optional[tuple[jax.Array, jax.Array]] = None, *,
-                             options: engine.ScanOptions, reverse: bool = False):
+                             options: ScanOptions, reverse: bool = False):
   """Complex scan on (real, imaginary) planes; see `engine.linear_scan_pairs`."""
   if x[0].dtype != x[1].dtype:
     raise ValueError(f"linear_scan_pairs: x's real and imaginary parts differ in dtype "

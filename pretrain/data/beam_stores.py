@@ -29,7 +29,7 @@ import apache_beam as beam
 import numpy as np
 import seqio
 
-from pretrain import storage
+from plumbing import storage
 from pretrain.data import kvstore, materialize, token_store
 
 STAGING = ".staging"

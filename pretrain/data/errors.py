@@ -5,7 +5,7 @@ line, a missing SentencePiece model, a batch that cannot be split over processes
 `DataError` whose message names the problem and the fix. It is a `UserError`, so the
 command-line tools print it as a single line (exit code 1) instead of a stack trace.
 """
-from pretrain.errors import UserError
+from plumbing.errors import UserError
 
 
 class DataError(UserError):

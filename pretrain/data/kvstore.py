@@ -11,7 +11,7 @@ from typing import Dict, List, Optional
 
 import tensorstore as ts
 
-from pretrain import storage
+from plumbing import storage
 
 
 def _open(directory: str) -> ts.KvStore:

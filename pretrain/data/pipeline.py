@@ -21,7 +21,7 @@ from etils import epy
 import gin
 import numpy as np
 
-from pretrain import storage
+from plumbing import storage
 from pretrain.data import indexing, materialize, token_store
 from pretrain.data.errors import DataError
 from pretrain.data.packing import features_from_rows

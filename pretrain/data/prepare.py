@@ -22,7 +22,6 @@ or config (e.g. an unknown task).
 """
 from __future__ import annotations
 
-from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
 import functools
 import os
 import re
@@ -34,10 +33,11 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from apache_beam.options.pipeline_options import StandardOptions
 from apache_beam.runners.portability.fn_api_runner import fn_runner
 
-from pretrain import cli, gin_config, storage
+from plumbing import cli, storage
+from plumbing.errors import usage_error
+from pretrain import gin_config
 from pretrain.data import beam_stores, kvstore, materialize, token_store
 from pretrain.data.errors import DataError
-from pretrain.errors import usage_error
 from pretrain.train import EXTRA_BINDINGS_ENV
 from pretrain.trainer import TrainConfig
 

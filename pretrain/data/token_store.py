@@ -29,7 +29,7 @@ from typing import Callable, Dict
 import numpy as np
 import tensorstore as ts
 
-from pretrain import storage
+from plumbing import storage
 from pretrain.data import kvstore
 from pretrain.data.errors import DataError
 from pretrain.data.packing import PackedRows

@@ -14,7 +14,7 @@ from etils import epy
 import gin
 import numpy as np
 
-from pretrain import storage
+from plumbing import storage
 from pretrain.data.errors import DataError
 
 # SeqIO and TensorFlow load on first use (about 6 s): commands that only parse

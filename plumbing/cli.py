@@ -1,11 +1,11 @@
 """Command-line plumbing shared by every command: absl flags, Gin flags, one-line errors.
 
-Every `python -m pretrain.<command>`, `launch.<command>`, `model.summary` and
-`benchmarks/*.py` runs its `main` through `run`. A `UserError` (see `pretrain.errors`)
+Every `python -m pretrain.<command>`, `launch.<command>`, `pretrain.summary` and
+`benchmarks/*.py` runs its `main` through `run`. A `UserError` (see `plumbing.errors`)
 becomes one line on stderr and its exit code; anything else is a bug and keeps its
 traceback. `--traceback` shows the stack of a UserError too. `--help` (or `-h`) lists
 the command's own flags and the shared ones; `--verbose` shows the third-party logs
-that `pretrain.quiet` hides.
+that `plumbing.quiet` hides.
 """
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from absl import app
 from absl import flags
 from absl import logging
 
-from pretrain import quiet
-from pretrain import storage
-from pretrain.errors import EXIT_USAGE, StorageOutageStop, UserError, usage_error
+from plumbing import quiet
+from plumbing import storage
+from plumbing.errors import EXIT_USAGE, StorageOutageStop, UserError, usage_error
 
 flags.DEFINE_bool("traceback", False, "Show the full Python traceback of a failure.")
 flags.DEFINE_bool("verbose", False, "Show third-party logs (TensorFlow, XLA, Orbax, "
@@ -28,7 +28,7 @@ flags.DEFINE_bool("verbose", False, "Show third-party logs (TensorFlow, XLA, Orb
 
 # Flags of these packages are listed by a command's --help (absl lists only the flags
 # of the main module unless others are declared key flags of it).
-_OWN_PACKAGES = ("pretrain", "model", "launch", "sharding", "benchmarks")
+_OWN_PACKAGES = ("plumbing", "sharding", "model", "pretrain", "launch", "benchmarks")
 _HELP_FLAGS = {"--help", "--helpshort", "--helpfull", "--helpxml", "-?"}
 
 

@@ -2,7 +2,7 @@
 
 A `UserError` is a problem the user can fix (a missing Gin file, an unknown binding, an
 empty corpus, a checkpoint of another model, a diverged run). Its message names the
-problem and the fix; `pretrain.cli.run` prints it as one line and exits with its code
+problem and the fix; `plumbing.cli.run` prints it as one line and exits with its code
 instead of showing a stack trace. Subclasses exist only where callers need to tell
 cases apart (tests, the trainer's divergence stop, a failed save the trainer retries, an
 unreadable checkpoint a restore skips); they never change the exit code rules:
@@ -104,7 +104,7 @@ class StorageOutageStop(UserError):
   Writes to that storage may still be in flight in threads nothing can cancel: the
   persistent tier's async save (Orbax's thread pools, the storage client retrying for
   minutes). Python joins such threads when it exits, so a process that merely returned
-  would wait for the storage it is stopping because of; `pretrain.cli.run` ends the
+  would wait for the storage it is stopping because of; `plumbing.cli.run` ends the
   process at once (`os._exit`) after printing the error's line.
   """
 

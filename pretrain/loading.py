@@ -8,8 +8,6 @@ ModelConfig, the vocabulary and the training sequence length, so no Gin file is 
 """
 from __future__ import annotations
 
-import sys
-import types
 from typing import Any, Optional
 
 from etils import epy
@@ -17,8 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from model.config import ModelConfig
+from plumbing.errors import UnreadableCheckpointError, UserError, warn
 from pretrain.checkpointing import Checkpointer
-from pretrain.errors import UnreadableCheckpointError, UserError, warn
 from pretrain.metadata import RunMetadata, make_vocabulary
 from pretrain.runtime import Runtime
 from sharding.mesh import MeshConfig
@@ -122,14 +120,3 @@ def _restore(checkpointer: Checkpointer, step: int, mesh_config: MeshConfig
   restored = checkpointer.restore(step, abstract_params=runtime.abstract_params)
   return LoadedModel(runtime, restored.params, step, metadata,
                      str(checkpointer.directory.parent))
-
-
-class _CallableModule(types.ModuleType):
-  """Lets `pretrain.load(workdir)` call `load` although `pretrain.load` is this module
-  (Python binds a package's attribute to its submodule once the submodule is imported)."""
-
-  def __call__(self, workdir: str, step: Optional[int] = None) -> LoadedModel:
-    return load(workdir, step)
-
-
-sys.modules[__name__].__class__ = _CallableModule

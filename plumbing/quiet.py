@@ -4,8 +4,9 @@ TensorFlow (imported by SeqIO and clu), XLA, libtpu and gloo log from C++ straig
 file descriptor 2, most of it before any Python logging is configured and regardless
 of TF_CPP_MIN_LOG_LEVEL: "All log messages before absl::InitializeLog()", `cudart_stub`
 and `cuInit` on machines without a GPU, CPU-feature notices, gloo's connection lines.
-So every command imports this module first, and it puts a small filter process between
-descriptor 2 and the terminal: it drops lines of those known kinds (INFO and WARNING
+So every command calls `setup()` before anything loads them (each package's `__init__`
+does, see `setup`), and it puts a small filter process between descriptor 2 and the
+terminal: it drops lines of those known kinds (INFO and WARNING
 lines in the absl/glog format, accelerator probes that failed) and passes everything
 else unchanged, in order, our own messages and a native crash's last words included.
 The filter is a separate process so that it still delivers what a dying command wrote.
@@ -13,11 +14,11 @@ The filter is a separate process so that it still delivers what a dying command 
 Only a command of this repository run as `__main__` gets that filter; Python-side noise
 (Orbax's "Given directory is read only", and the tracebacks it logs of a failed save,
 which the command reports in one line) is dropped there by `install_log_filters`,
-called from `pretrain.cli.run` once absl logging is set up.
+called from `plumbing.cli.run` once absl logging is set up.
 
-Using the package from Python (`pretrain.load`, notebooks, tests) must be as quiet, so
-`pretrain/__init__.py` imports this module before anything else; there it does not take
-over descriptor 2 for the life of someone else's process:
+Using the packages from Python (`pretrain.load`, notebooks, tests) must be as quiet, and
+there the same `setup()` (run by the package's `__init__`) does not take over
+descriptor 2 for the life of someone else's process:
   - TensorFlow writes its start-up lines while its shared libraries load, whatever
     TF_CPP_MIN_LOG_LEVEL says (TF 2.21); so only the import of `tensorflow` itself,
     wherever SeqIO, clu or TFDS trigger it, runs with descriptor 2 through the filter
@@ -287,26 +288,46 @@ def _accelerator_would_probe_in_vain() -> bool:
           and not any(glob.glob(pattern) for pattern in ACCELERATOR_DEVICES))
 
 
-if not _is_command():
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # TF's runtime lines (a CUDA probe)
-  install_log_filters()
-  sys.meta_path.insert(0, _QuietImport())
-elif not verbose_requested(sys.argv):
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-  os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-  _filter_native_stderr()
+_set_up = False
 
-if _accelerator_would_probe_in_vain():
-  # JAX is imported here only on such a host, after the filter above is in place.
-  import jax  # pylint: disable=wrong-import-position
-  if jax.config.jax_platforms is None:  # an earlier jax.config.update stands
+
+def setup() -> None:
+  """Installs what the module docstring describes, once per process. Each package's
+  `__init__` calls it first (`python -m <package>.<command>` runs that before the command
+  module, and library use imports the package before anything else), and so does each
+  script run as a file (`benchmarks/`): importing this module does nothing by itself."""
+  global _set_up
+  if _set_up:
+    return
+  _set_up = True
+  command = _is_command()
+  if not command:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # TF's runtime lines (a CUDA probe)
+    install_log_filters()
+    sys.meta_path.insert(0, _QuietImport())
+  elif not verbose_requested(sys.argv):
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    _filter_native_stderr()
+  if _accelerator_would_probe_in_vain():
+    _run_jax_on_cpu()
+  if not command and _installed("jax_plugins.xla_cuda12"):
+    _register_plugins_filtered()
+
+
+def _run_jax_on_cpu() -> None:
+  """JAX's platform set to "cpu" (after the filter above is in place, since this is
+  where JAX is imported), unless an earlier `jax.config.update` chose one."""
+  import jax  # pylint: disable=import-outside-toplevel
+  if jax.config.jax_platforms is None:
     jax.config.update("jax_platforms", "cpu")
 
-if not _is_command() and _installed("jax_plugins.xla_cuda12"):
-  # JAX loads every installed plugin when its first backend starts, CPU included, and
-  # the CUDA plugin's library then reports the missing driver from native code; so the
-  # plugins are registered here, filtered (`jax.devices()` would do it as well, but
-  # would also fix the backends before the user's own configuration).
-  from jax._src import xla_bridge  # pylint: disable=wrong-import-position
+
+def _register_plugins_filtered() -> None:
+  """JAX loads every installed plugin when its first backend starts, CPU included, and
+  the CUDA plugin's library then reports the missing driver from native code; so the
+  plugins are registered here, filtered (`jax.devices()` would do it as well, but would
+  also fix the backends before the user's own configuration)."""
+  from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
   with _native_stderr_filtered():
     xla_bridge._discover_and_register_pjrt_plugins()  # pylint: disable=protected-access

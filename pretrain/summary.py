@@ -1,6 +1,6 @@
-"""`python -m model.summary`: the size and cost of a model preset, without building it.
+"""`python -m pretrain.summary`: the size and cost of a model preset, without building it.
 
-    python -m model.summary --gin_file=F [--gin_file=G ...] [--gin_param='a.b=1' ...]
+    python -m pretrain.summary --gin_file=F [--gin_file=G ...] [--gin_param='a.b=1' ...]
         [--seq=T] [--json]
         [--mesh=data:2,fsdp:4,tensor:1 --batch=B [--device_memory_gb=G]]
 
@@ -23,7 +23,6 @@ ends the program with one `error: ...` line on stderr and exit status 2.
 """
 from __future__ import annotations
 
-from pretrain import quiet  # pylint: disable=unused-import  # first: see its docstring
 import dataclasses
 import json
 from typing import Any, Optional, Sequence
@@ -31,11 +30,11 @@ from typing import Any, Optional, Sequence
 from absl import flags
 
 from model import counting
-from pretrain import memory_plan
 from model.config import ModelConfig, model_config_to_dict
-from pretrain import cli
+from plumbing import cli
+from plumbing.errors import usage_error
 from pretrain import gin_config
-from pretrain.errors import usage_error
+from pretrain import memory_plan
 from sharding.mesh import parse_mesh_flag
 
 DEFAULT_SEQ = 2048  # the Griffin paper's training length

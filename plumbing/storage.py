@@ -43,7 +43,7 @@ import fsspec.config
 from etils import epath
 from orbax.checkpoint._src.serialization import tensorstore_utils as _orbax_ts_utils
 
-from pretrain.errors import UserError, usage_error
+from plumbing.errors import UserError, usage_error
 
 SCHEMES = ("gs://", "s3://")
 # gcsfs logs each request that ran out of retries with a traceback; `guarded` reports the
