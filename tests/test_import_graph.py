@@ -16,8 +16,10 @@ LAYERS = ("plumbing", "sharding", "model", "pretrain", "launch")   # lowest firs
 # when a scan runs on impl="pallas" (a backend may be missing from a JAX build); plotting
 # only where a plot is written; the `hf` extra's packages only where a Hugging Face model
 # or tokenizer is written or read; lm_eval (the `eval` extra, and the backend that
-# subclasses its LM) only where downstream tasks run.
-OPTIONAL_INSIDE_FUNCTIONS = {"matplotlib", "matplotlib.pyplot", "jax.experimental.pallas",
+# subclasses its LM) only where downstream tasks run; the GCS emulator (the `test` extra)
+# only where one is served.
+OPTIONAL_INSIDE_FUNCTIONS = {"gcp_storage_emulator", "gcp_storage_emulator.handlers",
+                             "matplotlib", "matplotlib.pyplot", "jax.experimental.pallas",
                              "model.scan.pallas_scan", "model.scan.pallas_compat",
                              "model.scan.pallas_lookback", "safetensors.numpy",
                              "tokenizers", "transformers",
