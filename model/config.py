@@ -77,11 +77,13 @@ class ModelConfig:
       local-attention scores, written by dynamic-update-slice each trip) where the
       unrolled program fuses them away: griffin_1_3b (24 layers) on fsdp:4,tensor:8
       over 32 H100s at 64 x 2048 tokens compiled to 76.05 GiB of activations per GPU
-      looped and 30.93 GiB unrolled (the planner says 29.90), at 2.1-2.9x the planner
-      looped for every preset (benchmarks/RESULTS.md, "Against XLA:GPU"). The cost is
-      compile time (287 s against 74 s of wall time for that compile on the 2-core
-      host). With remat the loop keeps only each unit's input and XLA:GPU agrees with
-      the planner (0.92-1.23), so it stays a loop; CPU and TPU are unchanged.
+      looped and 30.93 GiB unrolled (the planner, `model.memory`, says 29.90). At
+      256 x 2048 tokens Griffin, Hawk and MQA at 1.3B and 7B compiled to 2.1-2.9x the
+      plan looped and 0.93-1.07x unrolled (benchmarks/RESULTS.md, "Against XLA:GPU").
+      The cost is compile time: 44-188 s of CPU per preset unrolled against 11-45 s
+      looped on the 2-core host. With remat the loop keeps only each unit's input and
+      XLA:GPU agrees with the planner looped (0.92-1.23), so it stays a loop; CPU and
+      TPU are unchanged.
   """
   vocab_size: int = 256
   width: int = 128
