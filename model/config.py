@@ -78,8 +78,10 @@ class ModelConfig:
       unrolled program fuses them away: griffin_1_3b (24 layers) on fsdp:4,tensor:8
       over 32 H100s at 64 x 2048 tokens compiled to 76.05 GiB of activations per GPU
       looped and 30.93 GiB unrolled (the planner, `model.memory`, says 29.90). At
-      256 x 2048 tokens Griffin, Hawk and MQA at 1.3B and 7B compiled to 2.1-2.9x the
-      plan looped and 0.93-1.07x unrolled (benchmarks/RESULTS.md, "Against XLA:GPU").
+      256 x 2048 tokens Griffin, Hawk and MQA 1.3B and Griffin 7B compiled to 2.1-2.9x
+      the plan looped, and those and Hawk and MQA 7B to 0.93-1.07x unrolled (with
+      XLA's memory limit lifted: none fits an H100; benchmarks/RESULTS.md, "Against
+      XLA:GPU").
       The cost is compile time: 44-188 s of CPU per preset unrolled against 11-45 s
       looped on the 2-core host. With remat the loop keeps only each unit's input and
       XLA:GPU agrees with the planner looped (0.92-1.23), so it stays a loop; CPU and
