@@ -17,9 +17,16 @@ Example (run it under `nice -n 19` on a shared machine):
       --gin_param='ModelConfig.remat="full"' --gin_param=BATCH_SIZE=16 \
       --gin_param=SEQUENCE_LENGTH=2048 [--record=benchmarks/results/planner_vs_compiler.json]
 
-`--record` adds the compiled figures (bytes, compile time, the command's arguments) to a
-JSON list, replacing an earlier record of the same run; tests/test_memory_planner.py
-holds the analytic plan against every record there.
+`--record` adds the compiled figures (bytes, compile time, the command's arguments and
+XLA_FLAGS) to a JSON list, replacing an earlier record of the same run;
+tests/test_memory_planner.py holds the analytic plan against every record there.
+
+On GPU, XLA's rematerialisation pass recomputes activations until the step's peak fits
+the device's memory (`device_memory_size` in the target's spec, times
+--xla_gpu_memory_limit_slop_factor percent, 95 by default), so a step that does not fit
+compiles to a peak between the device's memory and its own. The planner estimates the
+latter: for such runs, `XLA_FLAGS=--xla_gpu_memory_limit_slop_factor=1000` lifts the
+limit to ten times the memory (benchmarks/RESULTS.md, "Against XLA:GPU").
 """
 from __future__ import annotations
 
@@ -78,7 +85,8 @@ def compare(topology: str, gin_files: Sequence[str], gin_params: Sequence[str],
 
 def record(path: str, result: dict[str, Any]) -> None:
   """Adds `result` to the JSON list at `path`, replacing a record of the same run."""
-  key = lambda r: (r["topology"], r["mesh"], r["gin_files"], r["gin_params"])
+  key = lambda r: (r["topology"], r["mesh"], r["gin_files"], r["gin_params"],
+                   r.get("xla_flags", ""))
   records = []
   if os.path.exists(path):
     with open(path) as f:
@@ -103,8 +111,10 @@ def main(argv: Sequence[str]) -> None:
     kept = {k: v for k, v in result.items() if not k.endswith(("_gib", "_ratio"))}
     name = " ".join([os.path.basename(FLAGS.gin_file[-1]).removesuffix(".gin")]
                     + list(FLAGS.gin_param))
-    record(FLAGS.record, {"name": name, **kept,
-                          "command": "python " + " ".join(map(shlex.quote, sys.argv)),
+    xla_flags = os.environ.get("XLA_FLAGS", "")
+    env = f"XLA_FLAGS={shlex.quote(xla_flags)} " if xla_flags else ""
+    record(FLAGS.record, {"name": name, **kept, "xla_flags": xla_flags,
+                          "command": env + "python " + " ".join(map(shlex.quote, sys.argv)),
                           "date": datetime.date.today().isoformat(),
                           "compiler": f"{_compiler(FLAGS.topology)} (jax {jax.__version__}), "
                                       "ahead of time"})

@@ -15,6 +15,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from model import block_registry
 from model.scan.engine import ScanOptions
+from model.scan.options import kernel_target
 
 
 class BlockType(str, enum.Enum):
@@ -70,6 +71,21 @@ class ModelConfig:
       iteration beyond: on the 2-core CPU the scanned depth cost 6% (griffin_100m)
       to 23% (quickstart) of a loss gradient, and at those depths unrolling compiled
       in about the same time (benchmarks/depth_scan.py; benchmarks/RESULTS.md).
+      Except on GPU without remat (`remat="none"`, the scan's kernel target "gpu"):
+      there None unrolls the whole depth whatever it is, because inside a loop body
+      XLA:GPU materialises every residual the backward pass reads (the loop's stacked
+      local-attention scores, written by dynamic-update-slice each trip) where the
+      unrolled program fuses them away: griffin_1_3b (24 layers) on fsdp:4,tensor:8
+      over 32 H100s at 64 x 2048 tokens compiled to 76.05 GiB of activations per GPU
+      looped and 30.93 GiB unrolled (the planner, `model.memory`, says 29.90). At
+      256 x 2048 tokens Griffin, Hawk and MQA 1.3B and Griffin 7B compiled to 2.1-2.9x
+      the plan looped, and those and Hawk and MQA 7B to 0.93-1.07x unrolled (with
+      XLA's memory limit lifted: none fits an H100; benchmarks/RESULTS.md, "Against
+      XLA:GPU").
+      The cost is compile time: 44-188 s of CPU per preset unrolled against 11-45 s
+      looped on the 2-core host. With remat the loop keeps only each unit's input and
+      XLA:GPU agrees with the planner looped (0.92-1.23), so it stays a loop; CPU and
+      TPU are unchanged.
   """
   vocab_size: int = 256
   width: int = 128
@@ -177,11 +193,19 @@ class ModelConfig:
 
   @property
   def depth_unroll(self) -> int:
-    """Units per iteration of the depth scan, with `depth_scan_unroll=None` resolved."""
+    """Units per iteration of the depth scan, with `depth_scan_unroll=None` resolved
+    (see `depth_scan_unroll` for the rule and its evidence)."""
     units = max(self.num_scanned_units, 1)
-    if self.depth_scan_unroll is None:
-      return units if self.depth <= AUTO_UNROLL_MAX_DEPTH else 1
-    return min(self.depth_scan_unroll, units)
+    if self.depth_scan_unroll is not None:
+      return min(self.depth_scan_unroll, units)
+    if self.depth <= AUTO_UNROLL_MAX_DEPTH or self._unrolls_whole_depth_on_gpu():
+      return units
+    return 1
+
+  def _unrolls_whole_depth_on_gpu(self) -> bool:
+    """Whether the default unrolls any depth: on GPU without remat, where a looped
+    depth makes XLA:GPU keep the stacked residuals of every unit (2.1-2.9x the plan)."""
+    return self.remat == "none" and kernel_target(self.scan) == "gpu"
 
   @property
   def remainder_block_types(self) -> tuple[str, ...]:

@@ -12,7 +12,8 @@ leading `layers` axis; the trailing partial unit (`config.remainder_block_types`
 unscanned. Compile time and program size therefore do not grow with depth, except where
 `config.depth_unroll` runs several units per loop iteration (by default the whole depth
 of models of at most 12 layers, where the loop costs more step time than the unrolled
-program costs compile time; see `ModelConfig.depth_scan_unroll`). Each unit is
+program costs compile time, and of any model on GPU without remat, where the loop makes
+XLA:GPU keep every unit's residuals; see `ModelConfig.depth_scan_unroll`). Each unit is
 rematerialised according to `config.remat` ("none", "full", or "save_matmuls": keep the
 outputs of weight matmuls and recompute the rest).
 

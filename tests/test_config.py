@@ -1,7 +1,8 @@
 """ModelConfig: derived sizes, and a ValueError naming the field for each bad setting."""
 import pytest
 
-from model.config import ModelConfig
+from model.config import AUTO_UNROLL_MAX_DEPTH, ModelConfig
+from model.scan.options import ScanOptions
 
 
 @pytest.mark.parametrize("changes,field", [
@@ -46,3 +47,21 @@ def test_derived_sizes():
   cfg = ModelConfig(width=256, num_heads=4, rnn_width=96, mlp_expansion=3)
   assert (cfg.head_dim, cfg.gate_blocks, cfg.mlp_width) == (64, 4, 768)
   assert cfg.replace(num_gate_blocks=16).gate_blocks == 16
+
+
+@pytest.mark.parametrize("platform", [None, "cpu", "tpu", "gpu", "cuda", "rocm"])
+@pytest.mark.parametrize("remat", ["none", "full", "save_matmuls"])
+def test_default_depth_unroll_unrolls_all_of_a_deep_model_only_on_gpu_without_remat(
+    platform, remat):
+  """Beyond AUTO_UNROLL_MAX_DEPTH layers the default scans one unit per iteration,
+  except on GPU without remat, where it unrolls the whole depth (a looped depth makes
+  XLA:GPU keep 2.1-2.9x the planned activations: `ModelConfig.depth_scan_unroll`).
+  None is this host's default backend, CPU here; an explicit setting always wins."""
+  deep = ModelConfig(depth=24, remat=remat, scan=ScanOptions(lowering_platform=platform))
+  gpu_without_remat = platform in ("gpu", "cuda", "rocm") and remat == "none"
+  assert deep.num_scanned_units == 8
+  assert deep.depth_unroll == (8 if gpu_without_remat else 1)
+  assert deep.replace(depth_scan_unroll=2).depth_unroll == 2
+  assert deep.replace(depth_scan_unroll=100).depth_unroll == 8
+  shallow = deep.replace(depth=AUTO_UNROLL_MAX_DEPTH)
+  assert shallow.depth_unroll == shallow.num_scanned_units == 4
