@@ -439,13 +439,7 @@ class ChaosRun:
 
 def _stop_launcher(process: subprocess.Popen) -> None:
   """SIGTERM to the launcher, which stops its processes; SIGKILL if it lingers."""
-  if process.poll() is None:
-    process.send_signal(signal.SIGTERM)
-    try:
-      process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-      process.kill()
-      process.wait()
+  stop_process(process, signal.SIGTERM, timeout_s=30)
 
 
 def training_command(workdir: str, steps: int, gin_files: Sequence[str],

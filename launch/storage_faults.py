@@ -208,12 +208,14 @@ def start_gcs_emulator(data_dir: str, timeout_s: float = 60.0) -> tuple[subproce
                   EXIT_FAILED)
 
 
-def stop_process(process: subprocess.Popen) -> None:
-  """SIGINT (the emulator finishes the request it serves), SIGKILL if it lingers."""
+def stop_process(process: subprocess.Popen, signal_number: int = signal.SIGINT,
+                 timeout_s: float = 10.0) -> None:
+  """`signal_number`, then SIGKILL if the process lingers past `timeout_s`. SIGINT by
+  default: the emulator finishes the request it serves."""
   if process.poll() is None:
-    process.send_signal(signal.SIGINT)
+    process.send_signal(signal_number)
     try:
-      process.wait(timeout=10)
+      process.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
       process.kill()
       process.wait()
