@@ -195,6 +195,7 @@ class Checkpointer:
     self._manager = self._open_manager()
     self._secondary: list[tuple[CheckpointTier, int]] = []   # (tier, save interval)
     self._secondary_saved: dict[int, int] = {}   # id(tier) -> the step it last saved
+    self._failed_here: set[int] = set()   # id(tier): off here, not yet everywhere (`_drop`)
     if config.local_dir and not read_only:
       self.add_tier(LocalCheckpointer(process_directory(config.local_dir, workdir),
                                       config.local_keep, config.async_save),
@@ -210,7 +211,8 @@ class Checkpointer:
   @property
   def tiers(self) -> list[CheckpointTier]:
     """Every tier in use: this (persistent) one first, then the secondary ones."""
-    return [self] + [tier for tier, _ in self._secondary]
+    return [self] + [tier for tier, _ in self._secondary
+                     if id(tier) not in self._failed_here]
 
   def secondary_intervals(self) -> list[int]:
     """The save intervals of the secondary tiers (`CheckpointHook` saves at them)."""
@@ -396,7 +398,7 @@ class Checkpointer:
                      rng: jax.Array) -> None:
     """Saves `step` to each secondary tier whose interval divides it (none: no-op)."""
     for tier, every in list(self._secondary):
-      if step % every == 0:
+      if step % every == 0 and self._on_everywhere(tier):
         try:
           tier.save(step, params=params, opt_state=opt_state, rng=rng, metadata=None)
           self._secondary_saved[id(tier)] = step
@@ -423,7 +425,7 @@ class Checkpointer:
     before it stops because the persistent tier is unreachable. Returns where it is
     saved (one description per tier that holds it; empty without a secondary tier)."""
     saved = []
-    for tier, _ in list(self._secondary):
+    for tier in self.tiers[1:]:
       try:
         tier.wait()
         if self._secondary_saved.get(id(tier)) != step:
@@ -437,10 +439,42 @@ class Checkpointer:
   def _drop(self, tier: CheckpointTier, failure: CheckpointSaveError) -> None:
     """A secondary save failed: one line, the failed save's leftovers deleted, and no
     more saves to that tier this run (the persistent tier goes on; a restart uses the
-    tier again)."""
+    tier again). With several processes the others learn of it at the tier's next save
+    (`_on_everywhere`) and stop there too."""
     warn(f"{failure}; the {tier.name} tier is off for the rest of this run")
     tier.discard_failed(failure.step)
+    if jax.process_count() > 1:
+      self._failed_here.add(id(tier))
+    else:
+      self._remove(tier)
+
+  def _remove(self, tier: CheckpointTier) -> None:
+    self._failed_here.discard(id(tier))
     self._secondary = [(t, every) for t, every in self._secondary if t is not tier]
+
+  def _on_everywhere(self, tier: CheckpointTier) -> bool:
+    """Whether every process still saves to `tier`; asked by all of them at each of its
+    saves. A tier whose save failed on one process is turned off on all: each process
+    keeps its own newest steps and a restart needs one they all hold, so processes that
+    went on saving would prune the steps the failed one still has (a restart from
+    scratch, in a chaos run). The outcome of each process's previous save is known
+    first (Orbax would wait for it before the next save anyway)."""
+    if jax.process_count() == 1:
+      return True
+    if id(tier) not in self._failed_here:
+      try:
+        tier.wait()
+      except CheckpointSaveError as failure:
+        self._drop(tier, failure)
+    failed_here = id(tier) in self._failed_here
+    if not int(np.max(multihost_utils.process_allgather(np.int32(failed_here)))):
+      return True
+    if not failed_here:
+      warn(f"a {tier.name} checkpoint failed on another process; the {tier.name} tier is "
+           "off on every process for the rest of this run (a restart needs a step every "
+           "process holds)")
+    self._remove(tier)
+    return False
 
   def restore_newest(self, *, abstract_params: Any, abstract_opt_state: Any
                      ) -> tuple[Optional[Restored], list[UnreadableCheckpointError]]:

@@ -2,7 +2,10 @@
 complete step of either, never a half-written, damaged or foreign-layout local one; a
 failed local save turns the tier off."""
 import os
+import pathlib
 import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +22,7 @@ from trainer_helpers import fill_disk, small_disk
 
 CONFIG = ModelConfig(vocab_size=64, width=16, rnn_width=16, num_heads=2, depth=1,
                      block_pattern=("recurrent", "attention"), attention_window=8)
+REPO = str(pathlib.Path(__file__).resolve().parents[1])
 METADATA = {"model_config": {"width": 32}, "vocabulary": "byte", "sequence_length": 16}
 
 
@@ -229,3 +233,58 @@ def test_failed_local_save_turns_the_local_tier_off(tmp_path, state, capsys):
                metadata=METADATA)
     saver.close()
   assert ckpt.complete_steps(tmp_path / "run" / "checkpoints") == [2]
+
+
+# Each of 2 processes (1 CPU device each) saves local steps 1-3 of a replicated array;
+# process 1's local directory is a full disk.
+TWO_PROCESS_SAVES = """
+import os, sys
+from sharding import distributed
+distributed.initialize_from_environment()
+import jax, numpy as np
+from pretrain import checkpointing as ckpt
+from pretrain.local_checkpoints import process_directory
+workdir, local = sys.argv[1:3]
+mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+array = jax.make_array_from_callback((256,), replicated,
+                                     lambda index: np.arange(256, dtype=np.float32)[index])
+saver = ckpt.Checkpointer(workdir, ckpt.CheckpointConfig(local_dir=local, local_every=1))
+for step in (1, 2, 3):
+  saver.save_secondary(step, params={"w": array}, opt_state={"m": array},
+                       rng=jax.random.key(0))
+saver.close()
+steps = sorted(int(p) for p in os.listdir(process_directory(local, workdir)) if p.isdigit())
+print("STEPS", jax.process_index(), *steps, flush=True)
+"""
+
+
+def test_a_local_save_failed_on_one_process_turns_the_tier_off_on_every_process(tmp_path):
+  """Process 1's local save of step 1 fails (its disk is full); both turn the tier off at
+  the next local save, so process 0 keeps the step 1 they could restart from rather
+  than save steps 2 and 3 and prune it (each keeps 2)."""
+  workdir, local = str(tmp_path / "run"), str(tmp_path / "local")
+  run_key = local_checkpoints.hashlib.sha1(workdir.encode()).hexdigest()[:12]
+  full = os.path.join(local, run_key, "process_1_of_2")
+  program = tmp_path / "saves.py"
+  program.write_text(TWO_PROCESS_SAVES)
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH",
+                                                                          "")]))
+  with small_disk(full, 1 << 20):
+    fill_disk(full)
+    launched = subprocess.run(
+        [sys.executable, "-m", "launch.local", "--num_processes=2", "--", sys.executable,
+         str(program), workdir, local], cwd=REPO, env=env, capture_output=True,
+        text=True, timeout=240, check=False)
+  assert launched.returncode == 0, launched.stdout + launched.stderr
+  steps = sorted(line.split(" STEPS ")[1].split() for line in launched.stdout.splitlines()
+                 if " STEPS " in line)
+  assert steps == [["0", "1"], ["1"]], launched.stdout   # process 1 holds no step
+  # launch.local prefixes each process's lines with its index, on the launcher's stdout.
+  warnings = [line for line in launched.stdout.splitlines() if "warning: " in line]
+  assert warnings == [
+      f"[1] warning: local checkpoint 1 failed: no space left on device under {full}; the "
+      "local tier is off for the rest of this run",
+      "[0] warning: a local checkpoint failed on another process; the local tier is off "
+      "on every process for the rest of this run (a restart needs a step every process "
+      "holds)"], launched.stdout
