@@ -28,7 +28,7 @@ run's secondary tiers (`add_tier`). With `CheckpointConfig.local_dir` set, one i
 local tier (`pretrain.local_checkpoints`), saving every `local_every` steps to each host's
 own disk; `restore_newest` takes the newest good step of any tier, a secondary one only
 if every process holds it. A failed secondary save turns that tier off for the rest of
-the run, with one line.
+the run, with one line, and on every process (agreed at the tier's next save).
 """
 from __future__ import annotations
 
