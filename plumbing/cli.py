@@ -87,6 +87,18 @@ def _flags_parser(argv: list[str]) -> list[str]:
     raise
 
 
+def _skip_jax_shutdown_barrier() -> None:
+  """Takes JAX's exit handler (`jax._src.api.clean_up`: no public way) off atexit. It
+  ends the distributed runtime with a barrier every process must reach, and a process
+  that stops alone (its storage outage seen by it only) would wait there for processes
+  still waiting for it in the next step's collectives, until their hang watchdog ends
+  them (20 s in a chaos run). Its launcher then stops the others at once."""
+  api = sys.modules.get("jax._src.api")
+  clean_up = getattr(api, "clean_up", None)
+  if clean_up is not None:
+    atexit.unregister(clean_up)
+
+
 def run(main: Callable[[Sequence[str]], Optional[int]]) -> None:
   """absl `app.run(main)`, with a UserError reported in one line and its exit code."""
   def guarded(argv: Sequence[str]) -> Optional[int]:
@@ -108,9 +120,10 @@ def run(main: Callable[[Sequence[str]], Optional[int]]) -> None:
       if isinstance(error, StorageOutageStop):
         # Threads still write to the storage that does not answer, and an ordinary exit
         # joins them: exit as usual (atexit handlers, the stderr filter's drain among
-        # them), less that join.
+        # them), less that join and JAX's shutdown barrier.
         sys.stdout.flush()
         sys.stderr.flush()
+        _skip_jax_shutdown_barrier()
         atexit._run_exitfuncs()   # pylint: disable=protected-access
         os._exit(error.exit_code)   # pylint: disable=protected-access
       sys.exit(error.exit_code)

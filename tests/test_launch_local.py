@@ -213,3 +213,44 @@ def test_process_environment():
       "JAX_COORDINATOR_ADDRESS": "127.0.0.1:1234", "JAX_NUM_PROCESSES": "4",
       "JAX_PROCESS_ID": "2", "JAX_PLATFORMS": "cpu",
       "XLA_FLAGS": "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=3"}
+
+
+# Process 0 stops for a storage outage it alone saw; process 1 waits for it in a
+# collective.
+OUTAGE_STOP = """
+import time
+from plumbing import cli
+from plumbing.errors import StorageOutageStop
+
+
+def main(argv):
+  from sharding import distributed
+  distributed.initialize_from_environment()
+  import jax, numpy as np
+  from jax.experimental import multihost_utils
+  multihost_utils.process_allgather(np.int32(1))
+  if jax.process_index() == 0:
+    print("STOPPING AT", time.time(), flush=True)
+    raise StorageOutageStop("the storage does not answer")
+  multihost_utils.process_allgather(np.int32(1))
+
+
+cli.run(main)
+"""
+
+
+def test_a_process_stopped_by_an_outage_exits_without_waiting_for_the_others(tmp_path):
+  """An outage stop skips JAX's shutdown barrier, which the others, waiting in the next
+  collective, never reach: the stopped process exits at once and the launcher stops the
+  rest (before, it waited until their hang watchdog ended them, or the barrier's 50 s)."""
+  program = tmp_path / "outage_stop.py"
+  program.write_text(OUTAGE_STOP)
+  launcher = _launch("--num_processes=2", "--", sys.executable, str(program))
+  out, err = launcher.communicate(timeout=240)
+  ended = time.time()
+  assert launcher.returncode == 1, out + err
+  assert "[0] error: the storage does not answer" in out + err
+  assert "launch.local: process 0 of 2 exited with code 1; stopped the other 1 process" \
+      in err, err
+  (stopping,) = [line for line in out.splitlines() if "STOPPING AT" in line]
+  assert ended - float(stopping.split()[-1]) < 10, (out, err)
