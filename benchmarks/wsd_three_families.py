@@ -32,14 +32,23 @@ def _interval(e: Dict[str, float], fmt: str = ".3g") -> str:
 
 
 def runs_table(family: str, rows: List[dict], rule: Optional[dict]) -> List[str]:
-  out = [f"**{family}** (final validation loss, nats per byte)", "",
-         "| run | N | steps | tokens | C (end point) | peak LR | eval loss |",
-         "| --- | --- | --- | --- | --- | --- | --- |"]
+  """Final validation loss per size (rows) and fork (columns: tokens per parameter)."""
+  forks = sorted({r["run"].rsplit("_wsd", 1)[1] for r in rows if "_wsd" in r["run"]},
+                 key=float)
+  out = [f"**{family}**: final validation loss (nats per byte) of each fork, by tokens "
+         "per parameter; the stable run's at its last step (no cooldown)", "",
+         "| N (width x depth) | peak LR | " + " | ".join(forks) + " | stable |",
+         "| --- | --- |" + " --- |" * (len(forks) + 1)]
+  by_size: Dict[int, Dict[str, str]] = {}
+  shape = {}
   for r in rows:
-    out.append(f"| {r['run']} | {int(r['params']):,} | {int(r['train_steps']):,} | "
-               f"{int(r['tokens']):,} | {float(r['flops']):.3g} | "
-               f"{_rate(rule, family, int(r['params']))} | {float(r['loss']):.4f}"
-               f"{' (stable, no cooldown)' if r['role'] == 'stable' else ''} |")
+    n = int(r["params"])
+    shape[n] = f"{r['width']}x{r['depth']}"
+    key = r["run"].rsplit("_wsd", 1)[1] if "_wsd" in r["run"] else "stable"
+    by_size.setdefault(n, {})[key] = f"{float(r['loss']):.4f}"
+  for n in sorted(by_size):
+    cells = [by_size[n].get(k, "") for k in forks + ["stable"]]
+    out.append(f"| {n:,} ({shape[n]}) | {_rate(rule, family, n)} | " + " | ".join(cells) + " |")
   return out
 
 
