@@ -60,6 +60,7 @@ from launch import common
 from launch import ladder
 from launch import scaling_fit
 from launch import size_rule
+from launch import sweep_design
 from launch import sweep_dispatch
 from launch import sweep_execute
 from launch import wsd_design
@@ -119,6 +120,11 @@ def define_flags() -> None:
                      lower_bound=0.0, upper_bound=1.0)
   flags.DEFINE_float("peak_learning_rate", None,
                      "Peak learning rate of every run (default: the Gin config's).")
+  flags.DEFINE_float("aspect_tolerance", sweep_design.ASPECT_TOLERANCE,
+                     "Size rule: candidate depths keep width/depth within this factor of "
+                     "64 (larger: narrower, deeper models, more distinct sizes at toy "
+                     "scale). Pass the same value to --train_optimum as to the study.",
+                     lower_bound=1.0)
   flags.DEFINE_integer("max_steps", None,
                        "Cap on the steps of each run (for smoke tests; breaks the "
                        "compute-optimal budget, which the table then shows).", lower_bound=1)
@@ -195,7 +201,8 @@ def main(argv: Sequence[str]) -> None:
     probes = size_rule.plan_probes(
         plan(FLAGS.families, FLAGS.sizes, tokens_per_param=FLAGS.lr_sweep_tokens_per_param,
              batch_size=FLAGS.batch_size, sequence_length=FLAGS.sequence_length,
-             vocab_size=vocab_size, workdir=workdir, warmup_fraction=FLAGS.warmup_fraction),
+             vocab_size=vocab_size, workdir=workdir, warmup_fraction=FLAGS.warmup_fraction,
+             aspect_tolerance=FLAGS.aspect_tolerance),
         _rates(), count=FLAGS.lr_sweep_sizes, workdir=workdir, extra_gin=probe_gin)
     if FLAGS.dry_run:
       print("# The learning-rate probes (launch.size_rule); the study's runs follow at the "
@@ -237,7 +244,8 @@ def _train_optimum(workdir: str, vocab_size: int, backend: sweep_dispatch.Backen
                            tokens_per_param=budget / (6 * n_opt.value ** 2),
                            batch_size=FLAGS.batch_size,
                            sequence_length=FLAGS.sequence_length, vocab_size=vocab_size,
-                           workdir=workdir, warmup_fraction=FLAGS.warmup_fraction)
+                           workdir=workdir, warmup_fraction=FLAGS.warmup_fraction,
+                           aspect_tolerance=FLAGS.aspect_tolerance)
     run = ladder.ladder_run(base, workdir, name, FLAGS.peak_learning_rate)
     forecasts[run.name] = forecast or ladder.make_forecast(run, fit, n_opt, FLAGS.metric,
                                                            record=not FLAGS.dry_run)
@@ -267,7 +275,8 @@ def _plan_runs(budgets: Sequence[float], vocab_size: int, workdir: str
   """The study's runs by the chosen design, and the schedule bindings its LR probes
   share with them (launch.size_rule)."""
   shared = dict(batch_size=FLAGS.batch_size, sequence_length=FLAGS.sequence_length,
-                vocab_size=vocab_size, workdir=workdir, warmup_fraction=FLAGS.warmup_fraction)
+                vocab_size=vocab_size, workdir=workdir, warmup_fraction=FLAGS.warmup_fraction,
+                aspect_tolerance=FLAGS.aspect_tolerance)
   if FLAGS.design != "wsd":
     if budgets:
       return plan_isoflop(FLAGS.families, budgets, points_per_budget=FLAGS.points_per_budget,

@@ -13,8 +13,8 @@ non-embedding parameters ("0.5m", "2m", "1.3b"). Candidates are widths D on a gr
 within a factor 3 of 64 (Kaplan et al. 2020 find the loss within a few percent over
 aspect ratios of ~20-200). The candidate whose non-embedding count (`model.counting`,
 exact) is closest to the target in log ratio wins, ties going to the aspect ratio
-closest to 64. Griffin needs depth >= 3 (at least one local-attention block), the
-others depth >= 2. Derived widths follow the Griffin presets (docs/model.md#presets): MLP expansion
+closest to 64 (`--aspect_tolerance` of launch.sweep changes the factor 3). Griffin
+needs depth >= 3 (at least one local-attention block), the others depth >= 2. Derived widths follow the Griffin presets (docs/model.md#presets): MLP expansion
 3, D_RNN ~ 4D/3 rounded to a multiple of the heads, heads = D / head_dim with head_dim
 32 below D = 256, 64 below 768 and 128 above (the paper's 128 at its sizes), RG-LRU
 gates block-diagonal with one block per head, Griffin's local window half the training
@@ -87,15 +87,24 @@ def non_embedding_params(config: ModelConfig) -> int:
 
 
 def config_for_size(family: str, target: int, vocab_size: int,
-                    sequence_length: int) -> ModelConfig:
-  """The size rule (module docstring): nearest count to `target` at aspect ~64."""
+                    sequence_length: int, *,
+                    aspect_tolerance: float = ASPECT_TOLERANCE) -> ModelConfig:
+  """The size rule (module docstring): nearest count to `target` at aspect ~64.
+
+  `aspect_tolerance` widens (or narrows) the candidate depths: D/depth within a factor
+  `aspect_tolerance` of 64 (default 3). At toy sizes the default leaves width 32 one
+  depth, so a study below ~100k parameters can ask for narrower-and-deeper models
+  (e.g. 12: width 32 at depths up to 6) to get more distinct sizes.
+  """
+  if aspect_tolerance < 1:
+    raise ValueError(f"aspect_tolerance must be at least 1, got {aspect_tolerance}")
   min_depth = 3 if family == "griffin" else 2
   best, best_key = None, None
   for width in range(WIDTH_STEP, MAX_WIDTH + 1, WIDTH_STEP):
     if width % head_dim_for(width):
       continue
-    low = max(min_depth, math.ceil(width / (ASPECT_TOLERANCE * ASPECT_RATIO)))
-    high = max(low, math.floor(ASPECT_TOLERANCE * width / ASPECT_RATIO))
+    low = max(min_depth, math.ceil(width / (aspect_tolerance * ASPECT_RATIO)))
+    high = max(low, math.floor(aspect_tolerance * width / ASPECT_RATIO))
     for depth in range(low, high + 1):
       config = family_config(family, width, depth, vocab_size, sequence_length)
       miss = abs(math.log(non_embedding_params(config) / target))
@@ -182,13 +191,15 @@ class Run:
 def plan(families: Sequence[str], sizes: Sequence[str], *, tokens_per_param: float,
          batch_size: int, sequence_length: int, vocab_size: int, workdir: str,
          max_steps: Optional[int] = None, warmup_fraction: float = 0.1,
-         peak_learning_rate: Optional[float] = None) -> List[Run]:
+         peak_learning_rate: Optional[float] = None,
+         aspect_tolerance: float = ASPECT_TOLERANCE) -> List[Run]:
   """Every run of the sweep, with its model and compute-optimal number of steps."""
   runs = []
   for family in families:
     for size in sizes:
       target = parse_size(size)
-      config = config_for_size(family, target, vocab_size, sequence_length)
+      config = config_for_size(family, target, vocab_size, sequence_length,
+                               aspect_tolerance=aspect_tolerance)
       tokens = tokens_per_param * non_embedding_params(config)
       steps = max(1, math.ceil(tokens / (batch_size * sequence_length)))
       if max_steps is not None:
@@ -220,7 +231,8 @@ def plan_isoflop(families: Sequence[str], budgets: Sequence[float], *,
                  points_per_budget: int, spread: float, tokens_per_param: float,
                  batch_size: int, sequence_length: int, vocab_size: int, workdir: str,
                  warmup_fraction: float = 0.1,
-                 peak_learning_rate: Optional[float] = None) -> List[Run]:
+                 peak_learning_rate: Optional[float] = None,
+                 aspect_tolerance: float = ASPECT_TOLERANCE) -> List[Run]:
   """The isoFLOP design: for every budget C, `points_per_budget` sizes spread evenly in
   log N over [N*/spread, N*·spread] around the expected optimum N* (C = 6·N·D with
   D = tokens_per_param·N, so N* = sqrt(C / (6·tokens_per_param))), each trained for
@@ -235,7 +247,8 @@ def plan_isoflop(families: Sequence[str], budgets: Sequence[float], *,
       seen = set()
       for factor in _log_spaced(1 / spread, spread, points_per_budget):
         target = max(1000, int(round(optimum * factor)))
-        config = config_for_size(family, target, vocab_size, sequence_length)
+        config = config_for_size(family, target, vocab_size, sequence_length,
+                                 aspect_tolerance=aspect_tolerance)
         if (config.width, config.depth) in seen:
           continue
         seen.add((config.width, config.depth))

@@ -54,6 +54,56 @@ def test_sizes_grow_monotonically():
   assert counts == sorted(counts) and len(set(counts)) == 5
 
 
+def test_aspect_tolerance_gives_more_distinct_toy_sizes(tmp_path):
+  """The default grid has one depth at width 32; a wider aspect tolerance adds deeper
+  width-32 models, so a study below ~100k parameters gets 4 distinct sizes, while the
+  default is unchanged."""
+  sizes = ("35k", "53k", "71k", "89k")
+
+  def shapes(**kwargs):
+    configs = [sweep_design.config_for_size("hawk", sweep_design.parse_size(s), 259, 64,
+                                            **kwargs) for s in sizes]
+    return [(c.width, c.depth, sweep_design.non_embedding_params(c)) for c in configs]
+
+  default = shapes()
+  assert default == shapes(aspect_tolerance=sweep_design.ASPECT_TOLERANCE)
+  assert len({n for _, _, n in default}) < 4   # 35,616 and 124,608 only
+  wide = shapes(aspect_tolerance=12)
+  assert [(w, d) for w, d, _ in wide] == [(32, 2), (32, 3), (32, 4), (32, 5)]
+  assert [n for _, _, n in wide] == sorted(n for _, _, n in wide) and len(set(wide)) == 4
+  assert all(w / d >= 64 / 12 for w, d, _ in wide)
+  # Griffin keeps its minimum depth of 3; the tolerance reaches depth 6 at width 32.
+  griffin = [sweep_design.config_for_size("griffin", sweep_design.parse_size(s), 259, 64,
+                                          aspect_tolerance=12).depth
+             for s in ("49k", "67k", "85k", "98k")]
+  assert griffin == [3, 4, 5, 6]
+  with pytest.raises(ValueError, match="aspect_tolerance"):
+    sweep_design.config_for_size("hawk", 50_000, 259, 64, aspect_tolerance=0.5)
+  # Both designs pass it on (the ladder sizes its model through plan_isoflop).
+  planned = sweep_design.plan(["hawk"], list(sizes), tokens_per_param=1, batch_size=16,
+                              sequence_length=64, vocab_size=259, workdir=str(tmp_path),
+                              aspect_tolerance=12)
+  assert [(r.config.width, r.config.depth) for r in planned] == [(w, d) for w, d, _ in wide]
+  (iso,) = sweep_design.plan_isoflop(["hawk"], [1e12], points_per_budget=1, spread=1.0,
+                                     tokens_per_param=1e12 / (6 * 71_000 ** 2),
+                                     batch_size=16, sequence_length=64, vocab_size=259,
+                                     workdir=str(tmp_path), aspect_tolerance=12)
+  assert (iso.config.width, iso.config.depth) == (32, 4)
+
+
+def test_dry_run_aspect_tolerance_flag(tmp_path):
+  workdir = tmp_path / "sweep"
+  result = subprocess.run(
+      [sys.executable, "-m", "launch.sweep", "--families=mqa", "--sizes=27k,41k,55k",
+       "--aspect_tolerance=12", f"--workdir={workdir}", "--dry_run", "--vocab_size=259",
+       "--sequence_length=64", "--gin_file=configs/data/synthetic_induction_heads.gin"],
+      cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert result.returncode == 0, result.stderr
+  for params, depth in (("27,296", 2), ("40,928", 3), ("54,560", 4)):
+    assert f"| {params} | 32 | {depth} |" in result.stdout
+  assert not workdir.exists()
+
+
 def test_plan_budgets_are_compute_optimal(tmp_path):
   runs = sweep_design.plan(["hawk", "mqa"], ["0.5m", "1m"], tokens_per_param=20, batch_size=8,
                     sequence_length=128, vocab_size=259, workdir=str(tmp_path))
@@ -132,6 +182,7 @@ def test_dry_run_reads_the_vocabulary_from_gin(tmp_path, gin_files, vocab_size):
     (["--sizes=1x"], "cannot read the size '1x'"),
     (["--batch_size=0"], "--batch_size"),
     (["--warmup_fraction=2"], "--warmup_fraction"),
+    (["--aspect_tolerance=0.5"], "--aspect_tolerance"),
     (["--gin_file=configs/no_such.gin"], "Gin file not found"),
     (["--workdir="], "--workdir"),
 ]))
