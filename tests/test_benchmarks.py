@@ -208,3 +208,17 @@ def test_shard_map_step_script_matches_the_single_device_step():
   difference = float(run.stdout.split("worst relative difference (loss, gradients) ")[1]
                      .split()[0])
   assert difference <= 2e-4
+
+
+def test_wsd_three_families_script_prints_the_recorded_study():
+  """The tables of docs/scaling.md's three-family study, from the recorded results."""
+  result = subprocess.run([sys.executable, "benchmarks/wsd_three_families.py"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+                          check=False)
+  assert result.returncode == 0, result.stderr
+  forecasts = [line for line in result.stdout.splitlines()
+               if line.startswith(("| griffin | 49,248, ", "| hawk | 186,880, ",
+                                   "| mqa | 40,928, "))]
+  assert len(forecasts) == 3, result.stdout
+  assert all(line.endswith("| yes |") for line in forecasts), forecasts
+  assert "| total | 7.14e+12 | 2.31e+12 | 1.54e+13 | 0.46 " in result.stdout
