@@ -208,3 +208,81 @@ def test_shard_map_step_script_matches_the_single_device_step():
   difference = float(run.stdout.split("worst relative difference (loss, gradients) ")[1]
                      .split()[0])
   assert difference <= 2e-4
+
+
+def _load_benchmark(name: str):
+  spec = importlib.util.spec_from_file_location(name, os.path.join(REPO_ROOT, "benchmarks",
+                                                                   f"{name}.py"))
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module  # dataclasses look their module up while being built
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_tpu_estimate_extrapolates_an_affine_cost_exactly():
+  """benchmarks/tpu_estimate.py's depth arithmetic: the cut depths keep the preset's
+  remainder layers, and an affine cost comes back exactly."""
+  bench = _load_benchmark("tpu_estimate")
+  assert bench.compile_depths(12) == (3, 6, 4.0)       # 400M and 100M: four units
+  assert bench.compile_depths(24) == (3, 6, 8.0)       # 1.3B
+  assert bench.compile_depths(32) == (5, 8, 10.0)      # 7B: two remainder layers kept
+  with pytest.raises(ValueError, match="shorter than one unit"):
+    bench.compile_depths(2)
+  cost = lambda layers: 7.5 + 2.25 * layers            # fixed part + per layer
+  for depth in (12, 24, 32):
+    one, two, units = bench.compile_depths(depth)
+    assert bench.extrapolate(cost(one), cost(two), units) == pytest.approx(cost(depth))
+  report = lambda layers: {
+      "estimated_seconds": 1e-3 * cost(layers), "bytes_accessed": 1e9 * cost(layers),
+      "compiled_flops": 1e12 * cost(layers), "model_flops": 4e12 * cost(layers),
+      "peak_bytes": 1e8 * cost(layers), "devices": 4, "batch_size": 16,
+      "sequence_length": 2048, "hbm_bytes": 95 * 2**30, "while_loops": 0,
+      "peak_flops": 459e12, "compile_cpu_seconds": 10.0 * layers,
+      "host_peak_bytes": 2**30 * layers}
+  point = bench.point_from_compiles(report(5), report(8), 10.0)
+  assert point["estimated_seconds"] == pytest.approx(1e-3 * cost(32))
+  assert point["bytes_per_token"] == pytest.approx(1e9 * cost(32) * 4 / (16 * 2048))
+  assert point["estimated_mfu"] == pytest.approx(
+      4e12 * cost(32) / (1e-3 * cost(32) * 459e12 * 4))
+  assert point["compile_cpu_seconds"] == 130.0 and point["host_peak_bytes"] == 8 * 2**30
+
+
+TINY_MQA_GIN = """
+import model.config
+ModelConfig.vocab_size = 64
+ModelConfig.width = 32
+ModelConfig.rnn_width = 32
+ModelConfig.depth = 9
+ModelConfig.num_heads = 2
+ModelConfig.block_pattern = ("attention",)
+ModelConfig.attention_window = None
+ModelConfig.dtype = "bfloat16"
+"""
+
+
+@pytest.mark.slow
+def test_tpu_estimate_script_validates_its_extrapolation(tmp_path):
+  """benchmarks/tpu_estimate.py end to end on a tiny MQA (9 layers: three units) for a
+  v5p-8 target: the one- and two-unit compiles extrapolated to the whole depth agree
+  with the whole compile (XLA's estimate of every layer is the same), the table, JSON and
+  plot are written, and a second run compiles nothing (resume)."""
+  (tmp_path / "mqa_t.gin").write_text(TINY_MQA_GIN)
+  output, figure = tmp_path / "fig3.json", tmp_path / "fig3.png"
+  args = ["--families=mqa", "--sizes=t", "--mesh_for=t=v5p-8/data:4",
+          "--sequence_lengths=64", "--tokens_per_batch=256", f"--preset_dir={tmp_path}",
+          f"--validate={tmp_path / 'mqa_t.gin'}", f"--output={output}", f"--plot={figure}"]
+  run = _run_benchmark("tpu_estimate.py", *args)
+  assert run.returncode == 0, run.stderr[-3000:]
+  result = json.loads(output.read_text())
+  assert len(result["compiles"]) == 3 and figure.exists()   # depths 3, 6 and 9
+  (point,) = result["points"]
+  assert point["depth"] == 9 and point["compile_depths"] == [3, 6]
+  assert point["while_loops"] == 0 and point["relative_to_mqa"] == 1.0
+  (check,) = result["validation"].values()
+  assert check["while_loops"] == 0
+  for name in ("estimated_seconds", "bytes_accessed", "model_flops"):
+    assert abs(check["relative_error"][name]) < 0.02, check
+  assert "| mqa | t | v5p-8 data:4 | 4 x 64 |" in run.stdout
+  again = _run_benchmark("tpu_estimate.py", *args, "--plot=")
+  assert again.returncode == 0 and "compiling" not in again.stderr, again.stderr[-3000:]
+  _assert_usage_error(_run_benchmark("tpu_estimate.py", "--sizes=9b"), "--sizes")
