@@ -18,10 +18,14 @@ in one chunk (no loop either), and takes
     cost(n) = cost(1) + (n - 1) * (cost(2) - cost(1))
 
 for XLA's estimated step time, HBM bytes, compiled FLOPs and the trainer's model FLOPs.
-A unit is `UNIT_LAYERS` = 3 layers for every family (Griffin's recurrent, recurrent,
-attention; three blocks of Hawk or of MQA), so units compare across families. A preset
-whose depth is not a multiple of 3 (the 7B ones: 32 layers) is cut to its remainder plus
-one and plus two units, so the extra layers keep their own block types. `--validate`
+A unit is one repetition of the block pattern: Griffin's recurrent, recurrent,
+attention (3 layers); Hawk's and MQA's layers are all alike, so their unit is one layer
+by default (`--unit_layers=hawk=3,mqa=3` makes every unit 3 layers, at three times the
+compile cost for those two: on the 2-core host a two-unit Griffin 400M compile takes
+about 6 minutes of CPU). The whole-depth figures do not depend on the unit, only the
+compiles that reach them do. A preset whose depth is not a multiple of its unit (the
+7B ones: 32 layers, for Griffin) is cut to its remainder plus one and plus two units, so
+the extra layers keep their own block types. `--validate`
 compiles presets whose whole depth fits this host as well and reports the extrapolation's
 error against the whole compile.
 
@@ -55,7 +59,6 @@ from plumbing.errors import usage_error
 
 FLAGS = flags.FLAGS
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-UNIT_LAYERS = 3
 FAMILIES = ("griffin", "hawk", "mqa")
 # Each size's slice and mesh: four-way batch parallelism everywhere (data or FSDP), so the
 # same global batch gives every chip the same tokens; tensor parallelism only for 7B.
@@ -65,6 +68,9 @@ DEFAULT_MESHES = {"100m": ("v5p-8", "data:4"), "400m": ("v5p-8", "data:4"),
 AFFINE = ("estimated_seconds", "bytes_accessed", "compiled_flops", "model_flops",
           "peak_bytes")
 
+flags.DEFINE_list("unit_layers", ["griffin=3", "hawk=1", "mqa=1"], "FAMILY=LAYERS of "
+                  "one unit (a preset's family is its file name up to the first '_'; "
+                  "other families: 3).")
 flags.DEFINE_list("families", list(FAMILIES), "Model families (configs/models/FAMILY_SIZE.gin).")
 flags.DEFINE_list("sizes", ["400m", "1_3b", "7b"], "Preset sizes.")
 flags.DEFINE_list("sequence_lengths", ["2048", "4096", "8192"], "Tokens per sequence.")
@@ -87,7 +93,7 @@ flags.DEFINE_bool("report_only", False, "Compile nothing: table and plot from --
 
 # -- the arithmetic ---------------------------------------------------------------------
 
-def compile_depths(depth: int, unit_layers: int = UNIT_LAYERS) -> tuple[int, int, float]:
+def compile_depths(depth: int, unit_layers: int) -> tuple[int, int, float]:
   """(depth of the one-unit compile, of the two-unit compile, units n of the preset):
   the preset's remainder layers are kept in both compiles, so cost(n) needs no guess
   about their block types."""
@@ -221,8 +227,9 @@ class Study:
   """The compiles done so far (saved after each) and the points they give."""
 
   def __init__(self, path: str, max_rss_bytes: float, timeout_s: float,
-               retry_failed: bool):
+               retry_failed: bool, unit_layers: dict[str, int]):
     self.path, self.max_rss_bytes, self.timeout_s = path, max_rss_bytes, timeout_s
+    self.unit_layers = unit_layers
     self.data: dict[str, Any] = {"compiles": {}}
     if os.path.exists(path):
       with open(path) as saved:
@@ -258,7 +265,8 @@ class Study:
             compile_missing: bool = True) -> dict[str, Any]:
     """The extrapolated point, or {"missing": why}."""
     depth = preset_depth(preset)
-    one_depth, two_depth, units = compile_depths(depth)
+    family = os.path.basename(preset).split("_")[0]
+    one_depth, two_depth, units = compile_depths(depth, self.unit_layers.get(family, 3))
     results = []
     for cut in (one_depth, two_depth):
       result = self.compile(Shape(preset, topology, mesh, batch, seq, cut), compile_missing)
@@ -304,18 +312,19 @@ def add_relative(points: list[dict[str, Any]]) -> None:
 
 def markdown_table(points: list[dict[str, Any]]) -> str:
   rows = ["| family | size | slice, mesh | batch x T | est. step ms | vs MQA at shortest T "
-          "| HBM bytes/token | est. MFU | compile CPU s (1+2 units) | host peak GiB |",
-          "|---|---|---|---|---|---|---|---|---|---|"]
+          "| HBM bytes/token | est. MFU | layers compiled | compile CPU s | host peak GiB |",
+          "|---|---|---|---|---|---|---|---|---|---|---|"]
   for p in points:
     head = (f"| {p['family']} | {p['size']} | {p['topology']} {p['mesh']} | "
             f"{p['batch']} x {p['sequence_length']} |")
     if "missing" in p:
-      rows.append(f"{head} missing: {p['missing'][:120]} | | | | | |")
+      rows.append(f"{head} missing: {p['missing'][:120]} | | | | | | |")
       continue
     relative = "n/a" if p["relative_to_mqa"] is None else f"{p['relative_to_mqa']:.3f}"
     mfu = "n/a" if p["estimated_mfu"] is None else f"{100 * p['estimated_mfu']:.1f}%"
     rows.append(f"{head} {1e3 * p['estimated_seconds']:.2f} | {relative} | "
                 f"{p['bytes_per_token'] / 1e6:.3f} M | {mfu} | "
+                f"{' + '.join(map(str, p['compile_depths']))} of {p['depth']} | "
                 f"{p['compile_cpu_seconds']:.0f} | {p['host_peak_bytes'] / 2**30:.2f} |")
   return "\n".join(rows)
 
@@ -358,13 +367,14 @@ def plot(points: list[dict[str, Any]], path: str) -> None:
         axis.plot(*zip(*done), color=color, marker=marker, label=f"{family} (libtpu est.)")
     axis.axhline(1.0, color="grey", linestyle=":", linewidth=1.5,
                  label="paper Fig. 3, qualitative:\nGriffin ~ MQA at 2K, flat in T")
-    if len(lengths) > 1:
-      axis.annotate("paper, qualitative:\nMQA rises with T", xy=(lengths[-1], 1.25),
-                    xytext=(lengths[0], 1.45), color="grey", fontsize=8,
-                    arrowprops={"arrowstyle": "->", "color": "grey"})
+    if len(lengths) > 1:  # the paper's MQA curve, as a direction only (no numbers)
+      axis.annotate("paper Fig. 3, qualitative:\nMQA rises with T", xy=(0.93, 0.45),
+                    xytext=(0.55, 0.12), xycoords="axes fraction", color="grey",
+                    fontsize=7, arrowprops={"arrowstyle": "->", "color": "grey",
+                                            "linestyle": "--", "linewidth": 1.5})
     axis.set_xscale("log", base=2)
     axis.set_xticks(lengths, [f"{n // 1024}K" if n >= 1024 else str(n) for n in lengths])
-    axis.set_title(f"{size}")
+    axis.set_title(size.replace("_", ".").upper())
     axis.set_xlabel("sequence length (tokens per batch fixed)")
     axis.grid(alpha=0.3)
   axes[0][0].set_ylabel("estimated step / MQA's at shortest T")
@@ -391,6 +401,16 @@ def _positive_ints(name: str, values: Sequence[str]) -> list[int]:
   if not values or not all(v.isdigit() and int(v) > 0 for v in values):
     raise usage_error(f"--{name} must be positive integers, got {list(values)}")
   return [int(v) for v in values]
+
+
+def _unit_layers(values: Sequence[str]) -> dict[str, int]:
+  units = {}
+  for value in values:
+    family, _, layers = value.partition("=")
+    if not (family and layers.isdigit() and int(layers) > 0):
+      raise usage_error(f"--unit_layers must read FAMILY=LAYERS, got {value!r}")
+    units[family] = int(layers)
+  return units
 
 
 def _meshes(overrides: Sequence[str]) -> dict[str, tuple[str, str]]:
@@ -421,7 +441,7 @@ def main(argv: Sequence[str]) -> None:
           for s in FLAGS.sizes for n in lengths for f in FLAGS.families]
   checks = [(name, preset_path(name, FLAGS.preset_dir)) for name in FLAGS.validate if name]
   study = Study(os.path.join(REPO_ROOT, FLAGS.output), FLAGS.max_rss_gb * 2**30,
-                FLAGS.compile_timeout_s, FLAGS.retry_failed)
+                FLAGS.compile_timeout_s, FLAGS.retry_failed, _unit_layers(FLAGS.unit_layers))
   study.data.setdefault("environment_at_start", _environment())
   compile_missing = not FLAGS.report_only
   validations = {}
@@ -441,13 +461,14 @@ def main(argv: Sequence[str]) -> None:
                    "sequence_length": n,
                    **study.point(preset, topology, mesh, batch, n, compile_missing)})
   add_relative(points)
-  study.data.update(points=points, validation=validations, unit_layers=UNIT_LAYERS,
+  study.data.update(points=points, validation=validations, unit_layers=study.unit_layers,
                     environment_at_end=_environment(),
                     tokens_per_batch=FLAGS.tokens_per_batch)
   study.save()
   print(f"libtpu {study.data['environment_at_end']['libtpu']}; XLA:TPU cost-model "
-        f"estimates, depth extrapolated from {UNIT_LAYERS}- and {2 * UNIT_LAYERS}-layer "
-        "compiles (not measurements)\n")
+        "estimates, depth extrapolated from one- and two-unit compiles (units of "
+        f"{', '.join(f'{f}: {n} layer(s)' for f, n in study.unit_layers.items())}; "
+        "not measurements)\n")
   print(markdown_table(points))
   if validations:
     print("\nExtrapolated against the whole-depth compile:\n")

@@ -223,14 +223,15 @@ def test_tpu_estimate_extrapolates_an_affine_cost_exactly():
   """benchmarks/tpu_estimate.py's depth arithmetic: the cut depths keep the preset's
   remainder layers, and an affine cost comes back exactly."""
   bench = _load_benchmark("tpu_estimate")
-  assert bench.compile_depths(12) == (3, 6, 4.0)       # 400M and 100M: four units
-  assert bench.compile_depths(24) == (3, 6, 8.0)       # 1.3B
-  assert bench.compile_depths(32) == (5, 8, 10.0)      # 7B: two remainder layers kept
+  assert bench.compile_depths(12, 3) == (3, 6, 4.0)    # Griffin 400M and 100M: four units
+  assert bench.compile_depths(24, 3) == (3, 6, 8.0)    # Griffin 1.3B
+  assert bench.compile_depths(32, 3) == (5, 8, 10.0)   # Griffin 7B: the two extra layers kept
+  assert bench.compile_depths(32, 1) == (1, 2, 32.0)   # Hawk or MQA 7B, one-layer units
   with pytest.raises(ValueError, match="shorter than one unit"):
-    bench.compile_depths(2)
+    bench.compile_depths(2, 3)
   cost = lambda layers: 7.5 + 2.25 * layers            # fixed part + per layer
-  for depth in (12, 24, 32):
-    one, two, units = bench.compile_depths(depth)
+  for depth, unit in ((12, 3), (24, 3), (32, 3), (32, 1)):
+    one, two, units = bench.compile_depths(depth, unit)
     assert bench.extrapolate(cost(one), cost(two), units) == pytest.approx(cost(depth))
   report = lambda layers: {
       "estimated_seconds": 1e-3 * cost(layers), "bytes_accessed": 1e9 * cost(layers),
@@ -262,8 +263,8 @@ ModelConfig.dtype = "bfloat16"
 
 @pytest.mark.slow
 def test_tpu_estimate_script_validates_its_extrapolation(tmp_path):
-  """benchmarks/tpu_estimate.py end to end on a tiny MQA (9 layers: three units) for a
-  v5p-8 target: the one- and two-unit compiles extrapolated to the whole depth agree
+  """benchmarks/tpu_estimate.py end to end on a tiny MQA (9 layers, one-layer units) for
+  a v5p-8 target: the one- and two-unit compiles extrapolated to the whole depth agree
   with the whole compile (XLA's estimate of every layer is the same), the table, JSON and
   plot are written, and a second run compiles nothing (resume)."""
   (tmp_path / "mqa_t.gin").write_text(TINY_MQA_GIN)
@@ -274,15 +275,16 @@ def test_tpu_estimate_script_validates_its_extrapolation(tmp_path):
   run = _run_benchmark("tpu_estimate.py", *args)
   assert run.returncode == 0, run.stderr[-3000:]
   result = json.loads(output.read_text())
-  assert len(result["compiles"]) == 3 and figure.exists()   # depths 3, 6 and 9
+  assert len(result["compiles"]) == 3 and figure.exists()   # depths 1, 2 and 9
   (point,) = result["points"]
-  assert point["depth"] == 9 and point["compile_depths"] == [3, 6]
+  assert point["depth"] == 9 and point["compile_depths"] == [1, 2]
   assert point["while_loops"] == 0 and point["relative_to_mqa"] == 1.0
   (check,) = result["validation"].values()
   assert check["while_loops"] == 0
   for name in ("estimated_seconds", "bytes_accessed", "model_flops"):
     assert abs(check["relative_error"][name]) < 0.02, check
   assert "| mqa | t | v5p-8 data:4 | 4 x 64 |" in run.stdout
+  _assert_usage_error(_run_benchmark("tpu_estimate.py", "--unit_layers=mqa"), "--unit_layers")
   again = _run_benchmark("tpu_estimate.py", *args, "--plot=")
   assert again.returncode == 0 and "compiling" not in again.stderr, again.stderr[-3000:]
   _assert_usage_error(_run_benchmark("tpu_estimate.py", "--sizes=9b"), "--sizes")
