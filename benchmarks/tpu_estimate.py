@@ -183,7 +183,9 @@ def run_compile(shape: Shape, max_rss_bytes: float, timeout_s: float) -> dict[st
     if stopped or not lines:
       why = stopped or f"exit {child.returncode}: {err.read()[-600:]}"
       return {"error": why, "host_peak_bytes": peak, "wall_seconds": wall}
-  return {**json.loads(lines[-1]), "host_peak_bytes": peak, "wall_seconds": wall}
+  # The load average as it ended says how shared the host was (wall/CPU seconds).
+  return {**json.loads(lines[-1]), "host_peak_bytes": peak, "wall_seconds": wall,
+          "load_average": list(os.getloadavg())}
 
 
 # -- points ------------------------------------------------------------------------------
