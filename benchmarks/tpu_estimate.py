@@ -314,7 +314,7 @@ def add_relative(points: list[dict[str, Any]]) -> None:
 
 def markdown_table(points: list[dict[str, Any]]) -> str:
   rows = ["| family | size | slice, mesh | batch x T | est. step ms | vs MQA at shortest T "
-          "| HBM bytes/token | est. MFU | layers compiled | compile CPU s | host peak GiB |",
+          "| HBM MB per token | est. MFU | layers compiled | compile CPU s | host peak GiB |",
           "|---|---|---|---|---|---|---|---|---|---|---|"]
   for p in points:
     head = (f"| {p['family']} | {p['size']} | {p['topology']} {p['mesh']} | "
@@ -325,7 +325,7 @@ def markdown_table(points: list[dict[str, Any]]) -> str:
     relative = "n/a" if p["relative_to_mqa"] is None else f"{p['relative_to_mqa']:.3f}"
     mfu = "n/a" if p["estimated_mfu"] is None else f"{100 * p['estimated_mfu']:.1f}%"
     rows.append(f"{head} {1e3 * p['estimated_seconds']:.2f} | {relative} | "
-                f"{p['bytes_per_token'] / 1e6:.3f} M | {mfu} | "
+                f"{p['bytes_per_token'] / 1e6:.3f} | {mfu} | "
                 f"{' + '.join(map(str, p['compile_depths']))} of {p['depth']} | "
                 f"{p['compile_cpu_seconds']:.0f} | {p['host_peak_bytes'] / 2**30:.2f} |")
   return "\n".join(rows)
