@@ -354,7 +354,8 @@ def plot(points: list[dict[str, Any]], path: str) -> None:
   import matplotlib
   matplotlib.use("Agg")
   from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
-  sizes = list(dict.fromkeys(p["size"] for p in points))
+  sizes = list(dict.fromkeys(p["size"] for p in points    # sizes with a point to draw
+                             if p.get("relative_to_mqa") is not None))
   figure, axes = plt.subplots(1, max(len(sizes), 1), figsize=(4.5 * max(len(sizes), 1), 4),
                               sharey=True, squeeze=False)
   styles = {"griffin": ("C0", "o"), "hawk": ("C2", "s"), "mqa": ("C3", "^")}
@@ -475,7 +476,7 @@ def main(argv: Sequence[str]) -> None:
   if validations:
     print("\nExtrapolated against the whole-depth compile:\n")
     print(validation_table(validations))
-  if FLAGS.plot and points:
+  if FLAGS.plot and any(p.get("relative_to_mqa") is not None for p in points):
     plot(points, os.path.join(REPO_ROOT, FLAGS.plot))
 
 
