@@ -18,16 +18,16 @@ in one chunk (no loop either), and takes
     cost(n) = cost(1) + (n - 1) * (cost(2) - cost(1))
 
 for XLA's estimated step time, HBM bytes, compiled FLOPs and the trainer's model FLOPs.
-A unit is one repetition of the block pattern: Griffin's recurrent, recurrent,
-attention (3 layers); Hawk's and MQA's layers are all alike, so their unit is one layer
-by default (`--unit_layers=hawk=3,mqa=3` makes every unit 3 layers, at three times the
-compile cost for those two: on the 2-core host a two-unit Griffin 400M compile takes
-about 6 minutes of CPU). The whole-depth figures do not depend on the unit, only the
-compiles that reach them do. A preset whose depth is not a multiple of its unit (the
-7B ones: 32 layers, for Griffin) is cut to its remainder plus one and plus two units, so
-the extra layers keep their own block types. `--validate`
-compiles presets whose whole depth fits this host as well and reports the extrapolation's
-error against the whole compile.
+A unit is 3 layers for every family by default: one repetition of Griffin's block
+pattern (recurrent, recurrent, attention), three layers of Hawk or MQA. Hawk's and MQA's
+layers are all alike, so `--unit_layers=hawk=1,mqa=1` extrapolates to the same quantity
+from far cheaper compiles, but less exactly: on mqa_100m (12 layers, v5p-8 data:4,
+16 x 2048) one-layer units overstated the whole compile's estimated step by 2.7% and its
+bytes by 2.9%, three-layer units by 0.4% and 0.5% (benchmarks/RESULTS.md). A preset whose depth
+is not a multiple of its unit (the 7B ones: 32 layers) is cut to its remainder plus one
+and plus two units, so the extra layers keep their own block types. `--validate` compiles presets whose whole
+depth fits this host as well and reports the extrapolation's error against the whole
+compile.
 
 Every compile runs in a child process whose resident memory is watched (`--max_rss_gb`:
 killed above it, the point recorded as missing with the reason) and each result is saved
@@ -68,7 +68,7 @@ DEFAULT_MESHES = {"100m": ("v5p-8", "data:4"), "400m": ("v5p-8", "data:4"),
 AFFINE = ("estimated_seconds", "bytes_accessed", "compiled_flops", "model_flops",
           "peak_bytes")
 
-flags.DEFINE_list("unit_layers", ["griffin=3", "hawk=1", "mqa=1"], "FAMILY=LAYERS of "
+flags.DEFINE_list("unit_layers", ["griffin=3", "hawk=3", "mqa=3"], "FAMILY=LAYERS of "
                   "one unit (a preset's family is its file name up to the first '_'; "
                   "other families: 3).")
 flags.DEFINE_list("families", list(FAMILIES), "Model families (configs/models/FAMILY_SIZE.gin).")

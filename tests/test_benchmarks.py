@@ -269,7 +269,7 @@ def test_tpu_estimate_script_validates_its_extrapolation(tmp_path):
   plot are written, and a second run compiles nothing (resume)."""
   (tmp_path / "mqa_t.gin").write_text(TINY_MQA_GIN)
   output, figure = tmp_path / "fig3.json", tmp_path / "fig3.png"
-  args = ["--families=mqa", "--sizes=t", "--mesh_for=t=v5p-8/data:4",
+  args = ["--families=mqa", "--sizes=t", "--unit_layers=mqa=1", "--mesh_for=t=v5p-8/data:4",
           "--sequence_lengths=64", "--tokens_per_batch=256", f"--preset_dir={tmp_path}",
           f"--validate={tmp_path / 'mqa_t.gin'}", f"--output={output}", f"--plot={figure}"]
   run = _run_benchmark("tpu_estimate.py", *args)
