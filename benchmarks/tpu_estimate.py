@@ -356,7 +356,7 @@ def plot(points: list[dict[str, Any]], path: str) -> None:
   from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
   sizes = list(dict.fromkeys(p["size"] for p in points    # sizes with a point to draw
                              if p.get("relative_to_mqa") is not None))
-  figure, axes = plt.subplots(1, max(len(sizes), 1), figsize=(4.5 * max(len(sizes), 1), 4),
+  figure, axes = plt.subplots(1, max(len(sizes), 1), figsize=(max(4.5 * len(sizes), 7.5), 4.5),
                               sharey=True, squeeze=False)
   styles = {"griffin": ("C0", "o"), "hawk": ("C2", "s"), "mqa": ("C3", "^")}
   for axis, size in zip(axes[0], sizes):
