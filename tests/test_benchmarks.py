@@ -222,3 +222,83 @@ def test_wsd_three_families_script_prints_the_recorded_study():
   assert len(forecasts) == 3, result.stdout
   assert all(line.endswith("| yes |") for line in forecasts), forecasts
   assert "| total | 7.14e+12 | 2.31e+12 | 1.54e+13 | 0.46 " in result.stdout
+
+
+def _load_benchmark(name: str):
+  spec = importlib.util.spec_from_file_location(name, os.path.join(REPO_ROOT, "benchmarks",
+                                                                   f"{name}.py"))
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module  # dataclasses look their module up while being built
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_tpu_estimate_extrapolates_an_affine_cost_exactly():
+  """benchmarks/tpu_estimate.py's depth arithmetic: the cut depths keep the preset's
+  remainder layers, and an affine cost comes back exactly."""
+  bench = _load_benchmark("tpu_estimate")
+  assert bench.compile_depths(12, 3) == (3, 6, 4.0)    # Griffin 400M and 100M: four units
+  assert bench.compile_depths(24, 3) == (3, 6, 8.0)    # Griffin 1.3B
+  assert bench.compile_depths(32, 3) == (5, 8, 10.0)   # Griffin 7B: the two extra layers kept
+  assert bench.compile_depths(32, 1) == (1, 2, 32.0)   # Hawk or MQA 7B, one-layer units
+  with pytest.raises(ValueError, match="shorter than one unit"):
+    bench.compile_depths(2, 3)
+  cost = lambda layers: 7.5 + 2.25 * layers            # fixed part + per layer
+  for depth, unit in ((12, 3), (24, 3), (32, 3), (32, 1)):
+    one, two, units = bench.compile_depths(depth, unit)
+    assert bench.extrapolate(cost(one), cost(two), units) == pytest.approx(cost(depth))
+  report = lambda layers: {
+      "estimated_seconds": 1e-3 * cost(layers), "bytes_accessed": 1e9 * cost(layers),
+      "compiled_flops": 1e12 * cost(layers), "model_flops": 4e12 * cost(layers),
+      "peak_bytes": 1e8 * cost(layers), "devices": 4, "batch_size": 16,
+      "sequence_length": 2048, "hbm_bytes": 95 * 2**30, "while_loops": 0,
+      "peak_flops": 459e12, "compile_cpu_seconds": 10.0 * layers,
+      "host_peak_bytes": 2**30 * layers}
+  point = bench.point_from_compiles(report(5), report(8), 10.0)
+  assert point["estimated_seconds"] == pytest.approx(1e-3 * cost(32))
+  assert point["bytes_per_token"] == pytest.approx(1e9 * cost(32) * 4 / (16 * 2048))
+  assert point["estimated_mfu"] == pytest.approx(
+      4e12 * cost(32) / (1e-3 * cost(32) * 459e12 * 4))
+  assert point["compile_cpu_seconds"] == 130.0 and point["host_peak_bytes"] == 8 * 2**30
+
+
+TINY_MQA_GIN = """
+import model.config
+ModelConfig.vocab_size = 64
+ModelConfig.width = 32
+ModelConfig.rnn_width = 32
+ModelConfig.depth = 9
+ModelConfig.num_heads = 2
+ModelConfig.block_pattern = ("attention",)
+ModelConfig.attention_window = None
+ModelConfig.dtype = "bfloat16"
+"""
+
+
+@pytest.mark.slow
+def test_tpu_estimate_script_validates_its_extrapolation(tmp_path):
+  """benchmarks/tpu_estimate.py end to end on a tiny MQA (9 layers, one-layer units) for
+  a v5p-8 target: the one- and two-unit compiles extrapolated to the whole depth agree
+  with the whole compile (XLA's estimate of every layer is the same), the table, JSON and
+  plot are written, and a second run compiles nothing (resume)."""
+  (tmp_path / "mqa_t.gin").write_text(TINY_MQA_GIN)
+  output, figure = tmp_path / "fig3.json", tmp_path / "fig3.png"
+  args = ["--families=mqa", "--sizes=t", "--unit_layers=mqa=1", "--mesh_for=t=v5p-8/data:4",
+          "--sequence_lengths=64", "--tokens_per_batch=256", f"--preset_dir={tmp_path}",
+          f"--validate={tmp_path / 'mqa_t.gin'}", f"--output={output}", f"--plot={figure}"]
+  run = _run_benchmark("tpu_estimate.py", *args)
+  assert run.returncode == 0, run.stderr[-3000:]
+  result = json.loads(output.read_text())
+  assert len(result["compiles"]) == 3 and figure.exists()   # depths 1, 2 and 9
+  (point,) = result["points"]
+  assert point["depth"] == 9 and point["compile_depths"] == [1, 2]
+  assert point["while_loops"] == 0 and point["relative_to_mqa"] == 1.0
+  (check,) = result["validation"].values()
+  assert check["while_loops"] == 0
+  for name in ("estimated_seconds", "bytes_accessed", "model_flops"):
+    assert abs(check["relative_error"][name]) < 0.02, check
+  assert "| mqa | t | v5p-8 data:4 | 4 x 64 |" in run.stdout
+  _assert_usage_error(_run_benchmark("tpu_estimate.py", "--unit_layers=mqa"), "--unit_layers")
+  again = _run_benchmark("tpu_estimate.py", *args, "--plot=")
+  assert again.returncode == 0 and "compiling" not in again.stderr, again.stderr[-3000:]
+  _assert_usage_error(_run_benchmark("tpu_estimate.py", "--sizes=9b"), "--sizes")
