@@ -29,13 +29,18 @@ ModelConfig.dtype = "float32"
 """
 
 
-@pytest.fixture(scope="module")
-def train_step():
-  spec = importlib.util.spec_from_file_location("train_step", SCRIPT)
+def _load_benchmark(name: str):
+  spec = importlib.util.spec_from_file_location(name, os.path.join(REPO_ROOT, "benchmarks",
+                                                                   f"{name}.py"))
   module = importlib.util.module_from_spec(spec)
   sys.modules[spec.name] = module  # dataclasses look their module up while being built
   spec.loader.exec_module(module)
   return module
+
+
+@pytest.fixture(scope="module")
+def train_step():
+  return _load_benchmark("train_step")
 
 
 @pytest.fixture
@@ -222,15 +227,6 @@ def test_wsd_three_families_script_prints_the_recorded_study():
   assert len(forecasts) == 3, result.stdout
   assert all(line.endswith("| yes |") for line in forecasts), forecasts
   assert "| total | 7.14e+12 | 2.31e+12 | 1.54e+13 | 0.46 " in result.stdout
-
-
-def _load_benchmark(name: str):
-  spec = importlib.util.spec_from_file_location(name, os.path.join(REPO_ROOT, "benchmarks",
-                                                                   f"{name}.py"))
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module  # dataclasses look their module up while being built
-  spec.loader.exec_module(module)
-  return module
 
 
 def test_tpu_estimate_extrapolates_an_affine_cost_exactly():
