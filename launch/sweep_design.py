@@ -15,8 +15,9 @@ aspect ratios of ~20-200). The candidate whose non-embedding count (`model.count
 exact) is closest to the target in log ratio wins, ties going to the aspect ratio
 closest to 64 (`--aspect_tolerance` of launch.sweep changes the factor 3). Griffin
 needs depth >= 3 (at least one local-attention block), the others depth >= 2. Derived
-widths follow the Griffin presets (docs/model.md#presets): MLP expansion 3, D_RNN ~ 4D/3 rounded to a multiple of the heads, heads = D / head_dim with head_dim
-32 below D = 256, 64 below 768 and 128 above (the paper's 128 at its sizes), RG-LRU
+widths follow the Griffin presets (docs/model.md#presets): MLP expansion 3, D_RNN ~
+4D/3 rounded to a multiple of the heads, heads = D / head_dim with head_dim 32 below
+D = 256, 64 below 768 and 128 above (the paper's 128 at its sizes), RG-LRU
 gates block-diagonal with one block per head, Griffin's local window half the training
 sequence (the paper: 1024 for 2048), MQA global attention. At toy sizes the grid is
 coarse: a family may land up to ~15% from the target, which the FLOPs axis absorbs.
