@@ -18,6 +18,7 @@ from typing import Any, Iterator, Optional
 import jax
 
 from model.config import ModelConfig
+from plumbing.resident import ResidentPeak
 from pretrain import flops as flops_lib
 from pretrain.gpu_target import GpuTarget
 from pretrain.optimizer import OptimizerConfig, learning_rate_schedule, make_optimizer
@@ -73,7 +74,9 @@ class CompileReport:
   CPU time this process (all threads) and its ptxas children spent on it: on a shared
   host the wall time mostly measures the other jobs (a `nice -n 19` compile on an
   oversubscribed 2-core machine ran at a fifth of a core), the CPU time what the
-  compile costs.
+  compile costs. `compile_host_peak_bytes` is this process's largest resident memory
+  sampled while it lowered and compiled (the compiler's host memory, with what the
+  process already held).
   """
   target: str
   platform: str
@@ -98,6 +101,7 @@ class CompileReport:
   while_loops: int
   compile_seconds: float
   compile_cpu_seconds: float
+  compile_host_peak_bytes: int
   kernels: dict[str, int]
 
   @property
@@ -163,11 +167,19 @@ def without_persistent_cache() -> Iterator[None]:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", min_seconds)
 
 
+@dataclasses.dataclass(frozen=True)
+class CompileCost:
+  """What one compile cost this host: wall and CPU seconds (`_cpu_seconds`), and the
+  process's peak resident memory while it ran."""
+  seconds: float
+  cpu_seconds: float
+  host_peak_bytes: int
+
+
 def compile_train_step(runtime: Runtime, train_config: TrainConfig,
-                       optimizer_config: OptimizerConfig) -> tuple[Any, float, float]:
-  """(the compiled train step, wall seconds, CPU seconds of this process): the
-  trainer's program, lowered on the abstract state and batch and compiled for the
-  runtime's devices."""
+                       optimizer_config: OptimizerConfig) -> tuple[Any, CompileCost]:
+  """(the compiled train step, its cost on this host): the trainer's program, lowered
+  on the abstract state and batch and compiled for the runtime's devices."""
   optimizer = make_optimizer(optimizer_config, train_config.train_steps)
   program = jit_train_step(runtime, optimizer,
                            learning_rate_schedule(optimizer_config, train_config.train_steps),
@@ -175,9 +187,11 @@ def compile_train_step(runtime: Runtime, train_config: TrainConfig,
                            train_config.loss_chunks)
   batch = abstract_batch(runtime, train_config.batch_size, train_config.sequence_length)
   start, cpu_start = time.perf_counter(), _cpu_seconds()
-  with runtime.activation_context(), without_persistent_cache():
+  with runtime.activation_context(), without_persistent_cache(), \
+      ResidentPeak().watch() as resident:
     compiled = program.step.lower(program.abstract_state, batch).compile()
-  return compiled, time.perf_counter() - start, _cpu_seconds() - cpu_start
+  return compiled, CompileCost(time.perf_counter() - start, _cpu_seconds() - cpu_start,
+                               resident.peak_bytes)
 
 
 def _cpu_seconds() -> float:
@@ -187,7 +201,7 @@ def _cpu_seconds() -> float:
   return time.process_time() + children.ru_utime + children.ru_stime
 
 
-def report(compiled: Any, seconds: float, cpu_seconds: float, runtime: Runtime,
+def report(compiled: Any, cost: CompileCost, runtime: Runtime,
            target: TpuTarget | GpuTarget, train_config: TrainConfig) -> CompileReport:
   """The CompileReport of a train step compiled by `compile_train_step`."""
   memory = compiled.memory_analysis()
@@ -215,5 +229,6 @@ def report(compiled: Any, seconds: float, cpu_seconds: float, runtime: Runtime,
       bytes_accessed=costs.get("bytes accessed"),
       peak_flops=flops_lib.peak_flops_per_device(runtime.mesh.devices.flat[0].device_kind),
       while_loops=len(_WHILE.findall(text)),
-      compile_seconds=seconds, compile_cpu_seconds=cpu_seconds,
+      compile_seconds=cost.seconds, compile_cpu_seconds=cost.cpu_seconds,
+      compile_host_peak_bytes=cost.host_peak_bytes,
       kernels=kernel_calls(text))

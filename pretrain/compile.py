@@ -13,7 +13,7 @@ program the trainer jits (`pretrain.steps.jit_train_step`: optimizer, microbatch
 remat, dtypes, shardings; the scan as resolved on that platform). Prints per-device
 memory (arguments, temporaries, peak) against the device's memory with fits / does not
 fit, XLA's compiled FLOPs per device, the model FLOPs the trainer's MFU counts, the
-Pallas kernels in the program, and the compile time. Gin is read as
+Pallas kernels in the program, and the compile's wall and CPU time and peak host memory. Gin is read as
 by `pretrain.train` (configs/base/trainer.gin and optimizer.gin first, then --gin_file in
 order). `--save` writes the serialized executable (`jax.experimental.serialize_executable`,
 pickled with its input/output trees). Exit status 1 when the step does not fit.
@@ -92,9 +92,9 @@ def compile_from_gin(topology: str, num_slices: int, gin_files: Sequence[str],
   except ValueError as error:
     raise usage_error(f"Bad sharding configuration for {target.devices} devices of "
                       f"{topology}: {error}") from error
-  compiled, seconds, cpu_seconds = aot.compile_train_step(
-      runtime, train_config, gin_config.build(OptimizerConfig))
-  return aot.report(compiled, seconds, cpu_seconds, runtime, target, train_config), compiled
+  compiled, cost = aot.compile_train_step(runtime, train_config,
+                                          gin_config.build(OptimizerConfig))
+  return aot.report(compiled, cost, runtime, target, train_config), compiled
 
 
 def format_report(report: aot.CompileReport) -> str:
@@ -125,7 +125,8 @@ def format_report(report: aot.CompileReport) -> str:
       f"model FLOPs:       {report.model_flops:.4g} per step (as the trainer's MFU counts)",
       *_estimate_lines(report),
       f"compile time:      {report.compile_seconds:.1f} s "
-      f"({report.compile_cpu_seconds:.1f} s of CPU in this process)",
+      f"({report.compile_cpu_seconds:.1f} s of CPU in this process), host memory "
+      f"peak {report.compile_host_peak_bytes / GIB:.2f} GiB resident",
   ])
 
 

@@ -58,8 +58,8 @@ def compiled_step_memory(config: ModelConfig, mesh: Mapping[str, int], batch_siz
                     partition.ReplicationCheck())
   train_config = dataclasses.replace(train_config or TrainConfig(), batch_size=batch_size,
                                     sequence_length=seq_len)
-  compiled, _, _ = aot.compile_train_step(runtime, train_config,
-                                          optimizer_config or OptimizerConfig())
+  compiled, _ = aot.compile_train_step(runtime, train_config,
+                                       optimizer_config or OptimizerConfig())
   stats = compiled.memory_analysis()
   result = {"arguments": int(stats.argument_size_in_bytes),
             "outputs": int(stats.output_size_in_bytes),

@@ -77,7 +77,7 @@ def test_train_step_compiles_for_gpu(model_file, bindings, mesh, kernel):
     # Forward and backward: the chunked strategy's 2 kernels each way, at least.
     assert report.kernels[kernel] >= 4
   assert 0 < report.peak_bytes < report.hbm_bytes and report.fits
-  assert report.compile_cpu_seconds > 0
+  assert report.compile_cpu_seconds > 0 and report.compile_host_peak_bytes > 2**27
 
 
 def _readme_command() -> str:

@@ -120,6 +120,8 @@ def test_readme_command_compiles_a_preset(tmp_path):
   assert report["target"] == "v5p-16" and report["devices"] == 8
   assert report["kernels"].get("Mosaic") and report["fits"] and report["model"]["remat"] == "full"
   assert 0 < report["peak_bytes"] < report["hbm_bytes"]
+  # The compiler's host memory: more than an idle JAX process, less than this host.
+  assert 2**28 < report["compile_host_peak_bytes"] < 24 * 2**30
   assert (tmp_path / "step.exe").stat().st_size > 0
 
 
