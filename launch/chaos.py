@@ -44,8 +44,8 @@ the quickstart model unless `--gin_file` says otherwise, every step logged):
                          line, and `launch.local` restarts it (restarts that find the
                          bucket still down end at once, with one line, and are retried).
                          The rows of `metrics.jsonl` logged while the bucket was down by
-                         a run that then stopped never reach it: those steps are listed
-                         in the report as not compared, not counted as missing.
+                         a run that then stopped are kept beside its local tier and sent
+                         by the restart, so every step is compared.
 
 Each fault waits until the previous one has recovered (the new session logged a step;
 for a storage fault ridden out, a step logged after the storage came back).
@@ -200,31 +200,16 @@ def train_rows(rows: Sequence[dict]) -> dict[int, float]:
 
 
 def compare_losses(reference: dict[int, float], run: dict[int, float],
-                   tolerance: float, unsent: Sequence[int] = ()) -> dict[str, Any]:
+                   tolerance: float) -> dict[str, Any]:
   """Every step of the reference must be in the run with a relative difference of at
-  most `tolerance`, except the `unsent` steps (see `unsent_steps`), which may be missing
-  (never different)."""
-  absent = set(reference) - set(run)
-  missing = sorted(absent - set(unsent))
+  most `tolerance`."""
+  missing = sorted(set(reference) - set(run))
   diffs = {step: abs(run[step] - loss) / max(abs(loss), 1e-12)
            for step, loss in reference.items() if step in run}
   worse = sorted(step for step, diff in diffs.items() if diff > tolerance)
   return {"steps_compared": len(diffs), "missing_steps": missing[:20],
           "max_rel_diff": max(diffs.values(), default=0.0), "mismatched_steps": worse[:20],
-          "tolerance": tolerance, "equal": not missing and not worse and bool(diffs),
-          "unsent_steps": sorted(absent & set(unsent))}
-
-
-def unsent_steps(faults: Sequence[Fault]) -> list[int]:
-  """Steps whose metric rows an outage may have kept from the bucket: those after the
-  newest row seen as it began, up to the local step the stopped run saved and resumed
-  from. The rows are queued in memory while the bucket is down, and the run stopped by
-  a long outage exits with them (the trainer's local tier holds the training state,
-  not `metrics.jsonl`); training from that step on, to the reference's losses, is what
-  shows the state saved then was whole."""
-  return sorted(step for f in faults
-                if f.kind == "outage" and f.outcome == "restarted" and f.resumed_step
-                for step in range(f.at_step + 1, f.resumed_step + 1))
+          "tolerance": tolerance, "equal": not missing and not worse and bool(diffs)}
 
 
 def _child_pid(launcher_pid: int, process_id: int) -> Optional[int]:
@@ -486,11 +471,6 @@ def format_report(report: dict[str, Any]) -> str:
   lines.append(f"loss curve: {loss['steps_compared']} steps compared with the "
                f"uninterrupted run, max relative difference {loss['max_rel_diff']:.2e} "
                f"({'equal' if loss['equal'] else 'DIFFERENT'} within {loss['tolerance']})")
-  if loss.get("unsent_steps"):
-    unsent = loss["unsent_steps"]
-    lines.append(f"  not compared: the rows of steps {unsent[0]}-{unsent[-1]}, logged while "
-                 "the bucket was down by the run that the outage then stopped, never "
-                 "reached it (that run resumed from its local save of those steps)")
   if report["goodput"]:
     lines.append(goodput.format_totals(report["goodput"]))
   if report["median_recover_s"] is not None:
@@ -648,8 +628,7 @@ def run_chaos(workdir: str, *, steps: int, faults: int, seed: int, processes: in
     run.run(lambda: _finished(chaos_dir, steps))
     wall = time.monotonic() - started
     rows = read_rows(chaos_dir)
-  loss = compare_losses(train_rows(read_rows(reference_dir)), train_rows(rows), tolerance,
-                        unsent_steps(plan))
+  loss = compare_losses(train_rows(read_rows(reference_dir)), train_rows(rows), tolerance)
   recovered = [f.recover_s for f in plan if f.recover_s is not None]
   # A fault sent so late that the run finished without a restart is reported, not failed.
   unanswered = [f for f in plan if f.sent_s is not None and f.recover_s is None]

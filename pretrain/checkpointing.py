@@ -196,9 +196,13 @@ class Checkpointer:
     self._secondary: list[tuple[CheckpointTier, int]] = []   # (tier, save interval)
     self._secondary_saved: dict[int, int] = {}   # id(tier) -> the step it last saved
     self._failed_here: set[int] = set()   # id(tier): off here, not yet everywhere (`_drop`)
+    # This process's local tier directory (None without one); a bucket run also keeps
+    # there what the bucket did not take when an outage stopped it (`MetricsWriter`).
+    self.local_directory: Optional[epath.Path] = None
     if config.local_dir and not read_only:
-      self.add_tier(LocalCheckpointer(process_directory(config.local_dir, workdir),
-                                      config.local_keep, config.async_save),
+      self.local_directory = process_directory(config.local_dir, workdir)
+      self.add_tier(LocalCheckpointer(self.local_directory, config.local_keep,
+                                      config.async_save),
                     every=config.local_every)
 
   def add_tier(self, tier: CheckpointTier, every: int) -> None:

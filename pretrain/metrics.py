@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import sys
 import tempfile
@@ -30,6 +31,9 @@ with epy.lazy_imports():
   from clu import metric_writers
 
 T = TypeVar("T")
+# Where a bucket run stopped by an outage keeps its unsent metric rows, beside its
+# local checkpoint tier (`MetricsWriter`'s `unsent_path`).
+UNSENT_METRICS = "metrics.unsent.jsonl"
 # Names of downstream task metrics start with this (`pretrain.downstream`).
 DOWNSTREAM_PREFIX = "downstream/"
 
@@ -180,10 +184,17 @@ class MetricsWriter:
   `gs://` / `s3://` workdir the file is rewritten whole (`_ObjectJsonl`).
   Rows with a `kind` field (`pretrain.goodput`: goodput, restart) are records of
   sessions; they are written with `log_record` and never dropped by `rewind`.
+
+  `unsent_path` (a local file; the trainer passes one beside its local checkpoint
+  tier): a bucket run that stops while the storage is down writes the rows the bucket
+  has not taken there, and the next run sends them (`_send_unsent`), so an outage
+  stop loses no row of the steps it saved locally. TensorBoard events of those steps
+  are not kept (the rows are the record).
   """
 
   def __init__(self, workdir: str, total_steps: int, *, tensorboard: bool = True,
-               stream: TextIO = sys.stdout, storage_config: StorageConfig = StorageConfig()):
+               stream: TextIO = sys.stdout, storage_config: StorageConfig = StorageConfig(),
+               unsent_path: Optional[str] = None):
     self._enabled = jax.process_index() == 0
     self._total_steps = total_steps
     self._stream = stream
@@ -192,18 +203,54 @@ class MetricsWriter:
     self._uploads: Optional[Uploads] = None
     self._eval_steps: set[int] = set()
     self._downstream_steps: set[int] = set()
+    self._unsent_path: Optional[str] = None
     if not self._enabled:
       return
     path = storage.join(workdir, "metrics.jsonl")
     if storage.is_url(workdir):
       self._uploads = Uploads(storage_config.outage_s)
       self._jsonl = _ObjectJsonl(path, self._uploads)
+      self._unsent_path = unsent_path
+      self._send_unsent()
     else:
       self._jsonl = _LocalJsonl(path)
     if tensorboard:
       events = storage.join(workdir, "tensorboard")
       self._summary = (_UploadedTensorBoard(events, self._uploads) if self._uploads
                        else metric_writers.SummaryWriter(events))
+
+  def _send_unsent(self) -> None:
+    """Adopts the rows a run stopped by an outage kept locally, when the bucket's file
+    is where that run's began (a prefix of the kept one: the usual case, the outage
+    came after this run's first upload); otherwise the kept file is set aside, not
+    merged, since the bucket's file has rows that run never saw."""
+    if not self._unsent_path or not os.path.exists(self._unsent_path):
+      return
+    with open(self._unsent_path, encoding="utf-8") as f:
+      kept = f.read().splitlines(True)
+    current = self._jsonl.lines()
+    if kept[:len(current)] == current:
+      self._jsonl.replace(kept)
+      os.remove(self._unsent_path)
+      print(f"metrics.jsonl: {len(kept) - len(current)} row(s) the last run logged while "
+            f"the storage was down, kept in {self._unsent_path}, sent now",
+            file=self._stream, flush=True)
+    else:
+      aside = f"{self._unsent_path}.unmerged"
+      os.replace(self._unsent_path, aside)
+      warn(f"the metric rows kept in {self._unsent_path} by a run stopped by an outage "
+           f"do not continue the bucket's metrics.jsonl (it changed since): set aside "
+           f"as {aside}, not merged")
+
+  def _keep_unsent(self) -> str:
+    """Writes the whole file, as the bucket should have it, to `unsent_path`; returns
+    what became of it, for the warning."""
+    try:
+      os.makedirs(os.path.dirname(self._unsent_path), exist_ok=True)
+      storage.write_text(self._unsent_path, "".join(self._jsonl.lines()))
+    except OSError as error:
+      return f"and could not be kept in {self._unsent_path} ({error.strerror or error})"
+    return f"kept in {self._unsent_path}: the next run sends them"
 
   def _write(self, step: int, row: Mapping[str, Optional[float]]) -> None:
     record = {"step": int(step)}
@@ -302,9 +349,10 @@ class MetricsWriter:
     if self._uploads is not None:
       if not self._uploads.flush(flush_timeout_s):
         down_s = self._uploads.outage.down_s()
+        kept = f"; the metric rows are {self._keep_unsent()}" if self._unsent_path else ""
         warn("metrics and TensorBoard writes " + (f"of the last {down_s:.0f} s " if down_s
                                                   else "still queued ")
-             + "did not reach the storage")
+             + "did not reach the storage" + kept)
       self._uploads.close(timeout_s=0)
 
 

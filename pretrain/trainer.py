@@ -35,7 +35,7 @@ from pretrain.checkpoint_tier import CheckpointTier
 from pretrain.checkpointing import Checkpointer
 from pretrain.data.vocabularies import token_byte_lengths
 from pretrain.metadata import RunMetadata, vocabulary_spec
-from pretrain.metrics import MetricsWriter, format_duration
+from pretrain.metrics import UNSENT_METRICS, MetricsWriter, format_duration
 from pretrain.optimizer import OptimizerConfig, learning_rate_schedule, make_optimizer
 from pretrain.outage import FLUSH_TIMEOUT_S, StorageConfig
 from pretrain.runtime import Runtime, host_scalar
@@ -519,7 +519,9 @@ def train(workdir: str, config: TrainConfig, runtime: Runtime,
     storage_config: how long a bucket workdir may be unreachable (`pretrain.outage`).
   """
   clock = goodput.GoodputClock()
-  writer = MetricsWriter(workdir, config.train_steps, storage_config=storage_config)
+  local = checkpointer.local_directory
+  writer = MetricsWriter(workdir, config.train_steps, storage_config=storage_config,
+                         unsent_path=str(local.parent / UNSENT_METRICS) if local else None)
   flush_timeout_s = FLUSH_TIMEOUT_S
   try:
     with clock.timed("startup"):

@@ -1,9 +1,12 @@
 """MetricsWriter: a resumed or rerun run never leaves two rows of one kind for a step."""
 import json
+import sys
 
+from plumbing import storage
 from pretrain import hooks
-from pretrain.metrics import MetricsWriter
+from pretrain.metrics import UNSENT_METRICS, MetricsWriter
 from pretrain.steps import TrainState
+from storage_servers import gcs_bucket  # pylint: disable=unused-import
 
 
 def _rows(path):
@@ -71,3 +74,36 @@ def test_downstream_hook_writes_one_row_per_step_also_when_rerun(tmp_path):
   run()          # a rerun of the finished run evaluates again but writes no second row
   rows = _rows(tmp_path / "metrics.jsonl")
   assert [(r["step"], r["downstream/tiny_mc/acc"]) for r in rows] == [(2, 0.6), (4, 0.7)]
+
+
+def _kept(path, rows):
+  path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def test_rows_kept_by_an_outage_stop_are_sent_by_the_next_run(gcs_bucket, tmp_path, capsys):
+  """A bucket run stopped by an outage keeps its unsent rows locally (`unsent_path`);
+  the next run sends them when they continue the bucket's file, and sets them aside,
+  unmerged and with one line, when the bucket's file has changed since."""
+  workdir = f"{gcs_bucket}/unsent/{tmp_path.name}"
+  storage.write_text(storage.join(workdir, "metrics.jsonl"),
+                     json.dumps({"step": 1, "loss": 3.0}) + "\n")
+  unsent = tmp_path / "local" / UNSENT_METRICS
+  unsent.parent.mkdir()
+  _kept(unsent, [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.5},
+                 {"step": 3, "loss": 2.0}])
+  writer = MetricsWriter(workdir, 3, tensorboard=False, unsent_path=str(unsent),
+                         stream=sys.stdout)   # capsys's
+  assert [row["step"] for row in writer.read_rows()] == [1, 2, 3]
+  writer.close()
+  assert "2 row(s) the last run logged while the storage was down" in capsys.readouterr().out
+  assert not unsent.exists()
+  assert [json.loads(line)["step"] for line in storage.read_text(
+      storage.join(workdir, "metrics.jsonl")).splitlines()] == [1, 2, 3]
+
+  _kept(unsent, [{"step": 1, "loss": 9.0}, {"step": 2, "loss": 8.0}])  # another history
+  writer = MetricsWriter(workdir, 3, tensorboard=False, unsent_path=str(unsent))
+  assert [row["loss"] for row in writer.read_rows()] == [3.0, 2.5, 2.0]
+  writer.close()
+  (line,) = capsys.readouterr().err.splitlines()
+  assert line.startswith("warning: ") and "set aside as" in line and "not merged" in line
+  assert not unsent.exists() and (unsent.parent / f"{UNSENT_METRICS}.unmerged").exists()
