@@ -155,11 +155,7 @@ def shard_layout(shape: Sequence[int], axes: Axes) -> Optional[ShardLayout]:
 
   Read while tracing from the mesh and logical-axis rules in scope, like
   `sequence_sharding`. None when there is no mesh or it has a single device: the
-  caller then needs no `shard_map`. Mesh axes of size 1 split nothing and are left out:
-  kept, a `sequence` axis of size 1 made time look split, and the recurrence ran the
-  scan over shards with one shard (a cumulative product of the decays, its log T
-  passes and the correction, forward and backward: about a tenth of Griffin's HBM
-  traffic on TPU).
+  caller then needs no `shard_map`.
   """
   if len(axes) != len(shape):
     raise ValueError(f"shard_layout: {len(axes)} axis names for shape {tuple(shape)}")
@@ -170,8 +166,6 @@ def shard_layout(shape: Sequence[int], axes: Axes) -> Optional[ShardLayout]:
   for dim, entry in zip(shape, nn.logical_to_mesh_axes(tuple(axes))):
     kept, shards = [], 1
     for name in mesh_axis_names(entry):
-      if mesh.shape[name] == 1:
-        continue
       if dim % (shards * mesh.shape[name]):
         break
       kept.append(name)

@@ -114,8 +114,12 @@ def _size(mesh: Mesh, axes) -> int:
   return size
 
 
+def _names(entry) -> tuple[str, ...]:
+  return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
 def _single_axis(entry) -> Optional[str]:
-  names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+  names = _names(entry)
   if len(names) > 1:
     raise ValueError(f"shard_mapped_linear_scan: time is split over mesh axes {names}; "
                      "the scan over shards supports one mesh axis for time.")
@@ -149,7 +153,11 @@ def shard_mapped_linear_scan(a: jax.Array, x: jax.Array, h0: Optional[jax.Array]
       raise ValueError(f"shard_mapped_linear_scan: {what} size {dim} is not divisible by "
                        f"the {_size(mesh, axes)} shards of mesh axes {axes}; pad it or "
                        "change the mesh.")
-  time_axis = _single_axis(spec[1])
+  # A mesh axis of size 1 splits nothing (layouts keep it named, see
+  # model.partitioning.ShardLayout): taken for a time split, it ran the scan over one
+  # shard, a cumulative product of the decays (log T passes over HBM on TPU) and a
+  # correction pass, forward and backward, that changed nothing.
+  time_axis = _single_axis(tuple(name for name in _names(spec[1]) if mesh.shape[name] > 1))
   if time_axis is None:
     local = functools.partial(engine.linear_scan, options=options, reverse=reverse,
                               impl=impl)
