@@ -347,6 +347,7 @@ def test_step_bytes_equals_xla_on_programs_without_a_matmul():
     assert moved > 0
 
 
+@pytest.mark.slow
 def test_step_bytes_script_splits_a_train_step_by_part(tmp_path):
   """benchmarks/step_bytes.py on tiny Griffin for v5p: each block part forward and
   backward gets its row, and the one-pass sum stays under XLA's figure (which adds a
