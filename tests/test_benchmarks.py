@@ -16,17 +16,22 @@ from plumbing.errors import UserError
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO_ROOT, "benchmarks", "train_step.py")
 
-TINY_GIN = """
+def _tiny_gin(depth: int, block_pattern: str, attention_window: str, dtype: str) -> str:
+  """A tiny model preset (64-token vocabulary, width 32, two heads) as Gin text."""
+  return f"""
 import model.config
 ModelConfig.vocab_size = 64
 ModelConfig.width = 32
 ModelConfig.rnn_width = 32
-ModelConfig.depth = 3
+ModelConfig.depth = {depth}
 ModelConfig.num_heads = 2
-ModelConfig.block_pattern = ("recurrent", "recurrent", "attention")
-ModelConfig.attention_window = 4
-ModelConfig.dtype = "float32"
+ModelConfig.block_pattern = {block_pattern}
+ModelConfig.attention_window = {attention_window}
+ModelConfig.dtype = "{dtype}"
 """
+
+
+TINY_GIN = _tiny_gin(3, '("recurrent", "recurrent", "attention")', "4", "float32")
 
 
 def _load_benchmark(name: str):
@@ -258,17 +263,7 @@ def test_tpu_estimate_extrapolates_an_affine_cost_exactly():
   assert point["compile_cpu_seconds"] == 130.0 and point["host_peak_bytes"] == 8 * 2**30
 
 
-TINY_MQA_GIN = """
-import model.config
-ModelConfig.vocab_size = 64
-ModelConfig.width = 32
-ModelConfig.rnn_width = 32
-ModelConfig.depth = 9
-ModelConfig.num_heads = 2
-ModelConfig.block_pattern = ("attention",)
-ModelConfig.attention_window = None
-ModelConfig.dtype = "bfloat16"
-"""
+TINY_MQA_GIN = _tiny_gin(9, '("attention",)', "None", "bfloat16")
 
 
 @pytest.mark.slow
