@@ -25,8 +25,8 @@ from far cheaper compiles, but less exactly: on mqa_100m (12 layers, v5p-8 data:
 16 x 2048) one-layer units overstated the whole compile's estimated step by 2.7% and its
 bytes by 2.9%, three-layer units by 0.4% and 0.5% (benchmarks/RESULTS.md). A preset whose depth
 is not a multiple of its unit (the 7B ones: 32 layers) is cut to its remainder plus one
-and plus two units, so the extra layers keep their own block types. `--validate` compiles presets whose whole
-depth fits this host as well and reports the extrapolation's error against the whole
+and plus two units, so the extra layers keep their own block types. `--validate` compiles
+presets whose whole depth fits this host as well and reports the extrapolation's error against the whole
 compile.
 
 Every compile runs in a child process whose resident memory is watched (`--max_rss_gb`:
@@ -68,27 +68,31 @@ DEFAULT_MESHES = {"100m": ("v5p-8", "data:4"), "400m": ("v5p-8", "data:4"),
 AFFINE = ("estimated_seconds", "bytes_accessed", "compiled_flops", "model_flops",
           "peak_bytes")
 
-flags.DEFINE_list("unit_layers", ["griffin=3", "hawk=3", "mqa=3"], "FAMILY=LAYERS of "
-                  "one unit (a preset's family is its file name up to the first '_'; "
-                  "other families: 3).")
-flags.DEFINE_list("families", list(FAMILIES), "Model families (configs/models/FAMILY_SIZE.gin).")
-flags.DEFINE_list("sizes", ["400m", "1_3b", "7b"], "Preset sizes.")
-flags.DEFINE_list("sequence_lengths", ["2048", "4096", "8192"], "Tokens per sequence.")
-flags.DEFINE_integer("tokens_per_batch", 32768, "Global tokens per step, fixed across "
-                     "sequence lengths (batch = tokens_per_batch / sequence length).")
-flags.DEFINE_list("validate", ["griffin_100m", "mqa_100m"], "Presets compiled whole as "
-                  "well, at the first sequence length on the 100m mesh, to measure the "
-                  "extrapolation's error (empty: none).")
-flags.DEFINE_multi_string("mesh_for", [], "SIZE=TOPOLOGY/MESH overriding a size's slice, "
-                          "e.g. 7b=v5p-16/fsdp:4,tensor:2.")
-flags.DEFINE_string("preset_dir", "configs/models", "Where FAMILY_SIZE.gin presets live.")
-flags.DEFINE_string("output", "benchmarks/results/tpu_figure3.json",
-                    "JSON of every compile and point; read back to resume.")
-flags.DEFINE_string("plot", "docs/figures/tpu_figure3.png", "Plot path (empty: none).")
-flags.DEFINE_float("max_rss_gb", 10.0, "Kill a compile whose resident memory passes this.")
-flags.DEFINE_integer("compile_timeout_s", 7200, "Kill a compile running longer (wall).")
-flags.DEFINE_bool("retry_failed", False, "Compile again the points recorded as failed.")
-flags.DEFINE_bool("report_only", False, "Compile nothing: table and plot from --output.")
+
+def define_flags() -> None:
+  """Defined on demand, so that importing the module (tests do) claims no flag names."""
+  flags.DEFINE_list("unit_layers", ["griffin=3", "hawk=3", "mqa=3"], "FAMILY=LAYERS of "
+                    "one unit (a preset's family is its file name up to the first '_'; "
+                    "other families: 3).")
+  flags.DEFINE_list("families", list(FAMILIES),
+                    "Model families (configs/models/FAMILY_SIZE.gin).")
+  flags.DEFINE_list("sizes", ["400m", "1_3b", "7b"], "Preset sizes.")
+  flags.DEFINE_list("sequence_lengths", ["2048", "4096", "8192"], "Tokens per sequence.")
+  flags.DEFINE_integer("tokens_per_batch", 32768, "Global tokens per step, fixed across "
+                       "sequence lengths (batch = tokens_per_batch / sequence length).")
+  flags.DEFINE_list("validate", ["griffin_100m", "mqa_100m"], "Presets compiled whole as "
+                    "well, at the first sequence length on the 100m mesh, to measure the "
+                    "extrapolation's error (empty: none).")
+  flags.DEFINE_multi_string("mesh_for", [], "SIZE=TOPOLOGY/MESH overriding a size's slice, "
+                            "e.g. 7b=v5p-16/fsdp:4,tensor:2.")
+  flags.DEFINE_string("preset_dir", "configs/models", "Where FAMILY_SIZE.gin presets live.")
+  flags.DEFINE_string("output", "benchmarks/results/tpu_figure3.json",
+                      "JSON of every compile and point; read back to resume.")
+  flags.DEFINE_string("plot", "docs/figures/tpu_figure3.png", "Plot path (empty: none).")
+  flags.DEFINE_float("max_rss_gb", 10.0, "Kill a compile whose resident memory passes this.")
+  flags.DEFINE_integer("compile_timeout_s", 7200, "Kill a compile running longer (wall).")
+  flags.DEFINE_bool("retry_failed", False, "Compile again the points recorded as failed.")
+  flags.DEFINE_bool("report_only", False, "Compile nothing: table and plot from --output.")
 
 
 # -- the arithmetic ---------------------------------------------------------------------
@@ -481,4 +485,5 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
+  define_flags()
   cli.run(main)

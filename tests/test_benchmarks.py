@@ -43,6 +43,27 @@ def _load_benchmark(name: str):
   return module
 
 
+def test_benchmarks_loaded_in_process_claim_no_flag_names():
+  """The benchmarks this module loads in-process define their flags only when run: a
+  module-level definition would collide with a library flag of the same name (`--output`
+  of pretrain.evaluate did) in whichever test the same worker ran next."""
+  code = ("import importlib.util, os, sys\n"
+          "from absl import flags\n"
+
+          "for name in ('train_step', 'tpu_estimate', 'step_bytes'):\n"
+          "  spec = importlib.util.spec_from_file_location(name, os.path.join('benchmarks', "
+          "name + '.py'))\n"
+          "  module = importlib.util.module_from_spec(spec)\n"
+          "  sys.modules[name] = module\n"
+          "  spec.loader.exec_module(module)\n"
+          "names = ('train_step', 'tpu_estimate', 'step_bytes')\n"
+          "print(sorted(m for m in flags.FLAGS.flags_by_module_dict() if m in names))\n")
+  run = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
+                       text=True, timeout=300)
+  assert run.returncode == 0, run.stderr[-3000:]
+  assert run.stdout.strip().splitlines()[-1] == "[]"
+
+
 @pytest.fixture(scope="module")
 def train_step():
   return _load_benchmark("train_step")
