@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from plumbing.errors import UserError
+from trainer_helpers import last_line_of_fresh_python
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO_ROOT, "benchmarks", "train_step.py")
@@ -58,10 +59,7 @@ def test_benchmarks_loaded_in_process_claim_no_flag_names():
           "  spec.loader.exec_module(module)\n"
           "names = ('train_step', 'tpu_estimate', 'step_bytes')\n"
           "print(sorted(m for m in flags.FLAGS.flags_by_module_dict() if m in names))\n")
-  run = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
-                       text=True, timeout=300)
-  assert run.returncode == 0, run.stderr[-3000:]
-  assert run.stdout.strip().splitlines()[-1] == "[]"
+  assert last_line_of_fresh_python(code, timeout=300) == "[]"
 
 
 @pytest.fixture(scope="module")

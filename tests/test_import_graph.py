@@ -4,10 +4,10 @@ inside functions included; imports inside functions only for optional dependenci
 `plumbing.quiet` set up by each package's `__init__`, never by importing it."""
 import ast
 import os
-import subprocess
-import sys
 
 import pytest
+
+from trainer_helpers import last_line_of_fresh_python
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = ("plumbing", "sharding", "model", "pretrain", "launch")   # lowest first
@@ -166,10 +166,7 @@ def test_importing_quiet_changes_nothing():
             "os.readlink('/proc/self/fd/2'))\n"
             "print(before == after, 'jax' in sys.modules)\n")
   env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
-  result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
-                          text=True, timeout=60, env=env)
-  assert result.returncode == 0, result.stderr
-  assert result.stdout.split() == ["True", "False"]
+  assert last_line_of_fresh_python(script, env=env).split() == ["True", "False"]
 
 
 def test_entry_points_load_tensorflow_only_when_data_is_read():
@@ -183,7 +180,4 @@ def test_entry_points_load_tensorflow_only_when_data_is_read():
             f"for name in {entry_points!r}: importlib.import_module(name)\n"
             "print(sorted(m for m in ('seqio', 'tensorflow', 'lm_eval') "
             "if m in sys.modules))\n")
-  result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
-  assert result.returncode == 0, result.stderr
-  assert result.stdout.strip() == "[]"
+  assert last_line_of_fresh_python(script) == "[]"

@@ -5,11 +5,9 @@ writers, servers of earlier tests) allocate and free at the same time, and the r
 set would measure them too.
 """
 import json
-import os
-import subprocess
-import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from trainer_helpers import last_line_of_fresh_python
+
 MIB = 2**20
 
 
@@ -25,10 +23,7 @@ def _measure(block: str) -> dict:
           "after = resident_bytes()\n"
           "print(json.dumps({'before': before, 'peak': resident.peak_bytes, "
           "'after': after}))\n")
-  run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
-                       text=True, timeout=120)
-  assert run.returncode == 0, run.stderr[-3000:]
-  return json.loads(run.stdout.strip().splitlines()[-1])
+  return json.loads(last_line_of_fresh_python(code))
 
 
 def test_a_block_that_allocates_and_frees_is_seen_at_its_peak():

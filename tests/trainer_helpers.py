@@ -21,6 +21,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = ("def", "return", "class", "self", "import", "for", "in", "if", "else", "print",
          "value", "items", "(", ")", ":", "=", "+", "\n", "    ")
 
+
+def last_line_of_fresh_python(code: str, env=None, timeout: float = 120) -> str:
+  """Runs `code` in a new interpreter from the repository root and returns the last line
+  it printed: for checks that the test worker's own state (modules already imported,
+  flags already defined, other threads' memory) would spoil."""
+  result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout, env=env)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return result.stdout.strip().splitlines()[-1]
+
 TINY_GIN = """
 include 'configs/base/trainer.gin'
 include 'configs/base/optimizer.gin'
