@@ -26,8 +26,8 @@ from far cheaper compiles, but less exactly: on mqa_100m (12 layers, v5p-8 data:
 bytes by 2.9%, three-layer units by 0.4% and 0.5% (benchmarks/RESULTS.md). A preset whose depth
 is not a multiple of its unit (the 7B ones: 32 layers) is cut to its remainder plus one
 and plus two units, so the extra layers keep their own block types. `--validate` compiles
-presets whose whole depth fits this host as well and reports the extrapolation's error against the whole
-compile.
+presets whose whole depth fits this host as well and reports the extrapolation's error
+against the whole compile.
 
 Every compile runs in a child process whose resident memory is watched (`--max_rss_gb`:
 killed above it, the point recorded as missing with the reason) and each result is saved

@@ -48,17 +48,16 @@ def test_benchmarks_loaded_in_process_claim_no_flag_names():
   """The benchmarks this module loads in-process define their flags only when run: a
   module-level definition would collide with a library flag of the same name (`--output`
   of pretrain.evaluate did) in whichever test the same worker ran next."""
+  names = ("train_step", "tpu_estimate", "step_bytes")
   code = ("import importlib.util, os, sys\n"
           "from absl import flags\n"
-
-          "for name in ('train_step', 'tpu_estimate', 'step_bytes'):\n"
+          f"for name in {names!r}:\n"
           "  spec = importlib.util.spec_from_file_location(name, os.path.join('benchmarks', "
           "name + '.py'))\n"
           "  module = importlib.util.module_from_spec(spec)\n"
           "  sys.modules[name] = module\n"
           "  spec.loader.exec_module(module)\n"
-          "names = ('train_step', 'tpu_estimate', 'step_bytes')\n"
-          "print(sorted(m for m in flags.FLAGS.flags_by_module_dict() if m in names))\n")
+          f"print(sorted(m for m in flags.FLAGS.flags_by_module_dict() if m in {names!r}))\n")
   assert last_line_of_fresh_python(code, timeout=300) == "[]"
 
 

@@ -12,8 +12,8 @@ MIB = 2**20
 
 
 def _measure(block: str) -> dict:
-  """Runs `block` (which may set `hold`) under ResidentPeak in a fresh process; returns
-  the resident bytes before, the peak and after, in bytes."""
+  """Runs `block` under ResidentPeak in a fresh process; returns the resident bytes
+  before it, the peak during it and after it."""
   code = ("import json, time\n"
           "import numpy as np\n"
           "from plumbing.resident import ResidentPeak, resident_bytes\n"
