@@ -33,31 +33,46 @@ from plumbing.errors import usage_error
 
 
 def _recovery_lines(max_restarts: int) -> list[str]:
-  """Bash that requeues the job after a failed step or a preemption signal.
+  """Bash that saves and requeues the job on a preemption or time-limit signal, and
+  requeues it after a failed step, at most `max_restarts` times (SLURM counts requeues in
+  SLURM_RESTART_COUNT).
 
-  SLURM counts requeues in SLURM_RESTART_COUNT, which bounds the restarts. On SIGTERM
-  (preemption, scancel) or the early warning signal the step gets SIGTERM, on which the
-  trainer saves its current step; once it has exited the job is requeued and resumes
-  from that checkpoint.
+  The trainer saves on SIGTERM, and it must get that signal itself: srun answers a
+  SIGTERM by killing its tasks at once ("forcing job termination"), so the batch shell
+  never signals srun. Signals reach the tasks in two ways:
+  * SLURM sends them to the tasks directly (a preemption's SIGTERM at the start of its
+    grace time, `scancel --signal=TERM JOB`); the shell does not see them.
+  * The time-limit warning (`--signal=B:USR1@S`) and `scancel --batch` reach this
+    shell, which forwards SIGTERM to every task of the job's steps with
+    `scancel --signal=TERM $SLURM_JOB_ID` (steps only, not the batch shell or srun).
+  Either way each task saves the step all processes agree on and exits 0, and process 0
+  writes that step to $GRIFFIN_PREEMPTED_MARKER (pretrain.train), which tells this
+  shell to requeue the job rather than end it.
   """
   return [
       f"max_restarts={max_restarts}",
       "restarts=${SLURM_RESTART_COUNT:-0}",
+      'export GRIFFIN_PREEMPTED_MARKER="${TMPDIR:-/tmp}/griffin-preempted-$SLURM_JOB_ID"',
+      'rm -f "$GRIFFIN_PREEMPTED_MARKER"',
       "requeue() {",
       '  if [ "$restarts" -lt "$max_restarts" ]; then',
       '    echo "launch.slurm: $1; requeueing job $SLURM_JOB_ID (restart $((restarts + 1)) '
       'of $max_restarts)" >&2',
       '    scontrol requeue "$SLURM_JOB_ID"',
-      "  else",
-      '    echo "launch.slurm: $1; restart budget of $max_restarts spent" >&2',
+      "    exit 0",
       "  fi",
+      '  echo "launch.slurm: $1; the restart budget of $max_restarts is spent, so the job '
+      'ends here (submit it again to resume from the newest checkpoint)" >&2',
+      "  exit 1",
       "}",
+      'signalled=""',
+      "interrupted=""",
       "on_signal() {",
-      '  echo "launch.slurm: received SIG$1; asking the training step to save" >&2',
-      '  kill -TERM "$step" 2>/dev/null || true',
-      '  wait "$step" || true',
-      '  requeue "preempted (SIG$1)"',
-      "  exit 0",
+      '  echo "launch.slurm: received SIG$1; sending SIGTERM to the training tasks, which '
+      'save their current step" >&2',
+      '  signalled="SIG$1"',
+      "  interrupted=1",
+      '  scancel --signal=TERM "$SLURM_JOB_ID" || true',
       "}",
       "trap 'on_signal USR1' USR1",
       "trap 'on_signal TERM' TERM",
@@ -108,16 +123,25 @@ def batch_script(command: Sequence[str], *, job_name: str, nodes: int, gpus_per_
     lines.append(srun)
     return "\n".join(lines) + "\n"
   lines += _recovery_lines(max_restarts)
-  # srun runs in the background so the traps run while it does; `wait` returns early
-  # when a trapped signal arrives.
+  # srun runs in the background so the traps run while it does. `wait` returns early
+  # when a trapped signal arrives; the loop then waits on for srun's own exit status.
   lines += [
       f"{srun} &",
       "step=$!",
-      'code=0; wait "$step" || code=$?',
+      "code=0",
+      "while :; do",
+      '  interrupted=""',
+      '  wait "$step" && status=0 || status=$?',
+      '  [ "$status" -eq 127 ] || code=$status',
+      '  [ -n "$interrupted" ] || break',
+      "done",
       'if [ "$code" -ne 0 ]; then',
       '  requeue "the training step exited with code $code"',
+      'elif [ -n "$signalled" ] || [ -e "$GRIFFIN_PREEMPTED_MARKER" ]; then',
+      '  saved=$(cat "$GRIFFIN_PREEMPTED_MARKER" 2>/dev/null || echo "?")',
+      '  rm -f "$GRIFFIN_PREEMPTED_MARKER"',
+      '  requeue "preempted (${signalled:-SIGTERM to the tasks}); the run saved step $saved"',
       "fi",
-      'exit "$code"',
   ]
   return "\n".join(lines) + "\n"
 

@@ -180,11 +180,47 @@ class _UnraisableFilter:
       self.previous(unraisable)
 
 
+# JAX logs a plugin that fails to start (the CUDA plugin on a node with NVIDIA device
+# files but no CUDA runtime, as on a CPU-only SLURM node with GRES placeholders) with
+# logger.exception: a two-part traceback for every process. It is a notice, not an
+# error (JAX goes on with the platforms that start), so it becomes one line, once.
+JAX_PLUGIN_LOGGER = "jax._src.xla_bridge"
+PLUGIN_FAILURE = "Jax plugin configuration error: Exception when calling"
+# What JAX adds once it has fallen back to the CPU, as if no CUDA plugin were installed.
+NO_CUDA_JAXLIB = "An NVIDIA GPU may be present on this machine, but a CUDA-enabled jaxlib"
+
+
+class _PluginFailureFilter(logging.Filter):
+  """Turns JAX's traceback of a plugin that did not start into one line, once."""
+
+  reported = False
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if str(record.msg).startswith(NO_CUDA_JAXLIB):
+      return not _PluginFailureFilter.reported   # the line above said why
+    if not str(record.msg).startswith(PLUGIN_FAILURE):
+      return True
+    if _PluginFailureFilter.reported:
+      return False
+    _PluginFailureFilter.reported = True
+    plugin = str(record.args[0]).removesuffix(".initialize()").removeprefix("jax_plugins.") \
+        if record.args else "a plugin"
+    reason = record.exc_info[1] if record.exc_info else None
+    record.msg = "JAX's %s plugin did not start (%s); running on the platforms that did"
+    record.args = (plugin, reason or "no reason given")
+    record.exc_info = record.exc_text = None
+    record.levelno, record.levelname = logging.WARNING, "WARNING"
+    return True
+
+
 def install_log_filters() -> None:
   """Drops known Python-logging noise (absl's logger, which Orbax and JAX use; asyncio's)
-  and the unraisable reports of a failed save."""
+  and the unraisable reports of a failed save; shortens a failed JAX plugin to a line."""
   for name in ("absl", "asyncio"):
     logging.getLogger(name).addFilter(_LogFilter())
+  plugin_logger = logging.getLogger(JAX_PLUGIN_LOGGER)
+  if not any(isinstance(f, _PluginFailureFilter) for f in plugin_logger.filters):
+    plugin_logger.addFilter(_PluginFailureFilter())
   if not isinstance(sys.unraisablehook, _UnraisableFilter):
     sys.unraisablehook = _UnraisableFilter(sys.unraisablehook)
 

@@ -36,6 +36,11 @@ EXTRA_BINDINGS_ENV = "GRIFFIN_EXTRA_GIN_PARAMS"
 # medium jobs). JAX's own environment variables, where set, take precedence.
 DEFAULT_COMPILATION_CACHE = "~/.cache/griffin-pretrain/jax-compilation-cache"
 COMPILATION_CACHE_MAX_BYTES = 8 << 30   # least recently used programs are evicted
+# A file that process 0 writes (the step it saved) when the run stopped on a preemption
+# notice rather than at its last step. Both exits are 0, so that a scheduler does not
+# kill the other tasks of the step; launch.slurm's batch script reads the file to tell a
+# run to requeue from a finished one.
+PREEMPTED_MARKER_ENV = "GRIFFIN_PREEMPTED_MARKER"
 
 
 def define_flags() -> None:
@@ -96,8 +101,17 @@ def main(argv: Sequence[str]) -> None:
   cli.reject_extra_arguments(argv)
   use_compilation_cache(FLAGS.compilation_cache_dir)
   extra = os.environ.get(EXTRA_BINDINGS_ENV, "").splitlines()
-  train_from_gin(storage.resolve(FLAGS.workdir), FLAGS.gin_file,
-                 FLAGS.gin_param + [binding for binding in extra if binding.strip()])
+  result = train_from_gin(storage.resolve(FLAGS.workdir), FLAGS.gin_file,
+                          FLAGS.gin_param + [binding for binding in extra if binding.strip()])
+  note_preemption(result)
+
+
+def note_preemption(result: trainer.RunResult) -> None:
+  """Writes the saved step to $GRIFFIN_PREEMPTED_MARKER (process 0, preempted runs only)."""
+  marker = os.environ.get(PREEMPTED_MARKER_ENV)
+  if marker and result.preempted and jax.process_index() == 0:
+    with open(marker, "w", encoding="utf-8") as f:
+      f.write(f"{result.last_step}\n")
 
 
 if __name__ == "__main__":

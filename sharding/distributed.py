@@ -90,6 +90,8 @@ def initialize_from_environment(heartbeat_timeout_s: int = 15,
   if _cluster_detected():
     jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
     jax.distributed.initialize(**timeouts)
+    if os.environ.get("JAX_PLATFORMS") == "cpu":
+      share_cpu_compilation_cache()
     return jax.process_count() > 1
   return False
 

@@ -104,3 +104,35 @@ def test_dash_h_of_every_command(command):
   assert result.returncode == 0 and result.stderr == "", result.stderr
   for flag in COMMANDS[command] + SHARED_FLAGS:
     assert flag in result.stdout, (command, flag)
+
+
+# A /dev with NVIDIA device files and no CUDA runtime behind them, as on a CPU-only
+# SLURM node whose GPUs are GRES placeholders, or a GPU node without CUDA's libraries:
+# JAX then starts the CUDA plugin, which fails.
+_NVIDIA_DEV = r"""
+set -e
+d=$(mktemp -d)
+mount -t tmpfs tmpfs "$d"
+for spec in "null 1 3" "zero 1 5" "random 1 8" "urandom 1 9" "nvidia0 195 0" "nvidiactl 195 255"; do
+  set -- $spec; mknod -m 666 "$d/$1" c "$2" "$3"
+done
+ln -s /proc/self/fd "$d/fd"
+mount --move "$d" /dev
+cd "$REPO"
+exec "$PYTHON" -m pretrain.summary --gin_file=configs/models/tiny_griffin.gin
+"""
+
+
+def test_cpu_run_where_the_cuda_plugin_cannot_start_prints_one_line():
+  probe = subprocess.run(["unshare", "--mount", "true"], capture_output=True, check=False)
+  if probe.returncode != 0:
+    pytest.skip("needs a mount namespace (unshare --mount) to fake NVIDIA device files")
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  env.update(REPO=REPO, PYTHON=sys.executable)
+  result = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                           _NVIDIA_DEV], env=env, capture_output=True, text=True,
+                          timeout=120, check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "Traceback" not in result.stderr, result.stderr
+  lines = result.stderr.splitlines()
+  assert len(lines) == 1 and "JAX's xla_cuda12 plugin did not start" in lines[0], lines

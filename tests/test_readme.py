@@ -104,6 +104,8 @@ PIECES = [piece.strip() for command in COMMANDS for piece in command.split(" && 
 def _kind(piece):
   if any(piece.startswith(prefix) for prefix in NOT_RUN):
     return "not_run"
+  if piece.startswith("python -m launch.slurm") and "--dry_run" not in piece.split():
+    return "slurm_cluster"   # submitted for real by tests/test_slurm_cluster.py
   if piece.startswith("python -m launch."):
     return "launcher"
   if piece.startswith("python -m pretrain.compile"):
