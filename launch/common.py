@@ -106,21 +106,37 @@ def gin_literal(command: Sequence[str], binding: str) -> Any:
   """The literal value the training command's Gin files and --gin_param set for
   `binding` (the last one wins, as in Gin), or None if unset or not a literal.
 
-  Launchers only read the command, for sanity notes; reading it through Gin would
-  import the data libraries (TensorFlow) into every launcher.
+  Launchers only read the command, for sanity notes and estimates; reading it through
+  Gin would import the data libraries (TensorFlow) into every launcher.
   """
+  return gin_literals(command).get(binding)
+
+
+def gin_literals(command: Sequence[str]) -> dict[str, Any]:
+  """Every binding the training command's Gin files and --gin_param set to a literal
+  (`name -> value`, the last statement winning), with `%MACRO` references resolved to
+  the macro's last literal value, as Gin resolves them when the config is built.
+  Bindings whose value is not a literal (`@configurable()`, expressions) are left out."""
   files, params = gin_arguments(command)
   seen: set[str] = set()
-  statements = [line for path in files for line in _gin_lines(path, seen)] + params
-  value = None
-  for statement in statements:
-    name, _, text = statement.partition("=")
-    if name.strip() == binding:
-      try:
-        value = ast.literal_eval(text.strip())
-      except (ValueError, SyntaxError):
-        value = None
-  return value
+  texts: dict[str, str] = {}
+  for statement in [line for path in files for line in _gin_lines(path, seen)] + params:
+    name, sep, text = statement.partition("=")
+    if sep and name.strip():
+      texts[name.strip()] = text.strip()
+
+  def value(text: str, depth: int = 0) -> Any:
+    macro = re.fullmatch(r"%([A-Za-z_][\w.]*)", text)
+    if macro:
+      target = texts.get(macro.group(1))
+      return None if target is None or depth > 8 else value(target, depth + 1)
+    try:
+      return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+      return None
+
+  values = {name: value(text) for name, text in texts.items()}
+  return {name: v for name, v in values.items() if v is not None}
 
 
 def gin_arguments(command: Sequence[str]) -> tuple[list[str], list[str]]:

@@ -13,6 +13,13 @@ script). Each worker reruns the command after a failure, up to `--max_restarts` 
 and the trainer resumes from its newest checkpoint. `--dry_run` prints the exact gcloud
 command instead of running it.
 
+Preemption. On a maintenance event or a preemption the TPU VM shuts down, and the SIGTERM
+must reach the trainer, which saves its step and exits 0 (pretrain/hooks.py). Without
+retries the remote shell `exec`s the trainer, so the trainer is the process signalled.
+With retries the loop's shell stays, traps SIGTERM, passes it to the trainer, waits for
+it to save and exit, and then exits with the trainer's code instead of starting it
+again (docs/contracts.md, "Preemption per launcher").
+
 `SweepBackend` is `launch.sweep --backend=tpu_vm`: one queued resource per run, whose
 startup script runs it on every worker.
 """
@@ -40,22 +47,43 @@ def remote_command(command: Sequence[str], remote_dir: str, setup: str,
   times, `retry_delay_s` apart: when one worker dies the others' runtimes stop too (the
   coordinator's heartbeat), so all of them retry and meet again, and the trainer resumes
   from its newest checkpoint. Each attempt sees its number in GRIFFIN_RESTART_ATTEMPT.
+  A SIGTERM to the worker's shell reaches the trainer: without restarts the shell execs
+  it; with them the loop passes the signal on, waits for the save and exits with the
+  trainer's code, never restarting it.
   """
   steps = [f"cd {remote_dir}"]
   if setup:
     steps.append(setup)
   run = common.env_prefix(env) + common.shell_join(command)
   if not max_restarts:
-    return " && ".join(steps + [run])
+    # The trainer replaces the shell (assignments before `exec` reach its environment).
+    return " && ".join(steps + [common.env_prefix(env) + "exec " + common.shell_join(command)])
+  restart = f"{common.ENV_RESTART_ATTEMPT}=$attempt "
   loop = (
-      f"attempt=0; while true; do {common.ENV_RESTART_ATTEMPT}=$attempt {run} && exit 0; "
-      "code=$?; "
+      # SIGTERM (a maintenance event, a preemption) goes to the trainer, which saves;
+      # the loop then waits for it and ends with its exit code, never restarting it.
+      "attempt=0; stop=; child=; "
+      """trap 'stop=1; [ -n "$child" ] && kill -TERM "$child" 2>/dev/null' TERM; """
+      f"while true; do {restart}{run} & child=$!; "
+      # A SIGTERM that came before `child` was set is passed on here.
+      '[ -n "$stop" ] && kill -TERM "$child" 2>/dev/null; '
+      # `wait` returns early when the trap runs; wait again until the trainer is gone.
+      'wait "$child"; code=$?; '
+      'while kill -0 "$child" 2>/dev/null; do wait "$child"; code=$?; done; child=; '
+      'if [ -n "$stop" ]; then echo "launch.tpu_vm: SIGTERM passed to the command, which '
+      'exited with code $code; not restarting" >&2; exit "$code"; fi; '
+      '[ "$code" -eq 0 ] && exit 0; '
       f'if [ "$attempt" -ge {max_restarts} ]; then '
       'echo "launch.tpu_vm: the command exited with code $code; restart budget of '
       f'{max_restarts} spent" >&2; exit "$code"; fi; '
       "attempt=$((attempt + 1)); "
       'echo "launch.tpu_vm: the command exited with code $code; retry $attempt of '
-      f'{max_restarts} in {retry_delay_s} s" >&2; sleep {retry_delay_s}; done')
+      f'{max_restarts} in {retry_delay_s} s" >&2; '
+      # An interruptible delay: the trap ends the sleep too (`child` is its PID).
+      f'sleep {retry_delay_s} & child=$!; [ -n "$stop" ] || wait "$child"; '
+      'kill "$child" 2>/dev/null; child=; '
+      '[ -n "$stop" ] && { echo "launch.tpu_vm: SIGTERM during the retry delay; not '
+      'restarting" >&2; exit 143; }; done')
   return " && ".join(steps) + " && { " + loop + "; }"
 
 

@@ -50,7 +50,8 @@ def test_tpu_vm_dry_run_runs_train_command_on_all_workers():
   remote_argv = shlex.split(steps[2])
   assert remote_argv[:2] == ["WANDB_MODE=offline",
                              "XLA_FLAGS=--xla_tpu_enable_latency_hiding_scheduler=true"]
-  assert remote_argv[2:] == TRAIN  # the quoted glob survives both shells' quoting
+  assert remote_argv[2] == "exec"  # the trainer replaces the shell and gets its SIGTERM
+  assert remote_argv[3:] == TRAIN  # the quoted glob survives both shells' quoting
 
 
 @pytest.mark.parametrize("tpu_type, chips, hosts, per_host, topology, label", [
@@ -164,6 +165,32 @@ def test_gke_multi_slice_manifest_joins_slices_over_dcn():
   assert "MeshConfig.replica=2" in err
 
 
+def test_gke_grace_period_follows_the_checkpoint_size():
+  # griffin_7b: 6.92e9 params x 12 bytes = 83.1 GB; over v5p-128's 16 hosts 5.19 GB each,
+  # 21 s at 2 Gbit/s: 60 + 21 + 30 = 111 s, raised to the 120 s floor.
+  size = gke.checkpoint_bytes(TRAIN)
+  assert size == 6_924_400_640 * gke.CHECKPOINT_BYTES_PER_PARAM
+  assert gke.write_seconds(size, 16, 2.0) == 21
+  assert gke.termination_grace_s(size, 16) == gke.MIN_GRACE_S == 120
+  assert gke.termination_grace_s(size, 16, write_gbps=0.5) == 60 + 84 + 30
+  assert gke.termination_grace_s(size, 1) == 60 + 333 + 30  # one host writes it all
+  assert gke.termination_grace_s(100 * size, 1) == gke.MAX_GRACE_S == 3600
+  assert gke.termination_grace_s(None, 16) == gke.MIN_GRACE_S
+  out, _ = _dry_run("launch.gke", "--name=g", "--image=i", "--tpu_type=v5p-128",
+                    "--checkpoint_gib=1000")
+  grace = 60 + 269 + 30  # 1000 GiB / 16 hosts at 2 Gbit/s: 269 s
+  assert out.startswith(f"# terminationGracePeriodSeconds: {grace} (60 s + 269 s to write")
+  _, pod, container = _single_container(yaml.safe_load(out))
+  assert pod["terminationGracePeriodSeconds"] == grace
+  assert container["command"] == TRAIN  # no shell between Kubernetes and the trainer
+  _, err = _dry_run("launch.gke", "--name=g", "--image=i", "--tpu_type=v5p-8",
+                    command=["sh", "-c", "cd /app; python -m pretrain.train"])
+  assert "end the script with `exec" in err
+  _, err = _dry_run("launch.gke", "--name=g", "--image=i", "--tpu_type=v5p-8",
+                    command=["sh", "-c", "cd /app && exec python -m pretrain.train"])
+  assert "exec" not in err
+
+
 def test_yaml_renderer_round_trips_awkward_strings():
   manifest = gke.jobset_manifest("n", "i", ["bash", "-c", "echo 'a: b' \"$(X)\" # c\n"],
                                  TpuSlice("v4-8"), env={"K": "yes", "N": "007"})
@@ -204,3 +231,7 @@ def test_gin_literal_follows_files_includes_and_params_in_order(tmp_path):
   multislice = ["--gin_file=configs/base/trainer.gin",
                 "--gin_file=configs/mesh/multislice_fsdp.gin"]
   assert common.gin_literal(multislice, "MeshConfig.replica") == 2
+  # A macro reference takes the macro's last value, wherever it is bound.
+  macro = ["--gin_file=configs/models/griffin_7b.gin", "--gin_param=VOCAB_SIZE=256"]
+  assert common.gin_literal(macro, "ModelConfig.vocab_size") == 256
+  assert common.gin_literal(macro[:1], "ModelConfig.vocab_size") == 32768
