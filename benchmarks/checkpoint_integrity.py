@@ -2,7 +2,7 @@
 
 Saves a preset's parameters (randomly initialised: as incompressible as trained ones)
 and, with --optimizer_state, two more trees of their shapes standing for AdamW's
-moments, with `pretrain.checkpointing.Checkpointer`, which writes `integrity.json` from
+moments, with `pretrain.checkpoints.checkpointer.Checkpointer`, which writes `integrity.json` from
 Orbax's background thread before the commit, and with the same Checkpointer whose
 manifest step (`integrity.seal`) is switched off; each time is until the step is
 committed, the fastest of --rounds alternating saves. Then it times `integrity.verify`
@@ -33,7 +33,8 @@ from absl import flags
 import jax
 
 from plumbing import cli, storage
-from pretrain import checkpointing, gin_config, integrity
+from pretrain.checkpoints import checkpointer as checkpointing, integrity
+from pretrain import gin_config
 from pretrain.runtime import Runtime
 
 flags.DEFINE_string("preset", "griffin_1_3b", "Model preset under configs/models/.")

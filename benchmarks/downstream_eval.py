@@ -31,9 +31,11 @@ import numpy as np
 
 from model import lm as lm_lib
 from plumbing import cli
-from pretrain import convert, downstream, export, gin_config
-from pretrain.loading import load
-from pretrain.metadata import make_vocabulary
+from pretrain.interchange import conversion as convert, hf_export as export
+from pretrain.evaluation import downstream
+from pretrain import gin_config
+from pretrain.checkpoints.loading import load
+from pretrain.checkpoints.metadata import make_vocabulary
 
 flags.DEFINE_string("workdir", None, "Scratch directory (emptied first).")
 flags.DEFINE_string("model_gin", "configs/quickstart.gin", "Gin file giving the model.")

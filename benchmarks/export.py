@@ -28,8 +28,9 @@ import numpy as np
 
 from model import lm
 from plumbing import cli
-from pretrain import convert, export, gin_config
-from pretrain.metadata import make_vocabulary
+from pretrain.interchange import conversion as convert, hf_export as export
+from pretrain import gin_config
+from pretrain.checkpoints.metadata import make_vocabulary
 
 flags.DEFINE_string("preset", "griffin_1_3b", "Model preset under configs/models/.")
 flags.DEFINE_string("workdir", None, "Scratch directory (emptied first).")

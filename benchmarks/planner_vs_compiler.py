@@ -48,7 +48,7 @@ from model import memory
 from plumbing import cli
 from pretrain import compile as compile_lib
 from pretrain import gin_config
-from pretrain import gpu_target
+from pretrain.compilation import gpu_target
 from sharding.mesh import parse_mesh_flag
 
 FLAGS = flags.FLAGS

@@ -27,8 +27,8 @@ from model.scan import ScanOptions
 from model.scan import linear_scan
 from plumbing import cli
 from plumbing.errors import usage_error
-from pretrain import aot
-from pretrain import tpu_target
+from pretrain.compilation import aot
+from pretrain.compilation import tpu_target
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("shape", ["4", "2048", "1024"], "B,T,D of the scan.")

@@ -68,7 +68,7 @@ from absl import flags
 
 from plumbing import cli
 from plumbing.errors import UserError, usage_error
-from pretrain import flops as flops_lib
+from pretrain.observability import flops as flops_lib
 from pretrain import optimizer as optimizer_lib
 from pretrain.losses import token_losses
 

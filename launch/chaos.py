@@ -81,9 +81,9 @@ from launch.storage_faults import CuttableProxy, SmallDisk, start_gcs_emulator, 
 from plumbing import cli
 from plumbing import storage
 from plumbing.errors import EXIT_FAILED, UserError, usage_error
-from pretrain import goodput
-from pretrain.checkpointing import complete_steps
-from pretrain.metrics import format_duration
+from pretrain.observability import goodput
+from pretrain.checkpoints.checkpointer import complete_steps
+from pretrain.observability.metrics import format_duration
 from sharding import distributed
 
 _POLL_S = 0.05

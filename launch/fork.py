@@ -24,7 +24,7 @@ from launch import common
 from plumbing import cli
 from plumbing import storage
 from plumbing.errors import usage_error
-from pretrain import checkpointing
+from pretrain.checkpoints import checkpointer as checkpointing
 
 STAGING = "fork_seed.partial"
 

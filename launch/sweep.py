@@ -21,7 +21,7 @@ gets a model by the size rule below and the compute-optimal budget `tokens_per_p
 x non-embedding parameters (Chinchilla's ~20 by default). With `--flop_budgets` (the isoFLOP design,
 `plan_isoflop`), every budget gets `--points_per_budget` sizes around its expected
 optimum, each trained for the steps that spend the budget by the trainer's own FLOPs
-count (`pretrain.flops`, the numerator of MFU). Each run is `python -m pretrain.train`
+count (`pretrain.observability.flops`, the numerator of MFU). Each run is `python -m pretrain.train`
 in `DIR/runs/<name>` with the user's Gin files, the run's model and budget as bindings,
 then the user's bindings.
 

@@ -34,7 +34,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from model import block_registry
 from model import counting
 from model.config import ModelConfig, model_config_to_dict
-from pretrain import flops as flops_lib
+from pretrain.observability import flops as flops_lib
 
 # Griffin mixes two block types; every other family is one registered block type alone
 # (its registry entry's `family`: hawk, mqa, gateloop, ...), read live from the registry.
@@ -237,7 +237,7 @@ def plan_isoflop(families: Sequence[str], budgets: Sequence[float], *,
   """The isoFLOP design: for every budget C, `points_per_budget` sizes spread evenly in
   log N over [N*/spread, N*·spread] around the expected optimum N* (C = 6·N·D with
   D = tokens_per_param·N, so N* = sqrt(C / (6·tokens_per_param))), each trained for
-  the steps that spend C by the trainer's own FLOPs count (`pretrain.flops`, the MFU
+  the steps that spend C by the trainer's own FLOPs count (`pretrain.observability.flops`, the MFU
   numerator), rounded to whole steps. Sizes the size rule maps to the same model are
   kept once."""
   runs = []
@@ -303,7 +303,7 @@ def run_gin(run: Run) -> str:
     lines.append(f"OptimizerConfig.peak_learning_rate = {run.peak_learning_rate!r}")
   if run.extra_gin:
     lines += ["", f"# The schedule of a {run.role} run (launch.wsd_design, size_rule, ladder).",
-              "import pretrain.checkpointing", *run.extra_gin]
+              "import pretrain.checkpoints.checkpointer", *run.extra_gin]
   if run.final_gin:
     lines += ["# Also after the user's bindings, which may not override them:",
               *run.final_gin]

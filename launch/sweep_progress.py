@@ -23,7 +23,7 @@ import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence, TextIO, Tuple
 
-from pretrain.metrics import format_duration
+from pretrain.observability.metrics import format_duration
 
 AFFINE_SPAN = 1.5
 

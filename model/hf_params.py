@@ -36,7 +36,7 @@ Where the two models' conventions differ, the export adapts the config, never th
 * RG-LRU gate blocks: transformers uses one block per attention head. Where our gate
   blocks differ and the model has both attention and recurrent layers (every paper
   Griffin preset but 1.3B), the export needs the `trust_remote_code` subclass that
-  `gate_blocks_need_remote_code` asks for (`pretrain/hf_remote/`). Hawk has no
+  `gate_blocks_need_remote_code` asks for (`pretrain/interchange/hf_remote/`). Hawk has no
   attention, so its head count is set to the gate blocks; MQA has no gates.
 
 CG-LRU and GateLoop have no transformers counterpart: `check_exportable` says so. What
@@ -180,7 +180,7 @@ def ours_to_hf(params: Mapping[str, Any], config: ModelConfig) -> dict[str, np.n
   """The transformers state dict (name -> float32 numpy array) of our parameters.
 
   Transposed weights are views of `params` (no copy): writers make each contiguous in
-  turn (`pretrain.safetensors_writer`), so an export holds the model about once.
+  turn (`pretrain.interchange.safetensors_writer`), so an export holds the model about once.
   """
   check_exportable(config)
   tree = rg.ours_to_recurrentgemma(params, config)

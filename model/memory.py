@@ -6,7 +6,7 @@ activations at the peak of the backward pass are estimated per token from the bl
 structure, with buffer counts calibrated against the TPU compiler and held against the
 GPU compiler (below). Instant for any size; the 14B preset on 128 devices plans in
 seconds. The other method, XLA's own figures for the trainer's compiled step, needs the
-trainer's program and so lives above the model, in `pretrain.memory_plan` (which
+trainer's program and so lives above the model, in `pretrain.compilation.memory_plan` (which
 `pretrain.summary` uses).
 
 Analytic model of the peak (bytes per device). The total is
@@ -71,7 +71,7 @@ planned).
 Not calibrated (no compiled point): GateLoop, the CG-LRU, sequence-parallel meshes, and
 the chunked loss (the output term assumes TrainConfig.loss_chunks = 1). XLA:CPU keeps
 about twice these activations for small float32 models (it fuses less), so
-`pretrain.memory_plan`'s "compiled" method on CPU devices reads higher than this model.
+`pretrain.compilation.memory_plan`'s "compiled" method on CPU devices reads higher than this model.
 """
 from __future__ import annotations
 

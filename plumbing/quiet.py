@@ -140,7 +140,7 @@ def _is_command() -> bool:
 
 # Orbax logs each failure of a background save, traceback and all, at ERROR from every
 # thread it passes through, then raises it to the caller, which reports it in one line
-# (`pretrain.checkpointing`, `CheckpointSaveError`); asyncio adds the failed writes of
+# (`pretrain.checkpoints.checkpointer`, `CheckpointSaveError`); asyncio adds the failed writes of
 # that save that nobody awaited any more.
 ORBAX_SOURCE = os.sep + os.path.join("orbax", "checkpoint") + os.sep
 # After such a failure, tensorstore completes the save's other writes on its own threads

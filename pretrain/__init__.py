@@ -1,6 +1,6 @@
 """The trainer package: `python -m pretrain.train` and friends, and `pretrain.load`.
 
-`pretrain.load(workdir, step=None)` returns a restored model (see pretrain/loading.py). It is
+`pretrain.load(workdir, step=None)` returns a restored model (see pretrain/checkpoints/loading.py). It is
 imported on first use, so `import pretrain` stays light (no TensorFlow or Orbax; JAX only
 on a host where `plumbing.quiet` must choose its platform).
 
@@ -18,6 +18,6 @@ import importlib  # noqa: E402  # pylint: disable=wrong-import-position,wrong-im
 
 def __getattr__(name):
   if name == "load":
-    # `pretrain.loading` (Orbax, and SeqIO on first use) loads only when asked for.
-    return importlib.import_module("pretrain.loading").load
+    # `pretrain.checkpoints.loading` (Orbax, and SeqIO on first use) loads only when asked for.
+    return importlib.import_module("pretrain.checkpoints.loading").load
   raise AttributeError(f"module 'pretrain' has no attribute {name!r}")

@@ -8,7 +8,7 @@ r"""Compile the trainer's exact train step for a TPU slice or GPU cluster from a
 Runs the target's own compilers on this machine, no accelerator needed: libtpu's XLA:TPU
 and Mosaic for a TPU slice (`pip install -e ".[tpu]"`), or the CUDA plugin's XLA:GPU,
 Triton, Mosaic GPU and ptxas for GPUs (`pip install -e ".[gpu-aot]"`: kinds a100, h100,
-h200, b200, specs in pretrain/gpu_specs/), over a mesh of the target's devices, on the
+h200, b200, specs in pretrain/compilation/gpu_specs/), over a mesh of the target's devices, on the
 program the trainer jits (`pretrain.steps.jit_train_step`: optimizer, microbatches,
 remat, dtypes, shardings; the scan as resolved on that platform). Prints per-device
 memory (arguments, temporaries, peak) against the device's memory with fits / does not
@@ -32,10 +32,10 @@ from jax.experimental import serialize_executable
 from plumbing import cli
 from plumbing import storage
 from plumbing.errors import EXIT_FAILED, UserError, usage_error
-from pretrain import aot
+from pretrain.compilation import aot
 from pretrain import gin_config
-from pretrain import gpu_target
-from pretrain import tpu_target
+from pretrain.compilation import gpu_target
+from pretrain.compilation import tpu_target
 from pretrain.optimizer import OptimizerConfig
 from pretrain.trainer import TrainConfig
 from sharding import partition

@@ -23,30 +23,30 @@ DIR/model.gin holds the ModelConfig bindings to train with.
 from __future__ import annotations
 
 import os
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
-import jax
-import numpy as np
-import orbax.checkpoint as ocp
 from absl import flags
 
-from model import hf_params
-from model import recurrentgemma_params as rg
-from model.config import ModelConfig, model_config_to_dict
+from model.config import ModelConfig
 from plumbing import cli
-from plumbing import storage
-from plumbing.errors import UserError, usage_error
-from pretrain import extras
+from plumbing.errors import usage_error
 from pretrain import gin_config
-from pretrain import hf_import
-from pretrain.checkpointing import (Checkpointer, checkpoint_dir, complete_steps,
-                                   describe_mismatch, shapes_by_path)
-from pretrain.metadata import RunMetadata, make_vocabulary, vocabulary_spec
-from pretrain.runtime import Runtime
-from sharding.mesh import MeshConfig
+from pretrain.interchange.conversion import (FORMATS, convert_hf, convert_recurrentgemma,
+                                             flag_settings)
 
 FLAGS = flags.FLAGS
-FORMATS = ("recurrentgemma", "hf")
+
+
+def preset_settings(name: str) -> dict[str, Any]:
+  """window / logits_soft_cap / embeddings_scale_by_sqrt_dim of a model preset Gin file."""
+  path = os.path.join(gin_config.REPO_ROOT, "configs", "models", f"{name}.gin")
+  if not os.path.exists(path):
+    known = sorted(f[:-4] for f in os.listdir(os.path.dirname(path)) if f.endswith(".gin"))
+    raise usage_error(f"Unknown --preset {name!r}; known presets: {', '.join(known)}")
+  gin_config.parse([path], [])
+  preset = gin_config.build(ModelConfig)
+  return dict(window=preset.attention_window, logits_soft_cap=preset.logits_soft_cap,
+              embeddings_scale_by_sqrt_dim=preset.embeddings_scale_by_sqrt_dim)
 
 
 def define_flags() -> None:
@@ -65,131 +65,6 @@ def define_flags() -> None:
   flags.DEFINE_integer("sequence_length", 2048, "Chunk length evaluate uses for text files.",
                        lower_bound=1)
   flags.mark_flags_as_required(["checkpoint", "workdir"])
-
-
-def preset_settings(name: str) -> dict[str, Any]:
-  """window / logits_soft_cap / embeddings_scale_by_sqrt_dim of a model preset Gin file."""
-  path = os.path.join(gin_config.REPO_ROOT, "configs", "models", f"{name}.gin")
-  if not os.path.exists(path):
-    known = sorted(f[:-4] for f in os.listdir(os.path.dirname(path)) if f.endswith(".gin"))
-    raise usage_error(f"Unknown --preset {name!r}; known presets: {', '.join(known)}")
-  gin_config.parse([path], [])
-  preset = gin_config.build(ModelConfig)
-  return dict(window=preset.attention_window, logits_soft_cap=preset.logits_soft_cap,
-              embeddings_scale_by_sqrt_dim=preset.embeddings_scale_by_sqrt_dim)
-
-
-def flag_settings(window: Optional[str], logits_soft_cap: Optional[float],
-                  scale: Optional[bool]) -> dict[str, Any]:
-  missing = [name for name, value in (("--window", window),
-                                      ("--logits_soft_cap", logits_soft_cap),
-                                      ("--embeddings_scale_by_sqrt_dim", scale))
-             if value is None]
-  if missing:
-    raise usage_error(
-        f"Give --preset=NAME (e.g. recurrentgemma_2b) or all of --window, "
-        f"--logits_soft_cap and --embeddings_scale_by_sqrt_dim; missing {missing}")
-  if window.lower() in ("none", "global"):
-    window_value = None
-  else:
-    try:
-      window_value = int(window)
-    except ValueError:
-      raise usage_error(f"--window must be an integer or 'none', got {window!r}") from None
-  return dict(window=window_value, logits_soft_cap=logits_soft_cap or None,
-              embeddings_scale_by_sqrt_dim=scale)
-
-
-def read_recurrentgemma(path: str) -> dict:
-  """The checkpoint's tree as host numpy arrays (no accelerator memory used)."""
-  if not os.path.isdir(path):
-    raise UserError(f"--checkpoint {path} is not a directory (expected an Orbax "
-                        "checkpoint written by recurrentgemma.jax.utils.save_parameters)")
-  checkpointer = ocp.PyTreeCheckpointer()
-  try:
-    metadata = checkpointer.metadata(path)
-    metadata = getattr(metadata, "item_metadata", metadata)   # StepMetadata -> tree
-    tree = getattr(metadata, "tree", metadata)
-    def host_args(node):  # a RestoreArgs per array leaf of the nested dicts
-      if isinstance(node, dict):
-        return {key: host_args(value) for key, value in node.items()}
-      return ocp.RestoreArgs(restore_type=np.ndarray)
-    return checkpointer.restore(path, args=ocp.args.PyTreeRestore(
-        restore_args=host_args(dict(tree))))
-  except (FileNotFoundError, ValueError) as error:
-    raise UserError(f"Cannot read the RecurrentGemma checkpoint {path}: "
-                        f"{str(error).splitlines()[0]}") from None
-
-
-def model_gin(config: ModelConfig) -> str:
-  """ModelConfig bindings reproducing `config`, for training on from the checkpoint."""
-  lines = ["# Written by pretrain.convert: the imported model's shape.", "import model.config", ""]
-  for name, value in model_config_to_dict(config).items():
-    if isinstance(value, list):
-      value = tuple(value)
-    lines.append(f"ModelConfig.{name} = {value!r}")
-  return "\n".join(lines) + "\n"
-
-
-def convert_recurrentgemma(checkpoint: str, workdir: str, settings: dict[str, Any],
-                           vocab: str = "byte", sequence_length: int = 2048) -> ModelConfig:
-  """Writes DIR/checkpoints/0 (and DIR/model.gin); returns the ModelConfig."""
-  tree = read_recurrentgemma(checkpoint)
-  try:
-    config = rg.config_from_recurrentgemma_params(tree, **settings)
-    params = rg.recurrentgemma_to_ours(tree, config)
-  except (KeyError, ValueError) as error:
-    raise UserError(f"{checkpoint} is not a RecurrentGemma parameter tree this "
-                        f"converter understands: {error}") from None
-  write_step0(workdir, config, params, make_vocabulary(vocab), sequence_length)
-  return config
-
-
-def write_step0(workdir: str, config: ModelConfig, params: Any, vocabulary: Any,
-                sequence_length: int) -> None:
-  """Saves `params` (numpy, ours) as checkpoint 0 of a new `workdir`, plus model.gin."""
-  if vocabulary.vocab_size > config.vocab_size:
-    raise UserError(f"--vocab has {vocabulary.vocab_size} ids but the checkpoint's "
-                        f"embedding only {config.vocab_size} rows; pass the vocabulary "
-                        "the model was trained with")
-  workdir = storage.resolve(workdir)
-  cli.prepare_workdir(workdir)
-  if complete_steps(checkpoint_dir(workdir)):
-    raise UserError(f"{workdir} already holds checkpoints; convert into a new --workdir")
-  runtime = Runtime.create(config, MeshConfig())
-  problem = describe_mismatch(shapes_by_path(params), shapes_by_path(runtime.abstract_params))
-  if problem:
-    raise UserError(f"The converted parameters do not fit the model they imply:\n{problem}")
-  sharded = jax.tree.map(jax.device_put, params, runtime.param_shardings)
-  checkpointer = Checkpointer(workdir)
-  try:
-    checkpointer.save(0, params=sharded, opt_state=None, rng=jax.random.key(0),
-                      metadata=RunMetadata(config, vocabulary_spec(vocabulary, workdir),
-                                           sequence_length).to_json())
-  finally:
-    checkpointer.close()
-  if jax.process_index() == 0:
-    storage.write_text(storage.join(workdir, "model.gin"), model_gin(config))
-
-
-def convert_hf(checkpoint: str, workdir: str, vocab: Optional[str] = None,
-               sequence_length: Optional[int] = None) -> ModelConfig:
-  """Writes DIR/checkpoints/0 (and DIR/model.gin) from a transformers checkpoint."""
-  extras.require("safetensors", extra="hf", purpose="import a Hugging Face checkpoint")
-  directory = hf_import.resolve_checkpoint(checkpoint)
-  try:
-    config = hf_params.config_from_hf(hf_import.read_config(directory))
-    params = hf_params.hf_to_ours(hf_import.read_weights(directory), config)
-  except (KeyError, ValueError) as error:
-    raise UserError(f"{directory} is not a transformers RecurrentGemma checkpoint this "
-                    f"converter understands: {error}") from None
-  vocab = vocab or hf_import.vocabulary_source(directory)
-  if vocab is None:
-    raise usage_error(f"{directory} has no tokenizer.model and its tokenizer is not the byte "
-                      "table: pass --vocab=byte or --vocab=PATH.model")
-  length = sequence_length or hf_import.model_max_length(directory) or 2048
-  write_step0(workdir, config, params, make_vocabulary(vocab), length)
-  return config
 
 
 def main(argv: Sequence[str]) -> None:

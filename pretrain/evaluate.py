@@ -7,14 +7,14 @@ r"""Scores a checkpoint: next-token loss, or lm-evaluation-harness tasks.
 Without --tasks: the mean next-token negative log-likelihood (nats/token). Without
 --text_file it reads the run's validation split, as configured by `DIR/config.gin` (the
 operative config the trainer wrote). With --text_file the file is one document, scored
-exactly as in training through the decoding caches (`pretrain.evaluation.text_loss`).
+exactly as in training through the decoding caches (`pretrain.evaluation.loss.text_loss`).
 Prints and writes {"step", "loss", "tokens", "bits_per_byte"}: bits per byte (total
 nats / (ln 2 · UTF-8 bytes of the scored text)) compare runs whatever their vocabulary. For a run trained on a synthetic task
 (`pretrain.data.synthetic`) the validation loss counts the answer positions only and the
 result has their arg-max "accuracy" instead of bits per byte (the ids are no text).
 
 With --tasks: `lm_eval.simple_evaluate` on the tasks with this model as its backend
-(`pretrain.downstream`, `pretrain.lm_eval_backend`; needs the `eval` extra); prints
+(`pretrain.evaluation.downstream`, `pretrain.evaluation.lm_eval_backend`; needs the `eval` extra); prints
 lm_eval's results table, and --output writes lm_eval's results JSON.
 """
 from __future__ import annotations
@@ -29,13 +29,13 @@ from etils import epy
 from plumbing import cli
 from plumbing import storage
 from plumbing.errors import UserError, usage_error
-from pretrain import downstream
-from pretrain import evaluation
+from pretrain.evaluation import downstream
+from pretrain.evaluation import loss as evaluation
 from pretrain import gin_config
-from pretrain import metrics as metrics_lib
+from pretrain.observability import metrics as metrics_lib
 from pretrain.data import synthetic
 from pretrain.data.vocabularies import token_byte_lengths
-from pretrain.loading import LoadedModel, load
+from pretrain.checkpoints.loading import LoadedModel, load
 from pretrain.trainer import TrainConfig
 
 # SeqIO and TensorFlow load on first use (about 6 s): commands that only parse

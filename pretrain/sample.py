@@ -3,7 +3,7 @@ r"""Samples a continuation of a prompt from a trained model.
   python -m pretrain.sample --workdir=DIR --prompt='def ' [--max_new_tokens=200] \
       [--temperature=0.8] [--seed=0]
 
-See `pretrain.generation` for how decoding works (one prefill, then cached steps).
+See `pretrain.evaluation.generation` for how decoding works (one prefill, then cached steps).
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Sequence
 from absl import flags
 
 from plumbing import cli
-from pretrain.generation import sample_text
-from pretrain.loading import load
+from pretrain.evaluation.generation import sample_text
+from pretrain.checkpoints.loading import load
 
 FLAGS = flags.FLAGS
 

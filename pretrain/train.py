@@ -21,16 +21,13 @@ from plumbing import cli
 from plumbing import storage
 from pretrain import gin_config
 from pretrain import trainer
-from pretrain.checkpointing import CheckpointConfig, Checkpointer
+from pretrain.checkpoints.checkpointer import CheckpointConfig, Checkpointer
 from pretrain.optimizer import OptimizerConfig
-from pretrain.outage import StorageConfig
+from pretrain.checkpoints.outage import StorageConfig
 from sharding.distributed import initialize_from_environment
 
 FLAGS = flags.FLAGS
 
-# Bindings applied after --gin_param, one per line: shortens a documented command (the
-# README test runs each one verbatim with TRAIN_STEPS=2) without changing its text.
-EXTRA_BINDINGS_ENV = "GRIFFIN_EXTRA_GIN_PARAMS"
 # JAX's persistent compilation cache: a restarted or resumed run loads its compiled
 # programs instead of compiling them again (the largest part of a restart on small and
 # medium jobs). JAX's own environment variables, where set, take precedence.
@@ -100,9 +97,8 @@ def train_from_gin(workdir: str, gin_files: Sequence[str],
 def main(argv: Sequence[str]) -> None:
   cli.reject_extra_arguments(argv)
   use_compilation_cache(FLAGS.compilation_cache_dir)
-  extra = os.environ.get(EXTRA_BINDINGS_ENV, "").splitlines()
   result = train_from_gin(storage.resolve(FLAGS.workdir), FLAGS.gin_file,
-                          FLAGS.gin_param + [binding for binding in extra if binding.strip()])
+                          FLAGS.gin_param + gin_config.extra_bindings())
   note_preemption(result)
 
 

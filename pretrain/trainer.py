@@ -23,21 +23,22 @@ from model import counting
 from plumbing import storage
 from plumbing.errors import (StorageOutageError, StorageOutageStop, UserError, usage_error,
                              warn)
-from pretrain import downstream
-from pretrain import evaluation
-from pretrain import flops as flops_lib
-from pretrain import generation
-from pretrain import goodput
+from pretrain.evaluation import downstream
+from pretrain.evaluation import loss as evaluation
+from pretrain.observability import flops as flops_lib
+from pretrain.evaluation import generation
+from pretrain.observability import goodput
 from pretrain import hooks as hooks_lib
-from pretrain import stragglers
-from pretrain import watchdog as watchdog_lib
-from pretrain.checkpoint_tier import CheckpointTier
-from pretrain.checkpointing import Checkpointer
+from pretrain.observability import stragglers
+from pretrain.observability import watchdog as watchdog_lib
+from pretrain.checkpoints.tier import CheckpointTier
+from pretrain.checkpoints.checkpointer import Checkpointer
+from pretrain.checkpoints.saving import CheckpointHook
 from pretrain.data.vocabularies import token_byte_lengths
-from pretrain.metadata import RunMetadata, vocabulary_spec
-from pretrain.metrics import UNSENT_METRICS, MetricsWriter, format_duration
+from pretrain.checkpoints.metadata import RunMetadata, vocabulary_spec
+from pretrain.observability.metrics import UNSENT_METRICS, MetricsWriter, format_duration
 from pretrain.optimizer import OptimizerConfig, learning_rate_schedule, make_optimizer
-from pretrain.outage import FLUSH_TIMEOUT_S, StorageConfig
+from pretrain.checkpoints.outage import FLUSH_TIMEOUT_S, StorageConfig
 from pretrain.runtime import Runtime, host_scalar
 from pretrain.steps import TrainState, jit_train_step
 from sharding import partition
@@ -72,7 +73,7 @@ class TrainConfig:
       under `<workdir>/profile` (TensorBoard's profile plugin reads it); None: none.
     profile_all_processes: trace every process, not only process 0.
     downstream_tasks: lm-evaluation-harness tasks (or groups) to score the live
-      parameters on (`pretrain.downstream`; needs the `eval` extra), written as
+      parameters on (`pretrain.evaluation.downstream`; needs the `eval` extra), written as
       `downstream/<task>/<metric>` metrics; () for none.
     downstream_every: run them every this many steps; 0: only after the last step
       (with `final_eval`).
@@ -81,7 +82,7 @@ class TrainConfig:
     downstream_limit: score at most this many examples of each task (None: all).
     hang_timeout_s: a process whose current phase (data, step, collective, ...) makes
       no progress for this many seconds dumps its Python stacks and exits with code 1,
-      so the launcher restarts the run (`pretrain.watchdog`); None derives it from the
+      so the launcher restarts the run (`pretrain.observability.watchdog`); None derives it from the
       run: 10 x the median step time, at least 120 s; 0 turns the watchdog off.
     hang_long_s: the allowance before the first step completes (restore, compilation)
       and of evaluations and checkpoint waits.
@@ -225,7 +226,7 @@ class Trainer:
     pipeline: the input pipeline (`Pipeline`).
     checkpointer: where state is saved and restored (every tier).
     writer: metrics and console output.
-    clock: books the session's wall time (`pretrain.goodput`); a new one by default.
+    clock: books the session's wall time (`pretrain.observability.goodput`); a new one by default.
   """
 
   def __init__(self, config: TrainConfig, runtime: Runtime,
@@ -312,7 +313,7 @@ class Trainer:
             tokens_per_step=cfg.batch_size * cfg.sequence_length,
             flops_per_token=self.flops_per_token, log_z_loss=bool(cfg.z_loss_weight)),
         hooks_lib.PreemptionHook(self.checkpointer),
-        hooks_lib.CheckpointHook(self.checkpointer, cfg.checkpoint_every,
+        CheckpointHook(self.checkpointer, cfg.checkpoint_every,
                                  persisted_step=(start_step if start_tier in
                                                  (None, self.checkpointer) else None),
                                  rng=rng,
@@ -516,7 +517,7 @@ def train(workdir: str, config: TrainConfig, runtime: Runtime,
       writes the operative Gin config there).
     hooks: added to the default hooks (`Trainer.add_hook`: Hooks with their own
       `every`, functions of a `StepInfo` every step).
-    storage_config: how long a bucket workdir may be unreachable (`pretrain.outage`).
+    storage_config: how long a bucket workdir may be unreachable (`pretrain.checkpoints.outage`).
   """
   clock = goodput.GoodputClock()
   local = checkpointer.local_directory

@@ -1,6 +1,6 @@
 """The shape of a Cloud TPU slice named like `v5p-128`: chips, hosts, topology and the
 GKE labels that select it. The launchers (GKE, TPU VMs) place processes with it and the
-ahead-of-time TPU compile (`pretrain.tpu_target`) builds its device topology from it."""
+ahead-of-time TPU compile (`pretrain.compilation.tpu_target`) builds its device topology from it."""
 from __future__ import annotations
 
 import re

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 
 from model.scan import engine
-from pretrain import aot
-from pretrain import gpu_target
+from pretrain.compilation import aot
+from pretrain.compilation import gpu_target
 
 SHAPE = (2, 256, 256)
 

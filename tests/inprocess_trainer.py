@@ -6,10 +6,10 @@ from typing import Optional
 import numpy as np
 
 from model.config import ModelConfig
-from pretrain.checkpointing import CheckpointConfig, Checkpointer
+from pretrain.checkpoints.checkpointer import CheckpointConfig, Checkpointer
 from pretrain.data.vocabularies import get_vocabulary
-from pretrain.goodput import GoodputClock
-from pretrain.metrics import MetricsWriter
+from pretrain.observability.goodput import GoodputClock
+from pretrain.observability.metrics import MetricsWriter
 from pretrain.optimizer import OptimizerConfig
 from pretrain.runtime import Runtime
 from pretrain.trainer import TrainConfig, Trainer

@@ -334,9 +334,9 @@ def test_step_bytes_equals_xla_on_programs_without_a_matmul():
   """On elementwise and reduction programs XLA:TPU charges each instruction its operands
   and result once, as the breakdown does: the totals agree (to the few bytes XLA also
   charges for a tuple result's table of buffers)."""
-  from pretrain import aot
+  from pretrain.compilation import aot
   from pretrain import compile as compile_lib
-  from pretrain import tpu_target
+  from pretrain.compilation import tpu_target
   if not tpu_target.libtpu_available():
     pytest.skip('libtpu is not installed (pip install -e ".[tpu]")')
   import jax

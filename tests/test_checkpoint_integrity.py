@@ -9,9 +9,9 @@ import time
 import pytest
 
 from plumbing.errors import CheckpointSaveError, StorageOutageError, UserError
-from pretrain import hooks as hooks_lib
-from pretrain import integrity
-from pretrain import outage
+from pretrain.checkpoints import saving
+from pretrain.checkpoints import integrity
+from pretrain.checkpoints import outage
 
 FILES = {"params/_METADATA": b"{}" * 10, "params/ocdbt.process_0/d/abc": bytes(range(256)) * 8,
          "params/ocdbt.process_0/d/def": b"\1" * 300, "opt_state/d/xyz": b"\2" * 500,
@@ -186,7 +186,7 @@ class _Writer:
 
 
 def _hook(checkpointer):
-  return hooks_lib.CheckpointHook(checkpointer, 4, persisted_step=0, rng=None, metadata={},
+  return saving.CheckpointHook(checkpointer, 4, persisted_step=0, rng=None, metadata={},
                                   writer=_Writer())
 
 
@@ -241,7 +241,7 @@ def test_a_failed_final_save_is_retried_before_the_run_ends():
 def test_a_save_while_the_bucket_is_down_is_deferred_then_made_once_it_answers(
     capsys, monkeypatch):
   now = [1000.0]
-  monkeypatch.setattr(hooks_lib.time, "monotonic", lambda: now[0])
+  monkeypatch.setattr(saving.time, "monotonic", lambda: now[0])
   checkpointer = _FailingCheckpointer(failing=[], clock=lambda: now[0])
   hook = _hook(checkpointer)
   checkpointer.down = "cannot reach the storage of gs://b/w/checkpoints (refused)"
@@ -282,7 +282,7 @@ def test_a_save_failing_because_the_bucket_went_away_is_deferred(capsys):
 
 def test_an_outage_longer_than_outage_s_stops_the_run(monkeypatch):
   now = [0.0]
-  monkeypatch.setattr(hooks_lib.time, "monotonic", lambda: now[0])
+  monkeypatch.setattr(saving.time, "monotonic", lambda: now[0])
   checkpointer = _FailingCheckpointer(failing=[], clock=lambda: now[0])
   checkpointer.down = "cannot reach the storage"
   hook = _hook(checkpointer)

@@ -10,10 +10,10 @@ import pytest
 from model.config import ModelConfig
 from plumbing import storage
 from plumbing.errors import CheckpointSaveError, UnreadableCheckpointError
-from pretrain import checkpointing as ckpt
-from pretrain import integrity
-from pretrain.loading import load
-from pretrain.metadata import RunMetadata
+from pretrain.checkpoints import checkpointer as ckpt
+from pretrain.checkpoints import integrity
+from pretrain.checkpoints.loading import load
+from pretrain.checkpoints.metadata import RunMetadata
 from pretrain.optimizer import OptimizerConfig, make_optimizer
 from pretrain.runtime import Runtime
 from sharding.mesh import MeshConfig

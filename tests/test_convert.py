@@ -12,8 +12,8 @@ from recurrentgemma.jax import griffin
 from recurrentgemma.jax import utils as rg_utils
 
 import pretrain
-from pretrain import convert
-from pretrain.checkpointing import complete_steps
+from pretrain.interchange import conversion as convert
+from pretrain.checkpoints.checkpointer import complete_steps
 from trainer_helpers import assert_ok, train_losses, trainer_env  # pylint: disable=unused-import
 from recurrentgemma_helpers import perturbed
 

@@ -336,7 +336,7 @@ def test_mixture_of_text_tasks(tmp_path):
 
 
 def test_sentencepiece_vocabulary(tmp_path):
-  from pretrain import tokenizer
+  from pretrain.interchange import tokenizer
   texts = write_corpus(tmp_path / "corpus")
   model = tokenizer.train_sentencepiece(str(tmp_path / "corpus" / "*.txt"), 300,
                                         str(tmp_path / "spm"))

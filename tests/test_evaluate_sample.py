@@ -16,9 +16,9 @@ import seqio
 from model.config import ModelConfig
 from plumbing.errors import UserError
 from pretrain import evaluate as evaluate_lib
-from pretrain import evaluation
-from pretrain import generation
-from pretrain import metadata
+from pretrain.evaluation import loss as evaluation
+from pretrain.evaluation import generation
+from pretrain.checkpoints import metadata
 from pretrain.data.vocabularies import token_byte_lengths
 from pretrain.losses import token_losses
 from pretrain.runtime import Runtime

@@ -14,8 +14,8 @@ import pytest
 from model.config import ModelConfig
 from plumbing.errors import EXIT_FAILED, EXIT_USAGE, UserError
 from pretrain import gin_config
-from pretrain import integrity
-from pretrain.checkpointing import complete_steps
+from pretrain.checkpoints import integrity
+from pretrain.checkpoints.checkpointer import complete_steps
 from pretrain.data import DataError
 from pretrain.data.pipeline import DataPipeline
 from pretrain.data.tasks import text_files_task
@@ -91,7 +91,7 @@ def test_divergence_stops_and_keeps_newest_good_checkpoint(trainer_env, tmp_path
   steps = complete_steps(os.path.join(workdir, "checkpoints"))
   assert steps and steps[-1] < diverged_step
   # The kept checkpoint is loadable and finite.
-  from pretrain.loading import load  # pylint: disable=g-import-not-at-top
+  from pretrain.checkpoints.loading import load  # pylint: disable=g-import-not-at-top
   model = load(workdir)
   assert model.step == steps[-1]
   for leaf in jax.tree.leaves(model.params):

@@ -9,7 +9,7 @@ import pytest
 
 from plumbing.errors import EXIT_USAGE, UserError
 from pretrain import gin_config
-from pretrain.checkpointing import CheckpointConfig
+from pretrain.checkpoints.checkpointer import CheckpointConfig
 from pretrain.trainer import TrainConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -67,7 +67,7 @@ def test_missing_part_names_the_gin_file_to_add(files, expected):
 
 
 def test_binding_the_caller_overrides_is_unused_once_built():
-  gin_config.parse([], ["import pretrain.trainer", "import pretrain.checkpointing",
+  gin_config.parse([], ["import pretrain.trainer", "import pretrain.checkpoints.checkpointer",
                         "TrainConfig.train_steps = 3", "CheckpointConfig.keep_last = 2"])
   gin_config.build(TrainConfig)
   with pytest.raises(UserError, match="Gin binding CheckpointConfig.keep_last is set but "

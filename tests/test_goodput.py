@@ -7,8 +7,8 @@ import time
 import pytest
 
 from plumbing.errors import UserError
-from pretrain import goodput
-from pretrain import report
+from pretrain.observability import goodput
+from pretrain.observability import report
 
 
 def _train_row(step, step_time=0.5):

@@ -1,7 +1,7 @@
 """The trainer's train step compiled by XLA's GPU compiler (CUDA plugin), from this CPU host.
 
 `pretrain.compile` lowers the trainer's own jitted step over a mesh of GPU descriptions
-(`pretrain.gpu_target`, specs in pretrain/gpu_specs/) and compiles it with XLA:GPU,
+(`pretrain.compilation.gpu_target`, specs in pretrain/compilation/gpu_specs/) and compiles it with XLA:GPU,
 Triton or Mosaic GPU, and ptxas; no GPU is attached and the host's backend stays CPU.
 Each tiny model compiles forward and backward with the optimizer on 8 H100s under the
 meshes the trainer accepts, with the scan as the Triton kernel, the Mosaic GPU kernel
@@ -22,9 +22,9 @@ import jax
 import pytest
 
 from plumbing.errors import UserError
-from pretrain import aot
+from pretrain.compilation import aot
 from pretrain import compile as compile_lib
-from pretrain import gpu_target
+from pretrain.compilation import gpu_target
 
 needs_plugin = pytest.mark.skipif(not gpu_target.plugin_available(),
                                   reason='CUDA plugin not installed (pip install -e ".[gpu-aot]")')

@@ -24,9 +24,11 @@ from model.config import ModelConfig
 import seqio
 
 from plumbing.errors import UserError
-from pretrain import convert, export, extras, generation, gin_config, hf_import
-from pretrain import tokenizer as tokenizer_lib
-from pretrain.metadata import make_vocabulary
+from pretrain.interchange import conversion as convert, hf_export as export, hf_import
+from pretrain import extras, gin_config
+from pretrain.evaluation import generation
+from pretrain.interchange import tokenizer as tokenizer_lib
+from pretrain.checkpoints.metadata import make_vocabulary
 from trainer_helpers import (REPO, assert_ok, storage_env,  # pylint: disable=unused-import
                              trainer_env)
 

@@ -1,6 +1,8 @@
 """The layering holds: plumbing -> sharding -> model -> pretrain -> launch, each package
-importing only from its own layer and those below; no import cycle anywhere, imports
-inside functions included; imports inside functions only for optional dependencies;
+importing only from its own layer and those below; inside `pretrain` and `launch` the
+wings keep their order too (docs/INTERNALS.md draws both); no import cycle anywhere,
+imports inside functions included; imports inside functions only for optional
+dependencies; the `python -m` commands are thin modules that no library imports;
 `plumbing.quiet` set up by each package's `__init__`, never by importing it."""
 import ast
 import os
@@ -24,7 +26,7 @@ OPTIONAL_INSIDE_FUNCTIONS = {"gcp_storage_emulator", "gcp_storage_emulator.handl
                              "model.scan.pallas_lookback", "safetensors.numpy",
                              "tokenizers", "transformers",
                              "transformers.tokenization_utils_base", "sentencepiece",
-                             "lm_eval", "lm_eval.tasks", "pretrain.lm_eval_backend"}
+                             "lm_eval", "lm_eval.tasks", "pretrain.evaluation.lm_eval_backend"}
 # `plumbing.quiet` imports JAX only once its filter is in place, and only on a host
 # where JAX's platform must be chosen (see its docstring).
 AFTER_QUIET_SET_UP = {"plumbing.quiet": {"jax", "jax._src"}}
@@ -103,6 +105,95 @@ def _cycle(graph):
   return None
 
 
+# The wings of `pretrain`, lowest first: a module imports only from its own wing and the
+# wings before it. Wings in one tuple are peers: neither imports the other. The centre
+# is in two halves: the step and its parts below the wings, the trainer and its Gin
+# loader above them. A module belongs to the first entry that names it or a package
+# above it; the commands (every module with a `__main__` block) sit on top.
+PRETRAIN_WINGS = (
+    {"data": ("pretrain.data",)},
+    {"centre: the step": ("pretrain", "pretrain.runtime", "pretrain.losses", "pretrain.steps",
+                          "pretrain.optimizer", "pretrain.extras", "pretrain.hook_interface")},
+    {"checkpoints": ("pretrain.checkpoints",)},
+    {"observability": ("pretrain.observability",)},
+    {"evaluation": ("pretrain.evaluation",), "interchange": ("pretrain.interchange",)},
+    {"centre: the trainer": ("pretrain.trainer", "pretrain.hooks", "pretrain.gin_config")},
+    {"compilation": ("pretrain.compilation",)},
+)
+PRETRAIN_COMMANDS = ("pretrain.train", "pretrain.evaluate", "pretrain.sample",
+                     "pretrain.convert", "pretrain.export", "pretrain.tokenizer",
+                     "pretrain.summary", "pretrain.compile", "pretrain.report",
+                     "pretrain.extrapolation", "pretrain.data.prepare")
+
+
+def _is_command(module):
+  source = open(MODULES[module], encoding="utf-8").read()
+  return '__name__ == "__main__"' in source
+
+
+def _wing(module):
+  """(rank, wing) of a `pretrain` module: its wing's place in PRETRAIN_WINGS and the
+  wing's name (the commands rank above every wing)."""
+  if module in PRETRAIN_COMMANDS:
+    return len(PRETRAIN_WINGS), module
+  for rank, peers in enumerate(PRETRAIN_WINGS):
+    for wing, packages in peers.items():
+      for package in packages:
+        if module == package or (package != "pretrain" and module.startswith(package + ".")):
+          return rank, wing
+  raise AssertionError(f"{module} is in no wing of PRETRAIN_WINGS; add it to one")
+
+
+def _across_wings(graph, wing_of):
+  """Imports of a wing from a wing that is not below it, as "importer -> imported"."""
+  bad = []
+  for module, targets in graph.items():
+    if wing_of(module) is None:
+      continue
+    for target in targets:
+      if wing_of(target) is None:
+        continue
+      (rank, wing), (target_rank, target_wing) = wing_of(module), wing_of(target)
+      if wing != target_wing and target_rank >= rank:
+        bad.append(f"{module} -> {target}")
+  return sorted(bad)
+
+
+def _pretrain_wing(module):
+  return _wing(module) if module.split(".")[0] == "pretrain" else None
+
+
+def test_pretrain_wings_keep_their_order():
+  bad = _across_wings(_graph(), _pretrain_wing)
+  assert not bad, "imports against the order of the wings: " + ", ".join(bad)
+
+
+def test_every_pretrain_module_is_in_a_wing():
+  for module in MODULES:
+    if module.split(".")[0] == "pretrain":
+      _wing(module)
+
+
+def test_commands_are_the_modules_with_a_main_and_nothing_imports_them():
+  """A `python -m` command is a thin module (flags, main); no library doubles as one."""
+  commands = {m for m in MODULES if m.split(".")[0] in ("pretrain", "launch")
+              and _is_command(m)}
+  assert commands & {m for m in MODULES if m.startswith("pretrain")} == set(PRETRAIN_COMMANDS)
+  importers = sorted(f"{module} -> {target}" for module, targets in _graph().items()
+                     for target in targets if target in PRETRAIN_COMMANDS)
+  assert not importers, "a library imports a command: " + ", ".join(importers)
+
+
+def test_the_wing_check_finds_what_it_looks_for():
+  assert _across_wings({"pretrain.checkpoints.loading": {"pretrain.trainer"}},
+                       _pretrain_wing) == ["pretrain.checkpoints.loading -> pretrain.trainer"]
+  assert _across_wings({"pretrain.evaluation.loss": {"pretrain.interchange.hf_import"}},
+                       _pretrain_wing) == ["pretrain.evaluation.loss -> pretrain.interchange.hf_import"]
+  assert _across_wings({"pretrain.trainer": {"pretrain.checkpoints.loading"},
+                        "pretrain.export": {"pretrain.interchange.hf_export"}},
+                       _pretrain_wing) == []
+
+
 def test_no_import_runs_up_a_layer():
   assert not _upward(_graph()), "imports into a higher layer: " + ", ".join(_upward(_graph()))
 
@@ -175,7 +266,8 @@ def test_entry_points_load_tensorflow_only_when_data_is_read():
   only where downstream tasks run."""
   entry_points = ["pretrain.train", "pretrain.evaluate", "pretrain.sample",
                   "pretrain.convert", "pretrain.compile", "pretrain.extrapolation",
-                  "pretrain.summary", "launch.sweep", "launch.local", "pretrain.export"]
+                  "pretrain.summary", "launch.sweep", "launch.local", "pretrain.export",
+                  "pretrain.report", "pretrain.tokenizer"]
   script = ("import importlib, sys\n"
             f"for name in {entry_points!r}: importlib.import_module(name)\n"
             "print(sorted(m for m in ('seqio', 'tensorflow', 'lm_eval') "

@@ -9,8 +9,11 @@ is checked.
 """
 import os
 import pathlib
+import signal
 import subprocess
 import sys
+
+import pytest
 
 from launch import common
 from launch import gke

@@ -14,13 +14,13 @@ from lm_eval.api.instance import Instance
 from model.config import ModelConfig
 from model.lm import LanguageModel
 from plumbing.errors import EXIT_USAGE, UserError
-from pretrain import downstream
-from pretrain import evaluation
-from pretrain import export
+from pretrain.evaluation import downstream
+from pretrain.evaluation import loss as evaluation
+from pretrain.interchange import hf_export as export
 from pretrain import extras
-from pretrain import generation
+from pretrain.evaluation import generation
 import pretrain
-from pretrain.lm_eval_backend import JaxLM, bucket_lengths
+from pretrain.evaluation.lm_eval_backend import JaxLM, bucket_lengths
 from pretrain.runtime import Runtime
 from trainer_helpers import (LM_EVAL_TASKS as TASKS,  # pylint: disable=unused-import
                              assert_ok, trained_workdir, trainer_env)

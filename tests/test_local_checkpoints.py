@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from model.config import ModelConfig
-from pretrain import checkpointing as ckpt
-from pretrain import local_checkpoints
+from pretrain.checkpoints import checkpointer as ckpt
+from pretrain.checkpoints import local as local_checkpoints
 from pretrain.optimizer import OptimizerConfig, make_optimizer
 from pretrain.runtime import Runtime
 from sharding.mesh import MeshConfig
@@ -242,8 +242,8 @@ import os, sys
 from sharding import distributed
 distributed.initialize_from_environment()
 import jax, numpy as np
-from pretrain import checkpointing as ckpt
-from pretrain.local_checkpoints import process_directory
+from pretrain.checkpoints import checkpointer as ckpt
+from pretrain.checkpoints.local import process_directory
 workdir, local = sys.argv[1:3]
 mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
 replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())

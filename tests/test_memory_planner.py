@@ -12,8 +12,8 @@ from model import counting
 from model import memory
 from model.config import ModelConfig
 from pretrain import gin_config
-from pretrain import gpu_target
-from pretrain import memory_plan
+from pretrain.compilation import gpu_target
+from pretrain.compilation import memory_plan
 from pretrain.compile import BASE_GIN
 from sharding.mesh import parse_mesh_flag
 
@@ -38,7 +38,7 @@ BATCH, SEQ = 16, 64
 ])
 @pytest.mark.slow
 def test_analytic_plan_matches_compiled_train_step(model_name, mesh):
-  """The compiled method compiles the trainer's own step (`pretrain.aot`): its
+  """The compiled method compiles the trainer's own step (`pretrain.compilation.aot`): its
   arguments are exactly the parameter and AdamW shards plus the batch and the small
   rest of the train state."""
   config = SMALL[model_name]

@@ -31,8 +31,8 @@ import time
 import pytest
 
 from launch import chaos
-from pretrain import goodput
-from pretrain.checkpointing import complete_steps
+from pretrain.observability import goodput
+from pretrain.checkpoints.checkpointer import complete_steps
 from trainer_helpers import (REPO, assert_ok, read_metrics,  # pylint: disable=unused-import
                              train_losses, trainer_env)
 

@@ -22,9 +22,9 @@ import pytest
 from plumbing import cli, storage
 from plumbing.errors import UserError
 import pretrain
-from pretrain.checkpointing import checkpoint_dir, complete_steps
+from pretrain.checkpoints.checkpointer import checkpoint_dir, complete_steps
 from pretrain.evaluate import text_file_metrics
-from pretrain.generation import sample_text
+from pretrain.evaluation.generation import sample_text
 from storage_servers import environment, free_port, s3_environment, server
 from trainer_helpers import (REPO, assert_ok, bucket_rows,  # pylint: disable=unused-import
                              storage_env, train_losses, trained_workdir, trainer_env)

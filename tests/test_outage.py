@@ -7,7 +7,7 @@ import pytest
 
 from plumbing import storage
 from plumbing.errors import StorageOutageError, UserError
-from pretrain import outage
+from pretrain.checkpoints import outage
 
 
 def test_backoff_doubles_and_the_outage_ends_the_run_after_outage_s():

@@ -11,14 +11,14 @@ import pytest
 from model.config import ModelConfig
 from plumbing import storage
 from plumbing.errors import UserError
-from pretrain import metadata
+from pretrain.checkpoints import metadata
 import pretrain
-from pretrain.checkpointing import Checkpointer
+from pretrain.checkpoints.checkpointer import Checkpointer
 from pretrain.data.vocabularies import get_vocabulary
 from pretrain.evaluate import text_file_metrics
-from pretrain.generation import sample_text
+from pretrain.evaluation.generation import sample_text
 from pretrain.runtime import Runtime
-from pretrain.tokenizer import train_sentencepiece
+from pretrain.interchange.tokenizer import train_sentencepiece
 
 TEXT = "def items(self):\n    return [value for value in self.values if value]\n"
 

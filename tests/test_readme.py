@@ -28,7 +28,7 @@ from launch import common
 from model.config import ModelConfig
 from plumbing import storage
 from pretrain import gin_config
-from pretrain.checkpointing import CheckpointConfig
+from pretrain.checkpoints.checkpointer import CheckpointConfig
 from pretrain.data import pipeline
 from pretrain.optimizer import OptimizerConfig
 from pretrain.trainer import TrainConfig

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from pretrain import goodput
-from pretrain.checkpointing import complete_steps
+from pretrain.observability import goodput
+from pretrain.checkpoints.checkpointer import complete_steps
 from trainer_helpers import (assert_ok, read_metrics, train_losses,  # pylint: disable=unused-import
                              trained_workdir, trainer_env)
 

@@ -86,7 +86,7 @@ def test_declared_costs_are_the_kernels_own(strategy, dtype, complex_):
 def test_tpu_compiler_counts_the_declared_flops():
   """libtpu's cost analysis of a compiled forward scan is the kernel's declared FLOPs
   (without the estimate the Mosaic call counted 0: XLA saw an opaque kernel)."""
-  from pretrain import aot, tpu_target  # pylint: disable=import-outside-toplevel
+  from pretrain.compilation import aot, tpu_target  # pylint: disable=import-outside-toplevel
   device = tpu_target.target_devices(tpu_target.parse_target("v5p-8"))[0]
   sharding = jax.sharding.SingleDeviceSharding(device)
   batch, time, channels = 2, 256, 256

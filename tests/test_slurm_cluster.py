@@ -88,6 +88,123 @@ def reference(run_env, tmp_path_factory):
   assert_ok(result)
   losses = _train_rows(workdir)
   assert sorted(losses) == list(range(1, STEPS + 1))
+  return {step: rows[0] for step, rows in losses.items()}
+
+
+def _train_rows(workdir):
+  """{step: [loss of each time the step was trained]}."""
+  rows = {}
+  for row in read_metrics(workdir):
+    if "loss" in row:
+      rows.setdefault(row["step"], []).append(row["loss"])
+  return rows
+
+
+def _output(cwd, job):
+  path = os.path.join(str(cwd), f"slurm-{job}.out")
+  if not os.path.exists(path):
+    return ""
+  with open(path, encoding="utf-8", errors="replace") as f:
+    return f.read()
+
+
+def _wait_for_step(cluster, job, workdir, cwd, step, timeout_s=240):
+  """Waits until the run has logged `step` (or more)."""
+  deadline = time.monotonic() + timeout_s
+  while time.monotonic() < deadline:
+    steps = [row["step"] for row in read_metrics(workdir) if "loss" in row]
+    if steps and max(steps) >= step:
+      return
+    state = cluster.job(job).get("JobState")
+    assert state in ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING"), (
+        state, _output(cwd, job)[-3000:])
+    time.sleep(0.5)
+  raise AssertionError(f"step {step} not reached in {timeout_s} s\n"
+                       f"{_output(cwd, job)[-3000:]}")
+
+
+def _wait_for_restart(cluster, job, restarts, timeout_s=120):
+  deadline = time.monotonic() + timeout_s
+  while time.monotonic() < deadline:
+    if int(cluster.job(job).get("Restarts", 0)) >= restarts:
+      return
+    time.sleep(0.5)
+  raise AssertionError(f"job {job} not requeued {restarts} time(s) in {timeout_s} s")
+
+
+def _saved_steps(text):
+  return [int(s) for s in re.findall(r"the run saved step (\d+)", text)]
+
+
+def _kill_a_task_on(node_namespace, workdir_flag):
+  """SIGKILLs one training process (`workdir_flag` in its argv) in `node_namespace`."""
+  pids = subprocess.run(["ip", "netns", "pids", node_namespace], capture_output=True,
+                        text=True, check=True).stdout.split()
+  for pid in pids:
+    try:
+      with open(f"/proc/{pid}/cmdline", "rb") as f:
+        argv = f.read().split(b"\0")
+    except FileNotFoundError:
+      continue
+    if b"pretrain.train" in argv and workdir_flag.encode() in argv:
+      os.kill(int(pid), signal.SIGKILL)
+      return
+  raise AssertionError(f"no training process with {workdir_flag} in {node_namespace}")
+
+
+def test_readme_example_survives_warning_preemption_scancel_and_a_killed_task(
+    cluster, run_env, reference, tmp_path):
+  """The README's SLURM example, verbatim, interrupted four ways; it ends with the
+  reference's losses at every step."""
+  assert len(README_SLURM) == 1, README_SLURM
+  os.symlink(os.path.join(REPO, "tests"), tmp_path / "tests")
+  result = subprocess.run(README_SLURM[0], shell=True, cwd=tmp_path, env=run_env,
+                          capture_output=True, text=True, timeout=60)
+  assert_ok(result)
+  job = re.search(r"Submitted batch job (\d+)", result.stdout).group(1)
+  workdir_flag = re.search(r"--workdir=\S+", README_SLURM[0]).group(0)
+  workdir = str(tmp_path / workdir_flag.split("=", 1)[1])
+
+  def progress(steps):
+    saved = _saved_steps(_output(tmp_path, job))
+    _wait_for_step(cluster, job, workdir, tmp_path, (saved[-1] if saved else 0) + steps)
+
+  # 1. The time-limit warning: what `--signal=B:USR1@S` makes SLURM send.
+  progress(3)
+  cluster.client("scancel", "--signal=USR1", "--batch", job)
+  _wait_for_restart(cluster, job, 1)
+  # 2. A preemption: a job of the higher-priority partition takes both nodes.
+  progress(2)
+  urgent = cluster.client("sbatch", "--parsable", "--partition=urgent", f"--nodes={NODES}",
+                          "--exclusive", f"--output={tmp_path}/urgent-%j.out",
+                          "--wrap=sleep 1").strip()
+  _wait_for_restart(cluster, job, 2)
+  assert cluster.wait_for(urgent, ["COMPLETED"], timeout_s=120)["ExitCode"] == "0:0"
+  # 3. scancel with a signal, as an operator draining the nodes sends it.
+  progress(2)
+  cluster.client("scancel", "--signal=TERM", job)
+  _wait_for_restart(cluster, job, 3)
+  # 4. A task dies (SIGKILL, on the second node): srun ends the step, the job requeues
+  #    and resumes from the newest checkpoint.
+  progress(3)
+  _kill_a_task_on(cluster.namespace("n2"), workdir_flag)
+  _wait_for_restart(cluster, job, 4)
+  record = cluster.wait_for(job, ["COMPLETED", "FAILED", "CANCELLED"], timeout_s=300)
+  output = _output(tmp_path, job)
+  assert record["JobState"] == "COMPLETED", output[-3000:]
+  assert f"{NODES * TASKS_PER_NODE} cpu device(s) in {NODES * TASKS_PER_NODE} process" in output
+  assert "received SIGUSR1; sending SIGTERM to the training tasks" in output
+  assert "preempted (SIGUSR1); the run saved step" in output
+  assert output.count("preempted (SIGTERM to the tasks); the run saved step") == 2, output
+  assert "forcing job termination" not in output, output
+  assert re.search(r"the training step exited with code \d+; requeueing job \d+ "
+                   r"\(restart 4 of 5\)", output), output[-3000:]
+  saved = _saved_steps(output)
+  assert len(saved) == 3 and saved == sorted(set(saved)), saved
+  resumed = [int(s) for s in re.findall(r"Resuming from the checkpoint of step (\d+)", output)]
+  assert resumed[:3] == saved and resumed[3] >= saved[-1], (resumed, saved)
+  losses = _train_rows(workdir)
+  assert sorted(losses) == list(range(1, STEPS + 1))
   for step, rows in losses.items():
     assert all(loss == reference[step] for loss in rows), (step, rows, reference[step])
   # What each restart trained again (contracts.md, "Resume"): nothing after a signal.

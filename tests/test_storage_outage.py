@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from pretrain.checkpointing import checkpoint_dir, complete_steps
+from pretrain.checkpoints.checkpointer import checkpoint_dir, complete_steps
 from storage_servers import stoppable_gcs  # pylint: disable=unused-import
 from trainer_helpers import (REPO, assert_ok, bucket_rows,  # pylint: disable=unused-import
                              storage_env, train_losses, trained_workdir, trainer_env)

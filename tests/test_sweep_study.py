@@ -19,7 +19,7 @@ from launch import sweep_design
 from launch import sweep_dispatch
 from launch import sweep_job
 from launch import sweep_local
-from pretrain import flops as flops_lib
+from pretrain.observability import flops as flops_lib
 from tiers import slow_after_first
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -28,7 +28,7 @@ from launch import sweep_local
 from launch import wsd_design
 from plumbing.errors import UserError
 from pretrain import optimizer as optimizer_lib
-from pretrain.integrity import COMMIT_MARKER
+from pretrain.checkpoints.integrity import COMMIT_MARKER
 from tiers import slow_after_first
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

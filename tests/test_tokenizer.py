@@ -8,7 +8,7 @@ import pytest
 import sentencepiece as spm
 import seqio
 
-from pretrain import tokenizer
+from pretrain.interchange import tokenizer
 from pretrain.data import DataError
 from pretrain.data.vocabularies import get_vocabulary, token_byte_lengths
 

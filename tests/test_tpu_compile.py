@@ -21,9 +21,9 @@ import jax
 import pytest
 
 from plumbing.errors import UserError
-from pretrain import aot
+from pretrain.compilation import aot
 from pretrain import compile as compile_lib
-from pretrain import tpu_target
+from pretrain.compilation import tpu_target
 
 pytestmark = pytest.mark.skipif(not tpu_target.libtpu_available(),
                                 reason='libtpu is not installed (pip install -e ".[tpu]")')

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from pretrain import goodput
-from pretrain import report
-from pretrain.checkpointing import complete_steps
+from pretrain.observability import goodput
+from pretrain.observability import report
+from pretrain.checkpoints.checkpointer import complete_steps
 from trainer_helpers import (assert_ok, read_metrics,  # pylint: disable=unused-import
                              train_losses, trained_workdir, trainer_env)
 

@@ -14,8 +14,8 @@ import pytest
 from model.config import ModelConfig
 from plumbing.errors import UnreadableCheckpointError
 from pretrain import hooks as hooks_lib
-from pretrain.checkpoint_tier import CheckpointTier, Restored
-from pretrain.checkpointing import CheckpointConfig, Checkpointer, complete_steps
+from pretrain.checkpoints.tier import CheckpointTier, Restored
+from pretrain.checkpoints.checkpointer import CheckpointConfig, Checkpointer, complete_steps
 from inprocess_trainer import make_trainer
 
 MODEL = ModelConfig(vocab_size=260, width=32, rnn_width=32, num_heads=2, depth=2,

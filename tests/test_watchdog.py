@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from pretrain import stragglers
-from pretrain import watchdog as watchdog_lib
+from pretrain.observability import stragglers
+from pretrain.observability import watchdog as watchdog_lib
 
 
 def _watchdog(tmp_path, timeout_s=None, **kwargs):

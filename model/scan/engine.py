@@ -98,7 +98,7 @@ def _auto_picks_pallas(options: ScanOptions) -> bool:
   backend = pallas_compat.resolve_gpu_backend(options.pallas_gpu_backend)
   if options.lowering_platform is not None:
     # Cross-lowering for "gpu" / "cuda": the targets this project compiles for
-    # (pretrain/gpu_specs) are the verified generations.
+    # (pretrain/compilation/gpu_specs) are the verified generations.
     return True
   return _local_cuda_capability() in VERIFIED_CUDA_CAPABILITIES[backend]
 

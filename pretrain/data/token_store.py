@@ -12,7 +12,7 @@ in this process writes into a temporary sibling directory and renames it into pl
 when complete, so a killed build never leaves a store that a later run would pick up; a
 file lock lets concurrent processes (e.g. several hosts of `launch.local` sharing a
 disk) build it once. `python -m pretrain.data.prepare` writes the same layout in place,
-from many workers, into a local directory or a bucket (see `pretrain/data/prepare.py`).
+from many workers, into a local directory or a bucket (see `pretrain/data/preparation.py`).
 """
 from __future__ import annotations
 

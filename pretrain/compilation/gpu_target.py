@@ -6,7 +6,7 @@ JAX's CUDA plugin describes any number of GPUs of a kind without one attached
 compile for (compute capability, SM count, shared memory, registers, bandwidth, device
 memory). `jit(...).lower(...).compile()` over a mesh of those descriptions runs the real
 GPU compilers here, so a CPU machine can check that a program builds for 32 H100s and
-how much memory each needs. The specs are data in `pretrain/gpu_specs/<kind>.txtpb`,
+how much memory each needs. The specs are data in `pretrain/compilation/gpu_specs/<kind>.txtpb`,
 written for this project from the vendors' published facts; the device memory the
 report compares against is read from the same file, so there is one source of truth.
 The host's own JAX backend stays what it was (CPU): no GPU client starts.

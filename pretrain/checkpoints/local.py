@@ -1,6 +1,6 @@
 """The local checkpoint tier: frequent saves of each process's own shards to local disk.
 
-The persistent tier (`pretrain.checkpointing.Checkpointer`, `workdir/checkpoints`) is
+The persistent tier (`pretrain.checkpoints.checkpointer.Checkpointer`, `workdir/checkpoints`) is
 written every `checkpoint_every` steps to storage every host shares; a crash loses the
 steps since. The local tier saves every `CheckpointConfig.local_every` steps to a
 directory on the host itself (a local SSD, `/dev/shm`), keeping only the newest one or
@@ -16,7 +16,7 @@ its array handler writes every shard the process holds, whatever its replica id 
 settings Orbax's emergency manager uses for its local tier); plus a JSON item with the
 step, the RNG and the process's shard layout. Orbax's atomic finalize (temporary directory, rename, commit marker) means a
 step is listed only once complete; a directory without the marker is deleted on start.
-Each step carries an integrity manifest (`pretrain.integrity`), like the persistent
+Each step carries an integrity manifest (`pretrain.checkpoints.integrity`), like the persistent
 tier's. A save that fails (the local disk is full) is reported by `poll` or `wait` as a
 `CheckpointSaveError`; the caller then stops using the tier.
 
@@ -40,9 +40,9 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from plumbing.errors import CheckpointSaveError, UnreadableCheckpointError
-from pretrain import integrity
-from pretrain.checkpoint_tier import Restored, checked_read
-from pretrain.integrity import COMMIT_MARKER, TMP_SUFFIX
+from pretrain.checkpoints import integrity
+from pretrain.checkpoints.tier import Restored, checked_read
+from pretrain.checkpoints.integrity import COMMIT_MARKER, TMP_SUFFIX
 
 # Local steps each process reports when the processes agree on one (a fixed-size gather).
 MAX_LOCAL_KEEP = 4
@@ -96,7 +96,7 @@ def expected_layout(abstract_leaves: Sequence[Any]) -> list[dict]:
 
 class LocalCheckpointer:
   """Saves and restores this process's shards of the train state under `directory`: the
-  "local" `pretrain.checkpoint_tier.CheckpointTier`."""
+  "local" `pretrain.checkpoints.tier.CheckpointTier`."""
   name = "local"
 
   def __init__(self, directory: epath.Path, keep: int, async_save: bool = True):

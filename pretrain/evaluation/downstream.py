@@ -3,7 +3,7 @@
 `pretrain.evaluate --tasks=...` runs `lm_eval.simple_evaluate` on a checkpoint and
 prints lm_eval's own table; `TrainConfig.downstream_tasks` runs the same tasks on a
 training run's live parameters (`DownstreamEvaluation`), as `downstream/<task>/<metric>`
-metrics. The model is `pretrain.lm_eval_backend.JaxLM`.
+metrics. The model is `pretrain.evaluation.lm_eval_backend.JaxLM`.
 
 lm_eval is optional (the `eval` extra), so it is imported on first use, after
 `require_lm_eval` has turned its absence into one line saying how to install it
@@ -29,7 +29,7 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 
 from plumbing.errors import UserError, usage_error
 from pretrain import extras
-from pretrain.metrics import DOWNSTREAM_PREFIX
+from pretrain.observability.metrics import DOWNSTREAM_PREFIX
 from pretrain.runtime import Runtime
 
 # lm_eval's default seed of few-shot sampling (`simple_evaluate(fewshot_random_seed)`).
@@ -82,9 +82,9 @@ def task_manager(names: Sequence[str], include_path: Optional[str] = None) -> An
 
 def backend(runtime: Runtime, params: Any, vocabulary: Any, *, max_length: int,
             batch_size: int, progress: bool = False) -> Any:
-  """A `pretrain.lm_eval_backend.JaxLM` (imported here: it subclasses lm_eval's LM)."""
+  """A `pretrain.evaluation.lm_eval_backend.JaxLM` (imported here: it subclasses lm_eval's LM)."""
   require_lm_eval()
-  from pretrain.lm_eval_backend import JaxLM  # pylint: disable=g-import-not-at-top
+  from pretrain.evaluation.lm_eval_backend import JaxLM  # pylint: disable=g-import-not-at-top
   return JaxLM(runtime, params, vocabulary, max_length=max_length, batch_size=batch_size,
                progress=progress)
 

@@ -1,5 +1,5 @@
 """The memory planner's two methods: `model.memory`'s analytic model, and the trainer's
-own train step compiled ahead of time (`pretrain.aot`).
+own train step compiled ahead of time (`pretrain.compilation.aot`).
 
 The analytic model lives in `model/` (it needs only shapes and sharding rules); the
 compiled method must compile exactly the program that trains (its loss, microbatches,
@@ -7,7 +7,7 @@ z-loss, chunked loss and optimizer), which is `pretrain.steps.jit_train_step`, s
 lives here, above the trainer, and `pretrain.summary` and the benchmarks ask this module.
 Compiling runs on this machine's devices (XLA:CPU's figures on a CPU host; for a TPU
 slice or GPUs use `pretrain.compile --topology=...`, which goes through the same
-`pretrain.aot.compile_train_step`).
+`pretrain.compilation.aot.compile_train_step`).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import jax
 from model import counting
 from model import memory
 from model.config import ModelConfig
-from pretrain import aot
+from pretrain.compilation import aot
 from pretrain.optimizer import OptimizerConfig
 from pretrain.runtime import Runtime
 from pretrain.trainer import TrainConfig

@@ -29,10 +29,10 @@ import jax
 import numpy as np
 from orbax.checkpoint._src.multihost import multihost
 
-from pretrain.hooks import Hook
-from pretrain.metrics import MetricsWriter
+from pretrain.hook_interface import Hook
+from pretrain.observability.metrics import MetricsWriter
 from pretrain.steps import TrainState
-from pretrain.watchdog import Watchdog
+from pretrain.observability.watchdog import Watchdog
 
 STRAGGLER = "straggler"
 KEY_PREFIX = "griffin_straggler"

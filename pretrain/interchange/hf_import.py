@@ -73,7 +73,7 @@ def vocabulary_source(directory: str) -> Optional[str]:
 
   A `tokenizer.model` (SentencePiece; Google's checkpoints and our SentencePiece
   exports ship it) wins; a `tokenizer.json` holding exactly the byte table of
-  `pretrain.hf_tokenizer` means the byte vocabulary.
+  `pretrain.interchange.hf_tokenizer` means the byte vocabulary.
   """
   model = os.path.join(directory, "tokenizer.model")
   if os.path.isfile(model):

@@ -2,8 +2,8 @@
 
 `compile_train_step` compiles `pretrain.steps.jit_train_step`, the very program the
 trainer runs (optimizer, microbatches, remat, dtypes, shardings), over a mesh of device
-descriptions of a TPU slice (`pretrain.tpu_target`: XLA:TPU and Mosaic) or of GPUs
-(`pretrain.gpu_target`: XLA:GPU, Triton, Mosaic GPU and ptxas), with no accelerator
+descriptions of a TPU slice (`pretrain.compilation.tpu_target`: XLA:TPU and Mosaic) or of GPUs
+(`pretrain.compilation.gpu_target`: XLA:GPU, Triton, Mosaic GPU and ptxas), with no accelerator
 attached. The report holds XLA's own per-device memory and cost figures.
 """
 from __future__ import annotations
@@ -19,12 +19,12 @@ import jax
 
 from model.config import ModelConfig
 from plumbing.resident import ResidentPeak
-from pretrain import flops as flops_lib
-from pretrain.gpu_target import GpuTarget
+from pretrain.observability import flops as flops_lib
+from pretrain.compilation.gpu_target import GpuTarget
 from pretrain.optimizer import OptimizerConfig, learning_rate_schedule, make_optimizer
 from pretrain.runtime import Runtime
 from pretrain.steps import abstract_batch, jit_train_step
-from pretrain.tpu_target import TpuTarget
+from pretrain.compilation.tpu_target import TpuTarget
 from pretrain.trainer import TrainConfig
 from sharding import partition
 from sharding import rules as rules_lib

@@ -23,7 +23,7 @@ import jax
 
 from plumbing import storage
 from plumbing.errors import StorageOutageError, warn
-from pretrain.outage import FLUSH_TIMEOUT_S, StorageConfig, Uploads
+from pretrain.checkpoints.outage import FLUSH_TIMEOUT_S, StorageConfig, Uploads
 
 # clu's TensorBoard writer imports TensorFlow (about 6 s): loaded when a run first
 # writes events, not by every command that imports this module.
@@ -34,7 +34,7 @@ T = TypeVar("T")
 # Where a bucket run stopped by an outage keeps its unsent metric rows, beside its
 # local checkpoint tier (`MetricsWriter`'s `unsent_path`).
 UNSENT_METRICS = "metrics.unsent.jsonl"
-# Names of downstream task metrics start with this (`pretrain.downstream`).
+# Names of downstream task metrics start with this (`pretrain.evaluation.downstream`).
 DOWNSTREAM_PREFIX = "downstream/"
 
 
@@ -182,7 +182,7 @@ class MetricsWriter:
   but not written again, so the file never holds two rows of the same kind for one step,
   however often a run is stopped and rerun. On a local disk rows are appended; in a
   `gs://` / `s3://` workdir the file is rewritten whole (`_ObjectJsonl`).
-  Rows with a `kind` field (`pretrain.goodput`: goodput, restart) are records of
+  Rows with a `kind` field (`pretrain.observability.goodput`: goodput, restart) are records of
   sessions; they are written with `log_record` and never dropped by `rewind`.
 
   `unsent_path` (a local file; the trainer passes one beside its local checkpoint
@@ -315,7 +315,7 @@ class MetricsWriter:
           f"({tokens:,} tokens)", file=self._stream, flush=True)
 
   def log_downstream(self, step: int, values: Mapping[str, float]) -> None:
-    """Downstream task metrics (`downstream/<task>/<metric>`, `pretrain.downstream`):
+    """Downstream task metrics (`downstream/<task>/<metric>`, `pretrain.evaluation.downstream`):
     one row per step, like evaluations."""
     if not self._enabled:
       return

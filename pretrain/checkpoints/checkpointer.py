@@ -17,15 +17,15 @@ or, on storage without atomic rename, a step directory without the marker, which
 `complete_steps` ignores and `Checkpointer` deletes on start-up, so resume always picks
 the newest *complete* step.
 
-Every step of both tiers carries a manifest of checksums (`pretrain.integrity`), written
+Every step of both tiers carries a manifest of checksums (`pretrain.checkpoints.integrity`), written
 before Orbax commits it and checked before it is read. `restore_newest` skips a step that
 fails the check or cannot be read (and sets it aside as `<step>.corrupt-<kind>`); a save
 that fails in the background is reported by `poll`, `wait` and the next `save` as a
 `CheckpointSaveError`.
 
-`Checkpointer` is the persistent `pretrain.checkpoint_tier.CheckpointTier` and holds the
+`Checkpointer` is the persistent `pretrain.checkpoints.tier.CheckpointTier` and holds the
 run's secondary tiers (`add_tier`). With `CheckpointConfig.local_dir` set, one is the
-local tier (`pretrain.local_checkpoints`), saving every `local_every` steps to each host's
+local tier (`pretrain.checkpoints.local`), saving every `local_every` steps to each host's
 own disk; `restore_newest` takes the newest good step of any tier, a secondary one only
 if every process holds it. A failed secondary save turns that tier off for the rest of
 the run, with one line, and on every process (agreed at the tier's next save).
@@ -46,11 +46,11 @@ from jax.experimental import multihost_utils
 from plumbing import storage
 from plumbing.errors import (CheckpointMismatchError, CheckpointSaveError,
                              UnreadableCheckpointError, UserError, warn)
-from pretrain import integrity
-from pretrain.checkpoint_tier import CheckpointTier, Restored, checked_read
-from pretrain.integrity import COMMIT_MARKER
-from pretrain.local_checkpoints import MAX_LOCAL_KEEP, LocalCheckpointer, process_directory
-from pretrain.outage import Outage, StorageConfig
+from pretrain.checkpoints import integrity
+from pretrain.checkpoints.tier import CheckpointTier, Restored, checked_read
+from pretrain.checkpoints.integrity import COMMIT_MARKER
+from pretrain.checkpoints.local import MAX_LOCAL_KEEP, LocalCheckpointer, process_directory
+from pretrain.checkpoints.outage import Outage, StorageConfig
 from sharding.partition import path_str
 
 T = TypeVar("T")
@@ -282,7 +282,7 @@ class Checkpointer:
     return self.all_steps()
 
   def metadata(self, step: int) -> dict[str, Any]:
-    """The step's JSON metadata (`pretrain.metadata.RunMetadata.to_json`); raises
+    """The step's JSON metadata (`pretrain.checkpoints.metadata.RunMetadata.to_json`); raises
     UnreadableCheckpointError when it fails its check or cannot be read."""
     def read():
       return self._manager.restore(

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 
 from model.config import ModelConfig
 from plumbing.errors import UnreadableCheckpointError, UserError, warn
-from pretrain.checkpointing import Checkpointer
-from pretrain.metadata import RunMetadata, make_vocabulary
+from pretrain.checkpoints.checkpointer import Checkpointer
+from pretrain.checkpoints.metadata import RunMetadata, make_vocabulary
 from pretrain.runtime import Runtime
 from sharding.mesh import MeshConfig
 

@@ -2,7 +2,7 @@
 
 `JaxLM(runtime, params, vocabulary, max_length=...)` answers lm_eval's three kinds of
 request from any parameters: a checkpoint's (`pretrain.load`) or a training run's live
-ones (`TrainConfig.downstream_tasks`). `pretrain.downstream` drives lm_eval with it.
+ones (`TrainConfig.downstream_tasks`). `pretrain.evaluation.downstream` drives lm_eval with it.
 
 Scores mirror training, so they mean what the training loss means. The packer starts
 every document, and every row-sized piece of a long one, with input 0 at position 0, and
@@ -14,7 +14,7 @@ is laid out the same way:
     left-truncated window lm_eval's hf backend scores. An empty context is the row
     [0, continuation].
   loglikelihood_rolling(text): every token of the text given its whole prefix, in
-    `max_length` chunks that carry the decoding caches, as `pretrain.evaluation.text_loss`
+    `max_length` chunks that carry the decoding caches, as `pretrain.evaluation.loss.text_loss`
     scores a file (without its EOS), so no token is scored twice or without context.
   generate_until(context, {until, max_gen_toks}): greedy decoding through the caches
     (`model.decoding`) from the row [0, last max_length - 1 tokens of the context],
@@ -41,7 +41,7 @@ import numpy as np
 
 from model import decoding
 from plumbing.errors import UserError
-from pretrain import metrics as metrics_lib
+from pretrain.observability import metrics as metrics_lib
 from pretrain.losses import token_losses
 from pretrain.runtime import Runtime
 from sharding import partition
@@ -129,7 +129,7 @@ class JaxLM(LM):
       max_length: the model's length (tokens after the document-start input).
       batch_size: rows per batch, rounded up to a multiple of the batch shards.
       max_gen_toks: default new tokens of `generate_until`.
-      progress: print progress lines on stderr (`pretrain.metrics.with_progress`).
+      progress: print progress lines on stderr (`pretrain.observability.metrics.with_progress`).
     """
     super().__init__()
     if max_length < 2:

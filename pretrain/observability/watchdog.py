@@ -25,7 +25,7 @@ part of its collectives), checkpoint, eval, other (the remaining hooks).
 
 The watchdog also times each process's host work per step (data and dispatch, the
 phases before a process joins the step's collectives): `host_seconds` feeds the
-straggler rows (`pretrain.stragglers`).
+straggler rows (`pretrain.observability.stragglers`).
 """
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ import statistics
 import time
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
-from pretrain.metrics import format_duration
+from pretrain.observability.metrics import format_duration
 
 TIMED = ("startup", "restore", "compile", "data", "checkpoint", "eval", "other")
 # The run-level breakdown, in the order reports show it; these sum to `wall_s`.

@@ -1,15 +1,15 @@
 """What a checkpoint tier is to the trainer: the `CheckpointTier` protocol.
 
-A run keeps its state in tiers: the persistent one (`pretrain.checkpointing.Checkpointer`,
+A run keeps its state in tiers: the persistent one (`pretrain.checkpoints.checkpointer.Checkpointer`,
 `workdir/checkpoints`, shared storage) and, optionally, secondary ones that save more
-often to somewhere faster and less durable (`pretrain.local_checkpoints.LocalCheckpointer`,
+often to somewhere faster and less durable (`pretrain.checkpoints.local.LocalCheckpointer`,
 each host's own disk). `Checkpointer.restore_newest` takes the newest good step of any
 tier, `CheckpointHook` saves to each tier when it is due, and the trainer and the
 goodput rows name a tier only by its `name`, so a third tier (say, a copy held in a peer
 host's memory) is one class implementing this protocol, handed to
 `Checkpointer.add_tier`.
 
-Reading a step is checked (`pretrain.integrity`) and agreed by every process
+Reading a step is checked (`pretrain.checkpoints.integrity`) and agreed by every process
 (`checked_read`): a step is restored by all processes or by none.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from plumbing.errors import CheckpointSaveError, UnreadableCheckpointError
-from pretrain import integrity
+from pretrain.checkpoints import integrity
 
 # What can be wrong with a step (`integrity.Problem.kind`), numbered for a gather.
 PROBLEM_KINDS = ("size", "checksum", "missing", "manifest", "unreadable")
