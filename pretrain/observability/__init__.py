@@ -1,0 +1,1 @@
+"""Where a run's numbers go beyond `metrics.jsonl`: experiment trackers (`trackers`)."""
