@@ -322,10 +322,23 @@ def _all_finished(states: Dict[str, str]) -> bool:
   return not waiting
 
 
+def tracker_group(workdir: str, study_dir: str) -> str:
+  """The experiment trackers' group of a study's runs (`TrainConfig.tracker_group`: a
+  W&B group, an MLflow experiment), so that a study is one view there: the sweep
+  directory's name, then the part's (`lr_sweep`, `ladder`) when it has its own."""
+  name = os.path.basename(workdir.rstrip("/"))
+  part = os.path.basename(study_dir.rstrip("/"))
+  return name if study_dir.rstrip("/") == workdir.rstrip("/") else f"{name}-{part}"
+
+
 def _run_all(runs: Sequence[Run], study_dir: str,
              backend: sweep_dispatch.Backend) -> Dict[str, str]:
-  """`sweep_execute.run_all` with the command line's files, bindings and retries."""
-  return sweep_execute.run_all(runs, FLAGS.gin_file, FLAGS.gin_param, backend,
+  """`sweep_execute.run_all` with the command line's files, bindings (after the
+  trackers' group, which they may override) and retries."""
+  workdir = FLAGS.workdir if FLAGS.workdir.startswith("gs://") else os.path.abspath(
+      os.path.expanduser(FLAGS.workdir))
+  group = f"TrainConfig.tracker_group = {tracker_group(workdir, study_dir)!r}"
+  return sweep_execute.run_all(runs, FLAGS.gin_file, [group, *FLAGS.gin_param], backend,
                                max_retries=FLAGS.max_retries, study_dir=study_dir,
                                dry_run=FLAGS.dry_run)
 

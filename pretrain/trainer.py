@@ -37,6 +37,8 @@ from pretrain.checkpoints.saving import CheckpointHook
 from pretrain.data.vocabularies import token_byte_lengths
 from pretrain.checkpoints.metadata import RunMetadata, vocabulary_spec
 from pretrain.observability.metrics import UNSENT_METRICS, MetricsWriter, format_duration
+from pretrain.observability import trackers as trackers_lib
+from pretrain.observability.trackers import run_info as tracker_run_info
 from pretrain.optimizer import OptimizerConfig, learning_rate_schedule, make_optimizer
 from pretrain.checkpoints.outage import FLUSH_TIMEOUT_S, StorageConfig
 from pretrain.runtime import Runtime, host_scalar
@@ -86,6 +88,11 @@ class TrainConfig:
       run: 10 x the median step time, at least 120 s; 0 turns the watchdog off.
     hang_long_s: the allowance before the first step completes (restore, compilation)
       and of evaluations and checkpoint waits.
+    trackers: the experiment trackers that get every metrics row besides
+      `metrics.jsonl` and the console, by registered name ("tensorboard", "wandb",
+      "mlflow"; `pretrain.observability.trackers`); () for none.
+    tracker_group: the study the run belongs to in the trackers (a W&B group, an MLflow
+      experiment); `launch.sweep` sets it to the sweep's directory name.
   """
   train_steps: int = 1000
   batch_size: int = 8
@@ -110,6 +117,8 @@ class TrainConfig:
   downstream_limit: Optional[int] = None
   hang_timeout_s: Optional[float] = None
   hang_long_s: float = watchdog_lib.LONG_S
+  trackers: tuple[str, ...] = ("tensorboard",)
+  tracker_group: Optional[str] = None
 
   def __post_init__(self):
     for name in ("train_steps", "batch_size", "sequence_length", "checkpoint_every",
@@ -150,6 +159,11 @@ class TrainConfig:
     if self.downstream_limit is not None and self.downstream_limit < 1:
       raise ValueError(f"TrainConfig.downstream_limit must be None or >= 1, got "
                        f"{self.downstream_limit}")
+    if isinstance(self.trackers, str) or not isinstance(self.trackers, (tuple, list)):
+      raise ValueError("TrainConfig.trackers must be a tuple of tracker names, e.g. "
+                       f"('tensorboard', 'wandb'), got {self.trackers!r}")
+    trackers_lib.check_names(self.trackers)
+    object.__setattr__(self, "trackers", tuple(self.trackers))
 
 
 class Pipeline(Protocol):
@@ -521,9 +535,10 @@ def train(workdir: str, config: TrainConfig, runtime: Runtime,
   """
   clock = goodput.GoodputClock()
   local = checkpointer.local_directory
-  writer = MetricsWriter(workdir, config.train_steps, storage_config=storage_config,
+  writer = MetricsWriter(workdir, config.train_steps, trackers=config.trackers,
+                         storage_config=storage_config,
                          unsent_path=str(local.parent / UNSENT_METRICS) if local else None)
-  flush_timeout_s = FLUSH_TIMEOUT_S
+  flush_timeout_s, failed = FLUSH_TIMEOUT_S, True
   try:
     with clock.timed("startup"):
       trainer = _build_trainer(workdir, config, runtime, optimizer_config, checkpointer,
@@ -532,13 +547,21 @@ def train(workdir: str, config: TrainConfig, runtime: Runtime,
       trainer.add_hook(hook)
     if on_ready is not None:
       on_ready()
-    return trainer.run()
+    writer.start_trackers(tracker_run_info.describe_run(
+        workdir, config.tracker_group, (config, runtime.config, optimizer_config),
+        tracker_run_info.model_facts(
+            runtime.config, sequence_length=config.sequence_length,
+            batch_size=config.batch_size, train_steps=config.train_steps,
+            flops_per_token=trainer.flops_per_token)))
+    result = trainer.run()
+    failed = False
+    return result
   except StorageOutageStop:
     flush_timeout_s = 0.0   # the writes still queued go to the storage that is down
     raise
   finally:
     checkpointer.close()
-    writer.close(flush_timeout_s)
+    writer.close(flush_timeout_s, failed)
 
 
 def _build_trainer(workdir: str, config: TrainConfig, runtime: Runtime,

@@ -12,7 +12,7 @@ from pretrain.observability.goodput import GoodputClock
 from pretrain.observability.metrics import MetricsWriter
 from pretrain.optimizer import OptimizerConfig
 from pretrain.runtime import Runtime
-from pretrain.trainer import TrainConfig, Trainer
+from pretrain.trainer import TrainConfig, Trainer, train
 from sharding.mesh import MeshConfig
 
 PERIOD = 16   # the toy data repeats every PERIOD tokens: learnable in a few steps
@@ -54,9 +54,21 @@ def make_trainer(workdir: str, model: ModelConfig, *, train_steps: int,
                        sequence_length=sequence_length, checkpoint_every=checkpoint_every,
                        eval_every=0, log_every=1, final_eval=False, seed=1)
   checkpointer = Checkpointer(workdir, CheckpointConfig(async_save=False))
-  writer = MetricsWriter(workdir, train_steps, tensorboard=False)
+  writer = MetricsWriter(workdir, train_steps, trackers=())
   trainer = Trainer(config, Runtime.create(model, mesh),
                     OptimizerConfig(peak_learning_rate=1e-2, warmup_steps=2),
                     ToyPipeline(batch_size, sequence_length), checkpointer, writer,
                     GoodputClock())
   return trainer, checkpointer, writer
+
+
+def train_in_process(workdir: str, model: ModelConfig, config: TrainConfig, *,
+                     hooks=(), mesh: MeshConfig = MeshConfig(data=2, fsdp=2, tensor=2)):
+  """`pretrain.trainer.train` of `model` on the toy pipeline, as the CLI runs it
+  (synchronous saves; the optimizer of `make_trainer`): the whole session, its writer
+  and trackers included."""
+  return train(workdir, config, Runtime.create(model, mesh),
+               OptimizerConfig(peak_learning_rate=1e-2, warmup_steps=2),
+               Checkpointer(workdir, CheckpointConfig(async_save=False)),
+               lambda cfg, runtime: ToyPipeline(cfg.batch_size, cfg.sequence_length),
+               hooks=hooks)

@@ -19,8 +19,11 @@ LAYERS = ("plumbing", "sharding", "model", "pretrain", "launch")   # lowest firs
 # only where a plot is written; the `hf` extra's packages only where a Hugging Face model
 # or tokenizer is written or read; lm_eval (the `eval` extra, and the backend that
 # subclasses its LM) only where downstream tasks run; the GCS emulator (the `test` extra)
-# only where one is served.
-OPTIONAL_INSIDE_FUNCTIONS = {"gcp_storage_emulator", "gcp_storage_emulator.handlers",
+# only where one is served; W&B and MLflow (the `wandb` and `mlflow` extras) only in the
+# trackers that send to them, once a run opens them.
+OPTIONAL_INSIDE_FUNCTIONS = {"wandb", "mlflow.entities", "mlflow.exceptions",
+                             "mlflow.tracking", "mlflow.utils.validation",
+                             "gcp_storage_emulator", "gcp_storage_emulator.handlers",
                              "matplotlib", "matplotlib.pyplot", "jax.experimental.pallas",
                              "model.scan.pallas_scan", "model.scan.pallas_compat",
                              "model.scan.pallas_lookback", "safetensors.numpy",

@@ -20,7 +20,7 @@ def _train_row(loss):
 
 
 def test_rewind_drops_later_rows_and_a_torn_line(tmp_path):
-  writer = MetricsWriter(str(tmp_path), 10, tensorboard=False)
+  writer = MetricsWriter(str(tmp_path), 10, trackers=())
   for step in range(1, 6):
     writer.log_train(step, _train_row(float(step)))
   writer.log_eval(2, 3.0, 100)
@@ -29,7 +29,7 @@ def test_rewind_drops_later_rows_and_a_torn_line(tmp_path):
   with open(tmp_path / "metrics.jsonl", "a", encoding="utf-8") as f:
     f.write('{"step": 6, "lo')   # killed mid-write
 
-  writer = MetricsWriter(str(tmp_path), 10, tensorboard=False)
+  writer = MetricsWriter(str(tmp_path), 10, trackers=())
   writer.rewind(3)   # restored from the checkpoint of step 3
   for step in range(4, 6):
     writer.log_train(step, _train_row(step + 0.5))
@@ -44,7 +44,7 @@ def test_rewind_drops_later_rows_and_a_torn_line(tmp_path):
 
 
 def test_rewind_to_zero_starts_the_file_again(tmp_path):
-  writer = MetricsWriter(str(tmp_path), 10, tensorboard=False)
+  writer = MetricsWriter(str(tmp_path), 10, trackers=())
   writer.log_train(1, _train_row(1.0))
   writer.rewind(0)
   writer.log_train(1, _train_row(2.0))
@@ -60,7 +60,7 @@ def test_downstream_hook_writes_one_row_per_step_also_when_rerun(tmp_path):
     return {"downstream/tiny_mc/acc": 0.5 + len(scored) / 10}
 
   def run():
-    writer = MetricsWriter(str(tmp_path), 4, tensorboard=False)
+    writer = MetricsWriter(str(tmp_path), 4, trackers=())
     writer.rewind(4)
     hook = hooks.DownstreamHook(evaluate, writer, every=2, final_eval=True, train_steps=4)
     for step in (1, 2, 3, 4):
@@ -91,7 +91,7 @@ def test_rows_kept_by_an_outage_stop_are_sent_by_the_next_run(gcs_bucket, tmp_pa
   unsent.parent.mkdir()
   _kept(unsent, [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.5},
                  {"step": 3, "loss": 2.0}])
-  writer = MetricsWriter(workdir, 3, tensorboard=False, unsent_path=str(unsent),
+  writer = MetricsWriter(workdir, 3, trackers=(), unsent_path=str(unsent),
                          stream=sys.stdout)   # capsys's
   assert [row["step"] for row in writer.read_rows()] == [1, 2, 3]
   writer.close()
@@ -101,7 +101,7 @@ def test_rows_kept_by_an_outage_stop_are_sent_by_the_next_run(gcs_bucket, tmp_pa
       storage.join(workdir, "metrics.jsonl")).splitlines()] == [1, 2, 3]
 
   _kept(unsent, [{"step": 1, "loss": 9.0}, {"step": 2, "loss": 8.0}])  # another history
-  writer = MetricsWriter(workdir, 3, tensorboard=False, unsent_path=str(unsent))
+  writer = MetricsWriter(workdir, 3, trackers=(), unsent_path=str(unsent))
   assert [row["loss"] for row in writer.read_rows()] == [3.0, 2.5, 2.0]
   writer.close()
   (line,) = capsys.readouterr().err.splitlines()

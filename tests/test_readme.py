@@ -10,7 +10,10 @@ backslash continuations joined; ```python blocks), so a documented command canno
   - local training runs for real, verbatim, shortened through the documented
     `GRIFFIN_EXTRA_GIN_PARAMS` override (2 steps on a tiny corpus); the Python snippet
     and the `pretrain.report` command then run against the workdir it wrote;
-  - the Python snippet, run as a user runs it, writes nothing to stderr.
+  - the Python snippet, run as a user runs it, writes nothing to stderr;
+  - the experiment-tracker commands run verbatim (the MLflow server on its port, in the
+    background; the training shortened the same way, W&B offline), and each tracker
+    is read back with its own client.
 A command of a kind not listed here fails the test, so a new README command needs a
 check before it can be documented.
 """
@@ -19,7 +22,9 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 
+import filelock
 import gin
 import numpy as np
 import pytest
@@ -35,6 +40,7 @@ from pretrain.trainer import TrainConfig
 from sharding.mesh import MeshConfig
 from trainer_helpers import (assert_ok, bucket_rows, make_corpus, storage_env,  # pylint: disable=unused-import
                              trained_workdir, trainer_env)
+import tracker_tools
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -122,6 +128,9 @@ def _kind(piece):
     return "interchange"   # after the training commands, on their workdir
   if piece.startswith("python -m pretrain.evaluate --workdir=workdirs/"):
     return "downstream"   # after the training commands, on their workdir
+  if piece.startswith(("mlflow server ", "WANDB_MODE=offline MLFLOW_TRACKING_URI=",
+                       "wandb leet inspect ")):
+    return "trackers"
   return "unknown"
 
 
@@ -243,6 +252,63 @@ def test_local_training_commands_and_python_snippet_run_verbatim(tmp_path):
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith("def main("), result.stdout
+
+
+@pytest.mark.slow
+def test_tracker_commands_run_verbatim_with_offline_wandb_and_a_local_mlflow_server(
+    tmp_path):
+  """The README's tracker commands as written: the MLflow server in the background (the
+  `&`), the training (shortened through GRIFFIN_EXTRA_GIN_PARAMS) quiet on stderr, W&B's
+  reader on the offline run; then MLflow's client and W&B's reader find one run each,
+  with the operative Gin config and every row logged. The server's fixed port is taken
+  by one test process at a time on a machine (a file lock)."""
+  server, train, read = [piece for piece in PIECES if _kind(piece) == "trackers"]
+  assert server.startswith("mlflow server ") and server.endswith(" &")
+  port = int(re.search(r"--port (\d+)", server).group(1))
+  url = f"http://127.0.0.1:{port}"
+  corpus = make_corpus(str(tmp_path / "corpus"))
+  env = _env()
+  env.update(JAX_PLATFORMS="cpu", GRIFFIN_DATA_CACHE=str(tmp_path / "tokens"),
+             WANDB_CONFIG_DIR=str(tmp_path / "wandb_home"),
+             WANDB_CACHE_DIR=str(tmp_path / "wandb_home"),
+             WANDB_DATA_DIR=str(tmp_path / "wandb_home"), **tracker_tools.QUIET_SERVER,
+             GRIFFIN_EXTRA_GIN_PARAMS="\n".join([
+                 "TRAIN_STEPS = 2", "CHECKPOINT_EVERY = 2", "EVAL_EVERY = 0",
+                 f"TRAIN_FILES = '{corpus}/*.txt'", "TrainConfig.eval_batches = 1",
+                 "TrainConfig.sample_tokens = 4"]))
+  with filelock.FileLock(os.path.join(tempfile.gettempdir(), f"griffin-mlflow-{port}.lock")):
+    with open(tmp_path / "mlflow.log", "w", encoding="utf-8") as log:
+      process = subprocess.Popen(["/bin/bash", "-c", f"{server}\nwait"], cwd=tmp_path,
+                                 env=env, stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+    try:
+      tracker_tools.wait_until_up(process, url, str(tmp_path / "mlflow.log"))
+      result = _run(train, cwd=tmp_path, env=env)
+      assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-2000:])
+      assert result.stderr == "", result.stderr
+      from mlflow.tracking import MlflowClient  # pylint: disable=import-outside-toplevel
+      client = MlflowClient(url)
+      runs = client.search_runs([client.get_experiment_by_name("griffin-pretrain")
+                                 .experiment_id])
+    finally:
+      tracker_tools.stop(process)
+  assert [run.info.run_name for run in runs] == ["quickstart-tracked"]
+  assert runs[0].data.params["TRAIN_STEPS"] == "2"   # the operative config, overrides in
+  assert runs[0].data.params["ModelConfig.width"] == "192"
+  assert runs[0].data.metrics["train/loss"] > 0 and runs[0].info.status == "FINISHED"
+  result = _run(read, cwd=tmp_path, env=env)
+  assert result.returncode == 0 and result.stderr == "", result.stderr
+  assert "train/loss" in result.stdout and "finished" in result.stdout, result.stdout
+  run_dir, = (tmp_path / "workdirs" / "quickstart-tracked" / "wandb").glob("offline-run-*")
+  records = tracker_tools.wandb_records(str(run_dir))
+  config, = [r["run"]["config"]["update"] for r in records if r["type"] == "run"]
+  assert config["ModelConfig.width"] == 192 and config["TrainConfig.trackers"] == [
+      "tensorboard", "wandb", "mlflow"]
+  logged = bucket_rows(str(tmp_path / "workdirs" / "quickstart-tracked"))
+  for name, field in (("train/loss", "loss"), ("eval/loss", "eval_loss")):
+    assert [(r["history"]["item"]["_step"], r["history"]["item"][name]) for r in records
+            if r["type"] == "history" and name in r["history"]["item"]] == [
+                (row["step"], row[field]) for row in logged if field in row], name
 
 
 # The snippet that loads a trained model ("From Python, a trained model is one call away").

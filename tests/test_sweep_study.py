@@ -80,6 +80,9 @@ def test_readme_isoflop_study_local_dry_run(tmp_path):
     assert "--gin_file=configs/quickstart.gin" in train
     assert "--gin_param=ModelConfig.vocab_size = 259" in train
     assert "--gin_param=TrainConfig.final_eval = True" in train
+    # The study is one group in the experiment trackers (a W&B group, an MLflow
+    # experiment), named after its directory.
+    assert "--gin_param=TrainConfig.tracker_group = 'study'" in train
 
 
 @pytest.mark.slow

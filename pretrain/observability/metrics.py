@@ -1,34 +1,30 @@
-"""Where training metrics go: `metrics.jsonl`, TensorBoard event files and the console.
+"""Where training metrics go: `metrics.jsonl`, the console, and the experiment trackers.
 
 Only process 0 writes (every process computes the same replicated scalars). The writer
 receives plain Python numbers: fetching them from the device is the train loop's job,
-which does it one step late so that the device never waits for the host. TensorBoard
-events go through clu's metric writer. The console line is our own rather than clu's
+which does it one step late so that the device never waits for the host. Every row
+written to the file also goes to the run's trackers (TensorBoard, W&B, MLflow:
+`pretrain.observability.trackers`). The console line is our own rather than clu's
 `periodic_actions.ReportProgress`, which logs at INFO and times wall clock between calls,
 evaluations and checkpoint saves included; `StepTimer` times training steps only.
 """
 from __future__ import annotations
 
 import json
-import math
 import os
-import shutil
 import sys
-import tempfile
 import time
-from typing import Iterable, Iterator, Mapping, Optional, TextIO, TypeVar
+from typing import Iterable, Iterator, Mapping, Optional, Sequence, TextIO, TypeVar
 
-from etils import epy
 import jax
 
 from plumbing import storage
-from plumbing.errors import StorageOutageError, warn
+from plumbing.errors import warn
+from pretrain.observability.trackers import (DOWNSTREAM, EVAL, TRAIN, Row, RunInfo,
+                                             TrackerContext)
+from pretrain.observability.trackers.rows import from_json as tracker_row
+from pretrain.observability.trackers.delivery import Trackers
 from pretrain.checkpoints.outage import FLUSH_TIMEOUT_S, StorageConfig, Uploads
-
-# clu's TensorBoard writer imports TensorFlow (about 6 s): loaded when a run first
-# writes events, not by every command that imports this module.
-with epy.lazy_imports():
-  from clu import metric_writers
 
 T = TypeVar("T")
 # Where a bucket run stopped by an outage keeps its unsent metric rows, beside its
@@ -135,46 +131,8 @@ class _ObjectJsonl:
     pass
 
 
-class _UploadedTensorBoard:
-  """TensorBoard events for an object-storage workdir: TensorFlow's event writer cannot
-  reach every store (no s3://, no emulator endpoints), so events go to a local staging
-  directory and are copied to `workdir/tensorboard` at most every `every_s` seconds and
-  on close (each upload replaces the previous copy of a file whole), in the background
-  (`Uploads`)."""
-
-  def __init__(self, destination: str, uploads: Uploads, every_s: float = 60.0):
-    self._destination = destination
-    self._uploads = uploads
-    self._staging = tempfile.mkdtemp(prefix="griffin_tensorboard_")
-    self._writer = metric_writers.SummaryWriter(self._staging)
-    self._every_s = every_s
-    self._uploaded_at = time.monotonic()
-
-  def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
-    self._writer.write_scalars(step, scalars)
-    if time.monotonic() - self._uploaded_at >= self._every_s:
-      self._upload()
-
-  def _upload(self) -> None:
-    self._writer.flush()
-    staging, destination = self._staging, self._destination
-    self._uploads.submit(destination, lambda: storage.upload_tree(staging, destination))
-    self._uploaded_at = time.monotonic()
-
-  def flush(self) -> None:
-    self._upload()
-
-  def close(self, timeout_s: float = FLUSH_TIMEOUT_S) -> None:
-    """Uploads the events a last time, waiting at most `timeout_s`; the staging
-    directory stays when the upload has not landed by then (it reads from there)."""
-    self._writer.close()
-    self._upload()
-    if self._uploads.flush(timeout_s):
-      shutil.rmtree(self._staging, ignore_errors=True)
-
-
 class MetricsWriter:
-  """Writes metric rows to `workdir/metrics.jsonl` and TensorBoard; prints progress.
+  """Writes metric rows to `workdir/metrics.jsonl` and the trackers; prints progress.
 
   A resumed run continues the same file; a row's `step` says which step it belongs to.
   `rewind(step)` first drops the rows of steps after the restored checkpoint (they are
@@ -188,18 +146,23 @@ class MetricsWriter:
   `unsent_path` (a local file; the trainer passes one beside its local checkpoint
   tier): a bucket run that stops while the storage is down writes the rows the bucket
   has not taken there, and the next run sends them (`_send_unsent`), so an outage
-  stop loses no row of the steps it saved locally. TensorBoard events of those steps
-  are not kept (the rows are the record).
+  stop loses no row of the steps it saved locally; the trackers get those rows from the
+  file when the next run starts them.
+
+  `trackers`: the registered names of the trackers that get every row written
+  (`TrainConfig.trackers`); they start with `start_trackers` (or the first row).
   """
 
-  def __init__(self, workdir: str, total_steps: int, *, tensorboard: bool = True,
-               stream: TextIO = sys.stdout, storage_config: StorageConfig = StorageConfig(),
+  def __init__(self, workdir: str, total_steps: int, *,
+               trackers: Sequence[str] = ("tensorboard",), stream: Optional[TextIO] = None,
+               storage_config: StorageConfig = StorageConfig(),
                unsent_path: Optional[str] = None):
     self._enabled = jax.process_index() == 0
+    self._workdir = workdir
     self._total_steps = total_steps
-    self._stream = stream
+    self._stream = stream or sys.stdout   # the one at the time (tests redirect it)
     self._jsonl = None
-    self._summary = None
+    self._trackers: Optional[Trackers] = None
     self._uploads: Optional[Uploads] = None
     self._eval_steps: set[int] = set()
     self._downstream_steps: set[int] = set()
@@ -214,10 +177,8 @@ class MetricsWriter:
       self._send_unsent()
     else:
       self._jsonl = _LocalJsonl(path)
-    if tensorboard:
-      events = storage.join(workdir, "tensorboard")
-      self._summary = (_UploadedTensorBoard(events, self._uploads) if self._uploads
-                       else metric_writers.SummaryWriter(events))
+    self._trackers = Trackers(trackers, TrackerContext(workdir, self._uploads),
+                              info=self._line)
 
   def _send_unsent(self) -> None:
     """Adopts the rows a run stopped by an outage kept locally, when the bucket's file
@@ -252,14 +213,29 @@ class MetricsWriter:
       return f"and could not be kept in {self._unsent_path} ({error.strerror or error})"
     return f"kept in {self._unsent_path}: the next run sends them"
 
-  def _write(self, step: int, row: Mapping[str, Optional[float]]) -> None:
-    record = {"step": int(step)}
-    record.update({k: (None if v is None else float(v)) for k, v in row.items()})
-    self._jsonl.append(json.dumps(record) + "\n")
-    if self._summary is not None:
-      self._summary.write_scalars(int(step), {
-          name: value for name, value in record.items()
-          if name != "step" and value is not None and math.isfinite(value)})
+  def _write(self, kind: str, step: int, row: Mapping[str, Optional[float]]) -> None:
+    values = {k: (None if v is None else float(v)) for k, v in row.items()}
+    self._jsonl.append(json.dumps({"step": int(step), **values}) + "\n")
+    self._track(Row(kind, int(step), values))
+
+  def start_trackers(self, run: Optional[RunInfo] = None) -> None:
+    """Starts the trackers' runs (`RunInfo`: its config, the model card's facts; None:
+    named after the workdir, nothing else) and offers them the rows already written,
+    which they get unless they have them (process 0; nothing elsewhere)."""
+    if self._trackers is not None and not self._trackers.started:
+      self._trackers.start(run or RunInfo(self._workdir.rstrip("/").rsplit("/", 1)[-1]),
+                           self.read_rows())
+
+  def _track(self, row: Row) -> None:
+    if not self._trackers.started:
+      self.start_trackers()   # offers the file, this row included
+    else:
+      self._trackers.log(row)
+
+  def _line(self, text: str) -> None:
+    """A console line written whole, also from a tracker's thread."""
+    self._stream.write(text + "\n")
+    self._stream.flush()
 
   def rewind(self, step: int) -> list[dict]:
     """Drops the metric rows of steps after `step` (and a half-written last line): the
@@ -290,12 +266,13 @@ class MetricsWriter:
     to the file only and survives `rewind`."""
     if self._enabled:
       self._jsonl.append(json.dumps(dict(record)) + "\n")
+      self._track(tracker_row(record))
 
   def log_train(self, step: int, row: Mapping[str, Optional[float]]) -> None:
     """A training row: loss, learning_rate, tokens_per_second, step_time_s, mfu, ..."""
     if not self._enabled:
       return
-    self._write(step, row)
+    self._write(TRAIN, step, row)
     print(progress_line(step, self._total_steps, row), file=self._stream, flush=True)
 
   def log_eval(self, step: int, eval_loss: float, tokens: int,
@@ -308,7 +285,7 @@ class MetricsWriter:
     if bits_per_byte is not None:
       row["eval_bits_per_byte"] = bits_per_byte
     if step not in self._eval_steps:  # a rerun of a finished run evaluates it again
-      self._write(step, row)
+      self._write(EVAL, step, row)
       self._eval_steps.add(step)
     per_byte = "" if bits_per_byte is None else f" | eval_bits_per_byte {bits_per_byte:.4f}"
     print(f"step {step}/{self._total_steps} | eval_loss {eval_loss:.4f}{per_byte} "
@@ -320,7 +297,7 @@ class MetricsWriter:
     if not self._enabled:
       return
     if step not in self._downstream_steps:
-      self._write(step, values)
+      self._write(DOWNSTREAM, step, values)
       self._downstream_steps.add(step)
     scores = ", ".join(f"{name.split('/', 1)[-1]} {value:.4f}"
                        for name, value in values.items())
@@ -330,22 +307,17 @@ class MetricsWriter:
     if self._enabled:
       print(message, file=self._stream, flush=True)
 
-  def close(self, flush_timeout_s: float = FLUSH_TIMEOUT_S) -> None:
-    """Closes the files; in a bucket workdir, waits up to `flush_timeout_s` for the
-    writes still queued (one line when the storage has not taken them). A run that
-    stops because the storage does not answer passes 0: a write in flight can take
-    the storage client's own retries (gcsfs: about 36 s) to fail."""
+  def close(self, flush_timeout_s: float = FLUSH_TIMEOUT_S, failed: bool = False) -> None:
+    """Closes the files and ends the trackers' sessions (`failed`: the run stopped with
+    an error); waits up to `flush_timeout_s` for the trackers that answer and, in a
+    bucket workdir, for the writes still queued (one line when the storage has not
+    taken them). A run that stops because the storage does not answer passes 0: a
+    write in flight can take the storage client's own retries (gcsfs: about 36 s) to
+    fail."""
     if self._jsonl is not None:
       self._jsonl.close()
-    try:
-      if self._summary is not None:
-        self._summary.flush()
-        if isinstance(self._summary, _UploadedTensorBoard):
-          self._summary.close(flush_timeout_s)
-        else:
-          self._summary.close()
-    except StorageOutageError:
-      pass   # the run is stopping because of it, and says so
+    if self._trackers is not None:
+      self._trackers.close(flush_timeout_s, failed)
     if self._uploads is not None:
       if not self._uploads.flush(flush_timeout_s):
         down_s = self._uploads.outage.down_s()

@@ -1,0 +1,287 @@
+"""Runs the trackers: each in a thread of its own, none able to stop or slow the run.
+
+The training loop hands every row to `Trackers.log`, which only queues it. Each
+tracker's thread opens the tracker's run, then sends what is queued. A tracker that
+raises (a server down, no credentials, a network that is not there) costs one warning
+line per session; its rows stay queued and are offered again after a backoff of 1, 2, 4,
+... seconds (at most `MAX_BACKOFF_S`), so a tracker that answers again gets what it
+missed, and one more line says so. Nothing waits for a tracker but `close`, and only
+for one that answers.
+
+`workdir/trackers.json` keeps, per tracker, its run's id and how far it has been sent:
+the newest step of each step kind (train, eval, downstream) and how many records
+(goodput, restart, straggler rows, in file order). A new session reopens the same run
+and starts by offering the rows of `metrics.jsonl` (`start`): those a tracker has
+already got are skipped, so rows a dead tracker missed reach it in a later session, and
+a step that a restart trains again (after the newest checkpoint) is not sent twice: the
+tracker keeps the values it got first (the file keeps the redone ones). Rows it still
+lacks when a session ends are counted there (`unsent_rows`) and sent by the next.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+from plumbing import storage
+from plumbing.errors import UserError, warn
+from pretrain.observability import trackers as trackers_lib
+from pretrain.observability.trackers import (STEP_KINDS, Row, RunInfo, Tracker,
+                                             TrackerContext)
+from pretrain.observability.trackers import rows as rows_lib
+from pretrain.observability.trackers.mlflow_tracker import MlflowTracker
+from pretrain.observability.trackers.run_info import Finals
+from pretrain.observability.trackers.tensorboard import TensorBoardTracker
+from pretrain.observability.trackers.wandb_tracker import WandbTracker
+from pretrain.checkpoints.outage import Uploads
+
+for _builtin in (TensorBoardTracker, WandbTracker, MlflowTracker):
+  trackers_lib.register(_builtin)
+
+STATE_FILE = "trackers.json"
+FIRST_BACKOFF_S = 1.0
+MAX_BACKOFF_S = 60.0
+
+
+def _reason(error: BaseException) -> str:
+  text = " ".join(str(error).split()) or type(error).__name__
+  return text if len(text) <= 200 else text[:197] + "..."
+
+
+class _State:
+  """`workdir/trackers.json`: per tracker, {"run_id", "sent": {kind: step},
+  "records": n, "unsent_rows": n}. Each tracker's thread changes its own entry. In a
+  bucket workdir it is written in the background (`Uploads`, newest version wins), so
+  that no write waits for a bucket that is down."""
+
+  def __init__(self, workdir: str, uploads: Optional[Uploads]):
+    self._path = storage.join(workdir, STATE_FILE)
+    self._uploads = uploads
+    self.lock = threading.Lock()   # held to change or read an entry
+    self._writing = threading.Lock()   # one write at a time, the newest last
+    self._data: dict[str, dict[str, Any]] = (json.loads(storage.read_text(self._path))
+                                             if storage.exists(self._path) else {})
+
+  def entry(self, name: str) -> dict[str, Any]:
+    with self.lock:
+      return self._data.setdefault(name, {"run_id": None, "sent": {}, "records": 0})
+
+  def save(self) -> None:
+    """Writes the file; a failure only means a later session may send a row again."""
+    with self._writing:
+      with self.lock:
+        text = json.dumps(self._data, indent=1, sort_keys=True) + "\n"
+      path = self._path
+      try:
+        if self._uploads is not None:
+          self._uploads.submit(path, lambda: storage.write_text(path, text))
+        else:
+          storage.write_text(path, text)
+      except (OSError, UserError):   # a full disk; a bucket down (the run says so)
+        pass
+
+
+class _Sender:
+  """One tracker, its queue and its thread. Queue items are (row, ordinal): a record's
+  place among the file's records, or None for a step row."""
+
+  def __init__(self, tracker: Tracker, state: _State, info: Callable[[str], None]):
+    self.tracker = tracker
+    self.name = tracker.name
+    self._state = state
+    self._progress = state.entry(self.name)
+    self._info = info
+    self._cond = threading.Condition()
+    self._queue: list[tuple[Row, Optional[int]]] = []
+    self._closing: Optional[tuple[Mapping[str, Any], bool]] = None
+    self._retry_at = 0.0
+    self._backoff = FIRST_BACKOFF_S
+    self._thread: Optional[threading.Thread] = None
+    self.opened = False
+    self.down = False      # the last attempt failed
+    self.warned = False    # this session's warning line is spent
+
+  def start(self, run: RunInfo) -> None:
+    self._thread = threading.Thread(target=self._run, args=(run,), daemon=True,
+                                    name=f"tracker-{self.name}")
+    self._thread.start()
+
+  def put(self, items: Sequence[tuple[Row, Optional[int]]]) -> None:
+    with self._cond:
+      self._queue.extend(items)
+      self._cond.notify()
+
+  def request_close(self, summary: Mapping[str, Any], failed: bool) -> None:
+    with self._cond:
+      self._closing = (summary, failed)
+      self._cond.notify()
+
+  def join(self, timeout_s: float) -> None:
+    if self._thread is not None:
+      self._thread.join(timeout_s)
+
+  def unsent(self) -> int:
+    with self._cond:
+      return len(self._fresh(list(self._queue)))
+
+  def _fresh(self, items: Sequence[tuple[Row, Optional[int]]]) -> list[Row]:
+    """The rows of `items` the tracker has not got yet (the others are never offered)."""
+    with self._state.lock:
+      sent = dict(self._progress["sent"])
+      records = self._progress["records"]
+    fresh = []
+    for row, ordinal in items:
+      if ordinal is None:
+        if row.step > sent.get(row.kind, -1):
+          fresh.append(row)
+          sent[row.kind] = row.step
+      elif ordinal >= records:
+        fresh.append(row)
+        records = ordinal + 1
+    return fresh
+
+  def _mark_sent(self, items: Sequence[tuple[Row, Optional[int]]]) -> None:
+    with self._state.lock:
+      sent = self._progress["sent"]
+      for row, ordinal in items:
+        if ordinal is None:
+          sent[row.kind] = max(sent.get(row.kind, -1), row.step)
+        else:
+          self._progress["records"] = max(self._progress["records"], ordinal + 1)
+      self._progress["unsent_rows"] = 0
+
+  def _next(self) -> Optional[list[tuple[Row, Optional[int]]]]:
+    """Waits for rows to send (after the backoff, while down); None: time to stop."""
+    with self._cond:
+      while True:
+        if self._closing is not None and (self.down or not self._queue):
+          return None
+        wait_s = self._retry_at - time.monotonic()
+        if self._queue and (wait_s <= 0 or self._closing is not None):
+          return list(self._queue)
+        self._cond.wait(wait_s if self._queue else None)
+
+  def _run(self, run: RunInfo) -> None:
+    while (items := self._next()) is not None:
+      try:
+        if not self.opened:
+          self._open(run)
+        fresh = self._fresh(items)
+        if fresh:
+          self.tracker.log(fresh)
+      except Exception as error:  # pylint: disable=broad-except
+        self._failed(error)
+        continue
+      self._mark_sent(items)
+      self._state.save()
+      with self._cond:
+        del self._queue[:len(items)]
+      if self.down:
+        self.down, self._backoff = False, FIRST_BACKOFF_S
+        self._info(f"{self.name}: answers again; sent what it missed")
+    if self.opened and not self.down:
+      summary, failed = self._closing
+      try:
+        self.tracker.close(summary, failed)
+      except Exception as error:  # pylint: disable=broad-except
+        self._failed(error)
+
+  def _open(self, run: RunInfo) -> None:
+    with self._state.lock:
+      stored = self._progress["run_id"]
+      last_step = max(self._progress["sent"].values(), default=0)
+    run_id = self.tracker.open(run, stored, last_step if stored else 0)
+    if run_id != stored:   # a new run (the first, or the stored one is gone): send it all
+      with self._state.lock:
+        self._progress.update(run_id=run_id, sent={}, records=0)
+      self._state.save()
+    self.opened = True
+    if self.tracker.where:
+      self._info(f"{self.name}: {self.tracker.where}")
+
+  def _failed(self, error: BaseException) -> None:
+    if not self.warned:
+      self.warned = True
+      warn(f"{self.name} tracker: {_reason(error)}; the run goes on. metrics.jsonl has "
+           f"every row; what {self.name} misses is sent when it answers, by this run or "
+           f"the next in this workdir ({STATE_FILE} counts what it lacks)")
+    self.down = True
+    self._retry_at = time.monotonic() + self._backoff
+    self._backoff = min(2 * self._backoff, MAX_BACKOFF_S)
+
+
+class Trackers:
+  """The trackers of one session (process 0): rows in, each tracker fed in order.
+
+  Args:
+    names: registered tracker names (`TrainConfig.trackers`).
+    context: the workdir and its uploader, handed to each tracker's constructor.
+    info: prints one line (the writer's console).
+  """
+
+  def __init__(self, names: Sequence[str], context: TrackerContext,
+               info: Callable[[str], None] = print):
+    self._state = _State(context.workdir, context.uploads) if names else None
+    self._senders = [_Sender(trackers_lib.create(name, context), self._state, info)
+                     for name in names]
+    self._run: Optional[RunInfo] = None
+    self._records = 0
+    self._finals = Finals()
+
+  def start(self, run: RunInfo, written: Sequence[Mapping[str, Any]]) -> None:
+    """Opens every tracker's run in its thread and offers it the rows already in
+    `metrics.jsonl` (`written`): what it lacks of them is sent first."""
+    if self._run is not None:
+      return
+    self._run = run
+    if not self._senders:
+      return
+    items = []
+    for record in written:
+      items.append(self._item(rows_lib.from_json(record)))
+    for sender in self._senders:
+      sender.put(items)
+      sender.start(run)
+
+  def _item(self, row: Row) -> tuple[Row, Optional[int]]:
+    self._finals.add(row)
+    if row.kind in STEP_KINDS:
+      return row, None
+    self._records += 1
+    return row, self._records - 1
+
+  @property
+  def started(self) -> bool:
+    return self._run is not None
+
+  def log(self, row: Row) -> None:
+    """Queues a row just written to `metrics.jsonl` (after `start`; before, the file
+    holds it, and `start` offers it)."""
+    if self._run is None or not self._senders:
+      return
+    item = self._item(row)
+    for sender in self._senders:
+      sender.put([item])
+
+  def close(self, timeout_s: float, failed: bool = False) -> None:
+    """Ends each tracker's session with the run's summary, waiting at most `timeout_s`
+    for the trackers that answer (not for one that is down). What one still lacks is
+    counted in `trackers.json`; a line says so when no warning has yet."""
+    if self._run is None or not self._senders:
+      return
+    summary = self._finals.summary(self._run.facts)
+    for sender in self._senders:
+      sender.request_close(summary, failed)
+    deadline = time.monotonic() + timeout_s
+    for sender in self._senders:
+      sender.join(0 if sender.down else max(0.0, deadline - time.monotonic()))
+    for sender in self._senders:
+      unsent = sender.unsent()
+      entry = self._state.entry(sender.name)
+      with self._state.lock:
+        entry["unsent_rows"] = unsent
+      if unsent and not sender.warned:
+        warn(f"{sender.name} tracker: {unsent} row(s) not sent before the session ended "
+             f"(metrics.jsonl has them); the next run in this workdir sends them")
+    self._state.save()

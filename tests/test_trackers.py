@@ -1,0 +1,273 @@
+"""Experiment trackers (`pretrain.observability.trackers`), fed by the real trainer on a
+tiny model: a tracker of our own is one registered class; W&B (offline) and MLflow (a
+real `mlflow server` on a loopback port, SQLite store) each hold one run for a run
+restarted twice, with every step once, read back with their own tools (`wandb leet
+inspect`, `MlflowClient`); a tracker that cannot be reached costs one line, the run goes
+on, and the tracker gets what it missed once it answers."""
+import glob
+import json
+import os
+import threading
+
+import pytest
+
+from model import counting
+from model.config import ModelConfig
+from pretrain.observability import trackers as trackers_lib
+from pretrain.observability.trackers import DOWNSTREAM, EVAL, TRAIN, Row
+from pretrain.observability.trackers import delivery
+from pretrain.observability.trackers import rows as rows_lib
+from pretrain.observability.trackers import run_info
+from pretrain.trainer import TrainConfig
+from inprocess_trainer import train_in_process
+from storage_servers import free_port
+import tracker_tools
+
+# test_trainer_seams' model and schedule: the train step comes from the shared JAX cache.
+MODEL = ModelConfig(vocab_size=260, width=32, rnn_width=32, num_heads=2, depth=2,
+                    block_pattern=("recurrent", "attention"), attention_window=8,
+                    scan_impl="lax")
+STEPS = 6
+
+
+class _Crash(Exception):
+  pass
+
+
+def _session(workdir, trackers, crash_at=None, hooks=()):
+  """One session of the 6-step run (checkpoints every 2 steps, an evaluation every 2),
+  ended by an exception after step `crash_at`, as a crash would end it."""
+  def crash(info):
+    if info.step == crash_at:
+      raise _Crash
+  config = TrainConfig(train_steps=STEPS, batch_size=4, sequence_length=32,
+                       checkpoint_every=2, eval_every=2, eval_batches=1, log_every=1,
+                       seed=1, trackers=trackers)
+  try:
+    train_in_process(str(workdir), MODEL, config, hooks=[*hooks, crash])
+  except _Crash:
+    pass
+
+
+def _rows(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+    return [json.loads(line) for line in f]
+
+
+def _losses(workdir):
+  return {row["step"]: row["loss"] for row in _rows(workdir)
+          if "loss" in row and "kind" not in row}
+
+
+def _tracker_state(workdir):
+  with open(os.path.join(workdir, delivery.STATE_FILE), encoding="utf-8") as f:
+    return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def mlflow_process(tmp_path_factory):
+  """The module's MLflow server, started by the first test that asks for it (the toy
+  tracker's, which does not use it), so that its start-up (several seconds of CPU)
+  overlaps that test's training."""
+  root = str(tmp_path_factory.mktemp("mlflow"))
+  port = free_port()
+  process = tracker_tools.start_mlflow(root, port)
+  yield process, f"http://127.0.0.1:{port}", os.path.join(root, "server.log")
+  tracker_tools.stop(process)
+
+
+@pytest.fixture
+def mlflow_url(mlflow_process):  # pylint: disable=redefined-outer-name
+  tracker_tools.wait_until_up(*mlflow_process)
+  return mlflow_process[1]
+
+
+class ToyTracker:
+  """A tracker of our own: keeps what it is given, unreachable until `up` is set."""
+  name = "toy"
+  where = "toy run 1"
+  made: list = []
+
+  def __init__(self, context):
+    self.workdir = context.workdir
+    self.up = threading.Event()
+    self.answered = threading.Event()
+    self.opened = self.closed = None
+    self.rows = []
+    ToyTracker.made.append(self)
+
+  def _reach(self):
+    if not self.up.is_set():
+      raise ConnectionError("toy server unreachable")
+    self.answered.set()
+
+  def open(self, run, run_id, last_step):
+    self._reach()
+    self.opened = (run, run_id, last_step)
+    return run_id or "toy-1"
+
+  def log(self, rows):
+    self._reach()
+    self.rows.extend(rows)
+
+  def close(self, summary, failed):
+    self.closed = (summary, failed)
+
+
+@pytest.mark.slow   # one short in-process run (CI runs it)
+def test_a_tracker_is_one_registered_class_and_a_dead_one_costs_one_line(
+    tmp_path, monkeypatch, capfd, mlflow_process):  # pylint: disable=redefined-outer-name
+  del mlflow_process   # started now for the next test
+  monkeypatch.setattr(delivery, "FIRST_BACKOFF_S", 0.05)
+  monkeypatch.setattr(delivery, "MAX_BACKOFF_S", 0.1)
+  ToyTracker.made.clear()
+  trackers_lib.register(ToyTracker)
+  try:
+    with pytest.raises(ValueError, match="unknown tracker 'tyo'.*did you mean 'toy'"):
+      TrainConfig(trackers=("tensorboard", "tyo"))
+
+    def server_returns(info):
+      """At step 3 the toy server answers again (the loop waits until it has)."""
+      if info.step == 3:
+        ToyTracker.made[-1].up.set()
+        assert ToyTracker.made[-1].answered.wait(30)
+    _session(tmp_path, ("toy",), hooks=[server_returns])
+  finally:
+    trackers_lib.unregister("toy")
+  out, err = capfd.readouterr()
+  toy, = ToyTracker.made
+  assert toy.workdir == str(tmp_path)
+  warnings = [line for line in err.splitlines() if "toy" in line]
+  assert len(warnings) == 1, err
+  assert warnings[0].startswith("warning: toy tracker: toy server unreachable; the run "
+                                "goes on"), warnings
+  assert "toy: toy run 1\n" in out and "toy: answers again" in out
+  # Every row of metrics.jsonl, once and in order, whether it was written while the
+  # tracker was down or after.
+  assert toy.rows == [rows_lib.from_json(row) for row in _rows(tmp_path)]
+  assert [row.step for row in toy.rows if row.kind == TRAIN] == list(range(1, STEPS + 1))
+  assert [row.step for row in toy.rows if row.kind == EVAL] == [2, 4, 6]
+  assert {row.kind for row in toy.rows} == {TRAIN, EVAL, "goodput"}
+  run, run_id, last_step = toy.opened
+  assert (run.name, run_id, last_step, run.group) == (tmp_path.name, None, 0, None)
+  assert run.config["TrainConfig.train_steps"] == STEPS   # no config.gin: the dataclasses
+  assert run.config["ModelConfig.width"] == 32
+  assert run.facts["model/params"] == counting.count_params(MODEL).total
+  summary, failed = toy.closed
+  assert not failed and summary["run/steps"] == STEPS
+  assert summary["final/loss"] == _losses(tmp_path)[STEPS]
+  assert summary["run/tokens"] == STEPS * 4 * 32
+  assert _tracker_state(tmp_path)["toy"] == {   # records: each step's goodput, the end's
+      "run_id": "toy-1", "sent": {"train": 6, "eval": 6}, "records": 7, "unsent_rows": 0}
+
+
+@pytest.mark.slow   # three short in-process runs and an MLflow server (CI runs it)
+def test_a_run_restarted_twice_is_one_wandb_and_one_mlflow_run_with_every_step_once(
+    tmp_path, mlflow_url, monkeypatch, capfd):  # pylint: disable=redefined-outer-name
+  from mlflow.tracking import MlflowClient  # pylint: disable=import-outside-toplevel
+  monkeypatch.setenv("WANDB_MODE", "offline")
+  for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+    monkeypatch.setenv(name, str(tmp_path / "wandb_home"))
+  monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "restarts")
+  monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")   # a dead server fails at once
+  workdir = tmp_path / "run"
+  trackers = ("wandb", "mlflow")
+
+  monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_url)
+  _session(workdir, trackers, crash_at=3)
+  capfd.readouterr()
+  # The second session finds no MLflow server: one line, and it trains on.
+  monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")
+  _session(workdir, trackers, crash_at=5)
+  _, err = capfd.readouterr()
+  lines = [line for line in err.splitlines() if line.strip()]
+  assert len(lines) == 1 and lines[0].startswith("warning: mlflow tracker: "), err
+  # The third finds it again: it gets the rows the second session logged.
+  monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_url)
+  _session(workdir, trackers)
+  _, err = capfd.readouterr()
+  assert "mlflow" not in err and "wandb" not in err, err
+
+  losses = _losses(workdir)
+  assert sorted(losses) == list(range(1, STEPS + 1))
+  state = _tracker_state(workdir)
+  assert state["mlflow"]["unsent_rows"] == state["wandb"]["unsent_rows"] == 0
+
+  # W&B: the three sessions are three offline files of one run, which W&B's own reader
+  # reads back: every training step once, at its step; the restarts on their own axis.
+  run_id = state["wandb"]["run_id"]
+  run_dirs = sorted(glob.glob(str(workdir / "wandb" / "offline-run-*")))
+  assert len(run_dirs) == 3 and all(d.endswith(f"-{run_id}") for d in run_dirs), run_dirs
+  records = [record for run_dir in run_dirs for record in tracker_tools.wandb_records(run_dir)]
+  history = [r["history"]["item"] for r in records if r["type"] == "history"]
+  train = [(item["_step"], item["train/loss"]) for item in history if "train/loss" in item]
+  assert [step for step, _ in train] == list(range(1, STEPS + 1))
+  for step, loss in train:   # a redone step keeps the values first sent (the same here)
+    assert loss == pytest.approx(losses[step], rel=1e-6)
+  assert [item["_step"] for item in history if "eval/loss" in item] == [2, 4, 6]
+  assert [item["restart/step"] for item in history if "restart/step" in item] == [2, 4]
+  assert [item["goodput/session"] for item in history if "goodput/session" in item
+          ][-1] == 3
+  runs = [r["run"] for r in records if r["type"] == "run"]
+  assert {r["run_id"] for r in runs} == {run_id}
+  assert all(r["config"]["update"]["TrainConfig.train_steps"] == STEPS for r in runs)
+  summary = {}
+  for record in records:
+    if record["type"] == "summary":
+      summary.update(record["summary"]["update"])
+  assert summary["model/params"] == counting.count_params(MODEL).total
+  assert summary["final/loss"] == pytest.approx(losses[STEPS])
+  assert [r["exit"]["exit_code"] for r in records if r["type"] == "exit"] == [1, 1, 0]
+
+  # MLflow: one run in the experiment, read back from the server.
+  client = MlflowClient(mlflow_url)
+  experiment = client.get_experiment_by_name("restarts")
+  runs = client.search_runs([experiment.experiment_id])
+  assert [run.info.run_id for run in runs] == [state["mlflow"]["run_id"]]
+  run = runs[0]
+  history = client.get_metric_history(run.info.run_id, "train/loss")
+  assert sorted(metric.step for metric in history) == list(range(1, STEPS + 1))
+  for metric in history:
+    assert metric.value == pytest.approx(losses[metric.step], rel=1e-6)
+  assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "eval/loss")
+                ) == [2, 4, 6]
+  assert sorted(m.value for m in client.get_metric_history(run.info.run_id, "restart/step")
+                ) == [2, 4]
+  assert run.data.params["TrainConfig.train_steps"] == str(STEPS)
+  assert run.data.params["ModelConfig.block_pattern"] == "('recurrent', 'attention')"
+  assert run.data.tags["model/params"] == str(counting.count_params(MODEL).total)
+  assert float(run.data.tags["final/loss"]) == pytest.approx(losses[STEPS])
+  assert run.info.status == "FINISHED" and run.info.run_name == "run"
+
+
+def test_the_run_config_is_the_operative_gin_config_with_macros_resolved():
+  text = ("import model.config\n\n# Macros:\nTRAIN_STEPS = 300\n\n"
+          "# Parameters for TrainConfig:\nTrainConfig.train_steps = %TRAIN_STEPS\n"
+          "TrainConfig.trackers = ('tensorboard', 'wandb')\n"
+          "OptimizerConfig.no_decay_patterns = \\\n    ('bias', '.*norm.*')\n"
+          "evaluation/TrainConfig.eval_batches = 2\n"
+          "DataPipeline.vocabulary = @get_vocabulary()\n")
+  assert run_info.parse_gin(text) == {
+      "TRAIN_STEPS": 300, "TrainConfig.train_steps": 300,
+      "TrainConfig.trackers": ("tensorboard", "wandb"),
+      "OptimizerConfig.no_decay_patterns": ("bias", ".*norm.*"),
+      "evaluation/TrainConfig.eval_batches": 2,
+      "DataPipeline.vocabulary": "@get_vocabulary()"}
+
+
+def test_rows_keep_stable_names_in_wandb_and_mlflow():
+  assert rows_lib.metric_names(Row(TRAIN, 3, {"loss": 2.0, "mfu": None})) == {
+      "train/loss": 2.0}
+  assert rows_lib.metric_names(Row(EVAL, 4, {"eval_loss": 1.5, "eval_tokens": 128.0})) == {
+      "eval/loss": 1.5, "eval/tokens": 128.0}
+  downstream = rows_lib.from_json({"step": 4, "downstream/tiny_mc/acc": 0.5})
+  assert downstream.kind == DOWNSTREAM
+  assert rows_lib.metric_names(downstream) == {"downstream/tiny_mc/acc": 0.5}
+  straggler = rows_lib.from_json({"kind": "straggler", "step": 5, "host_step_s": [0.1, 0.3],
+                                  "slowest_process": 1, "deviation": float("nan")})
+  assert rows_lib.metric_names(straggler) == {
+      "straggler/host_step_s/0": 0.1, "straggler/host_step_s/1": 0.3,
+      "straggler/slowest_process": 1.0, "straggler/step": 5.0}
+  restart = rows_lib.from_json({"kind": "restart", "step": 2, "tier": "persistent",
+                                "lost_steps": 1})
+  assert rows_lib.metric_names(restart) == {"restart/lost_steps": 1.0, "restart/step": 2.0}
