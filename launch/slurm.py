@@ -29,6 +29,7 @@ from absl import flags
 from launch import common
 from launch import sweep_dispatch
 from plumbing import cli
+from plumbing import storage
 from plumbing.errors import usage_error
 
 
@@ -164,6 +165,8 @@ class SweepBackend(sweep_dispatch.ClusterBackend):
     flags.DEFINE_integer("nodes", self.nodes, "slurm: nodes per run.", lower_bound=1)
     flags.DEFINE_integer("gpus_per_node", self.gpus_per_node, "slurm: GPUs per node.",
                          lower_bound=1)
+    flags.DEFINE_integer("cpus_per_task", self.cpus_per_task, "slurm: CPUs of each process.",
+                         lower_bound=1)
     flags.DEFINE_string("time", self.time_limit, "slurm: wall-clock limit per run.")
     flags.DEFINE_string("partition", self.partition, "slurm: partition.")
     flags.DEFINE_string("account", self.account, "slurm: account.")
@@ -171,14 +174,17 @@ class SweepBackend(sweep_dispatch.ClusterBackend):
   def from_flags(self, values: flags.FlagValues) -> SweepBackend:
     return dataclasses.replace(
         self, **self.cluster_flags(values), nodes=values.nodes,
-        gpus_per_node=values.gpus_per_node, time_limit=values.time,
+        gpus_per_node=values.gpus_per_node, cpus_per_task=values.cpus_per_task,
+        time_limit=values.time,
         partition=values.partition, account=values.account)
 
   def submissions(self, jobs: Sequence[sweep_dispatch.Job], attempt: int,
                   study_dir: str) -> list[sweep_dispatch.Submission]:
     """One sbatch job array: task i runs job i (a `case` on SLURM_ARRAY_TASK_ID); its
-    output goes to the study's `logs/`."""
+    output goes to the study's `logs/` (to the submitting directory for a study in a
+    bucket, which SLURM cannot write to)."""
     del attempt  # an array's job id keeps resubmissions apart
+    logs = "." if storage.is_url(study_dir) else os.path.join(study_dir, "logs")
     cases = " ".join(f"{i}) exec {common.shell_join(job.wrapped())} ;;"
                      for i, job in enumerate(jobs))
     selector = f'case "$SLURM_ARRAY_TASK_ID" in {cases} *) exit 2 ;; esac'
@@ -186,9 +192,10 @@ class SweepBackend(sweep_dispatch.ClusterBackend):
         ["bash", "-c", selector], job_name=self.job_name, nodes=self.nodes,
         gpus_per_node=self.gpus_per_node, cpus_per_task=self.cpus_per_task,
         time_limit=self.time_limit, partition=self.partition, account=self.account,
-        output=os.path.join(study_dir, "logs", "slurm-%A_%a.out"), chdir=None,
+        output=os.path.join(logs, "slurm-%A_%a.out"), chdir=None,
         setup=self.setup, env=self.env, array=f"0-{len(jobs) - 1}")
-    return [sweep_dispatch.Submission(["sbatch"], script, script)]
+    return [sweep_dispatch.Submission(["sbatch"], script, script,
+                                      directories=(logs,) if logs != "." else ())]
 
 
 FLAGS = flags.FLAGS

@@ -256,11 +256,13 @@ class ClusterBackend:
 
 @dataclasses.dataclass(frozen=True)
 class Submission:
-  """One command that submits jobs to a cluster (its `stdin`, if any, is the spec), and
-  the spec a dry run prints for it."""
+  """One command that submits jobs to a cluster (its `stdin`, if any, is the spec), the
+  spec a dry run prints for it, and the local directories the jobs write into that
+  must exist before they start (a scheduler does not create its output's directory)."""
   argv: List[str]
   stdin: Optional[str]
   spec: str
+  directories: tuple[str, ...] = ()
 
 
 def submit_when_ready(backend: str, jobs: Sequence[Job], study: Study,
@@ -294,6 +296,8 @@ def _submit(backend: str, jobs: Sequence[Job], study: Study,
     sys.stdout.write("".join(submission.spec for submission in batch))
     return
   for submission in batch:
+    for directory in submission.directories:
+      os.makedirs(directory, exist_ok=True)
     code = subprocess.run(submission.argv, input=submission.stdin, text=True,
                           check=False).returncode
     if code != 0:

@@ -16,6 +16,8 @@ A job whose step keeps failing spends its restart budget and ends FAILED with on
 
 Every run shares the session's token store and compilation cache.
 """
+import csv
+import json
 import os
 import re
 import shlex
@@ -146,7 +148,7 @@ def _kill_a_task_on(node_namespace, workdir_flag):
         argv = f.read().split(b"\0")
     except FileNotFoundError:
       continue
-    if b"pretrain.train" in argv and workdir_flag.encode() in argv:
+    if argv[1:3] == [b"-m", b"pretrain.train"] and workdir_flag.encode() in argv:
       os.kill(int(pid), signal.SIGKILL)
       return
   raise AssertionError(f"no training process with {workdir_flag} in {node_namespace}")
@@ -232,3 +234,99 @@ def test_spent_restart_budget_ends_the_job_with_one_line(cluster, run_env, tmp_p
       "launch.slurm: the training step exited with code 3; the restart budget of 1 is "
       "spent, so the job ends here (submit it again to resume from the newest "
       "checkpoint)"], output
+
+
+# A forked (WSD) study of one tiny Hawk: a stable run and two cool-down forks from it.
+STUDY = ["--design=wsd", "--families=hawk", "--sizes=20k",
+         "--cooldown_tokens_per_param=0.25,0.5", "--vocab_size=259", "--batch_size=2",
+         "--sequence_length=32", "--gin_file=configs/base/trainer.gin",
+         "--gin_file=configs/data/text_files.gin",
+         "--gin_param=text_files_task.validation_fraction=0.5", "--gin_param=EVAL_EVERY=0",
+         "--gin_param=TrainConfig.eval_batches=1", "--gin_param=LOG_EVERY=1",
+         "--gin_param=CHECKPOINT_EVERY=8"]
+
+
+def _wait_until_queue_empty(cluster, timeout_s=300):
+  deadline = time.monotonic() + timeout_s
+  while time.monotonic() < deadline:
+    if not cluster.client("squeue", "-h").strip():
+      return
+    time.sleep(1)
+  raise AssertionError(f"jobs still queued after {timeout_s} s:\n"
+                       + cluster.client("squeue"))
+
+
+def _training_process(cluster, workdir):
+  """The pid of the training process of `workdir` on either node, or None."""
+  for index in range(NODES):
+    pids = subprocess.run(["ip", "netns", "pids", cluster.namespace(f"n{index + 1}")],
+                          capture_output=True, text=True, check=True).stdout.split()
+    for pid in pids:
+      try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+          argv = f.read().split(b"\0")
+      except FileNotFoundError:
+        continue
+      if argv[1:3] == [b"-m", b"pretrain.train"] and f"--workdir={workdir}".encode() in argv:
+        return int(pid)   # the trainer itself, not launch.sweep_job around it
+  return None
+
+
+def test_sweep_runs_a_forked_study_as_slurm_jobs_retries_a_killed_run_and_fits(
+    cluster, trainer_env, tmp_path):
+  """`launch.sweep --backend=slurm`: each call submits what can run (the forks only once
+  their stable run has finished), a fork killed mid-way is submitted again and resumes,
+  and the last call collects every run and fits them."""
+  study = tmp_path / "study"
+  env = cluster.env(trainer_env.env)
+  env.pop("XLA_FLAGS", None)   # each run is one single-device process
+  args = [sys.executable, "-m", "launch.sweep", f"--workdir={study}", "--backend=slurm",
+          "--nodes=1", "--gpus_per_node=1", "--cpus_per_task=1", "--partition=gpu",
+          *STUDY, f"--gin_param=TRAIN_FILES='{trainer_env.corpus}/*.txt'"]
+
+  def sweep():
+    result = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert_ok(result)
+    return result.stdout
+
+  first = sweep()
+  assert "[sweep] submitted 1 run(s) to slurm" in first, first
+  assert "fork(s) wait for their stable runs" in first, first
+  _wait_until_queue_empty(cluster)
+  second = sweep()
+  assert "[sweep] hawk_20k_stable: finished" in second, second
+  assert "[sweep] submitted 2 run(s) to slurm" in second, second
+  forks = sorted(path.parent for path in study.glob("runs/*/sweep_status.json")
+                 if path.parent.name != "hawk_20k_stable")
+  assert len(forks) == 2, forks
+  victim = forks[-1]
+  _wait_for_step_of(victim, 10)
+  pid = _training_process(cluster, victim)
+  assert pid, f"no training process of {victim}"
+  os.kill(pid, signal.SIGKILL)
+  _wait_until_queue_empty(cluster)
+  third = sweep()
+  assert f"[sweep] {victim.name}: interrupted" in third, third
+  assert "[sweep] submitted 1 run(s) to slurm" in third, third
+  _wait_until_queue_empty(cluster)
+  last = sweep()
+  with open(study / "sweep.csv", encoding="utf-8") as f:
+    rows = {row["run"]: row for row in csv.DictReader(f)}
+  assert sorted(rows) == ["hawk_20k_stable", *(fork.name for fork in forks)], (rows, last)
+  assert [rows[fork.name]["role"] for fork in forks] == ["fork", "fork"], rows
+  assert all(float(row["loss"]) > 0 for row in rows.values())
+  fit = json.loads((study / "fit.json").read_text())
+  assert fit["hawk"]["n_points"] == 2, fit
+  restarts = [row for row in read_metrics(str(victim)) if row.get("kind") == "restart"]
+  assert len(restarts) == 1 and restarts[0]["step"] >= 0, restarts
+
+
+def _wait_for_step_of(workdir, step, timeout_s=240):
+  deadline = time.monotonic() + timeout_s
+  while time.monotonic() < deadline:
+    steps = [row["step"] for row in read_metrics(str(workdir)) if "loss" in row]
+    if steps and max(steps) >= step:
+      return
+    time.sleep(0.5)
+  raise AssertionError(f"{workdir}: step {step} not reached in {timeout_s} s")
