@@ -29,7 +29,7 @@ import gin
 import numpy as np
 import pytest
 
-from launch import common
+from launch.clusters import common
 from model.config import ModelConfig
 from plumbing import storage
 from pretrain import gin_config

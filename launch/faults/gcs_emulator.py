@@ -1,17 +1,11 @@
 """A local GCS emulator for tests and for `launch.chaos --gcs_emulator`: a real HTTP
-server speaking the GCS JSON API (gcp-storage-emulator, from the `test` extra), patched
-where it differs from GCS in ways the project's clients notice (`serve`), and the
-environment variables that point every client at it (`environment`).
 
-  python -m launch.gcs_emulator PORT [DATA_DIR]
-
-serves `gs://bucket` on 127.0.0.1:PORT until stopped (SIGINT lets it finish the request
-it is serving), its objects in memory or under DATA_DIR.
+The library of `python -m launch.gcs_emulator` (launch/gcs_emulator.py, whose docstring is the
+command's manual; its flags and main are there).
 """
 from __future__ import annotations
 
 import re
-import sys
 from typing import Optional
 
 BUCKET = "bucket"
@@ -106,7 +100,3 @@ def serve(port: int, data_dir: Optional[str] = None) -> None:
   server = emulator.create_server("127.0.0.1", port, in_memory=data_dir is None,
                                   default_bucket=BUCKET, data_dir=data_dir)
   server.run()
-
-
-if __name__ == "__main__":
-  serve(int(sys.argv[1]), *sys.argv[2:3])

@@ -1,23 +1,7 @@
-r"""Scaling-law analysis of a study or of any runs: `python -m launch.scaling_fit`.
+"""Scaling-law analysis of a study or of any runs: `python -m launch.scaling_fit`.
 
-  python -m launch.scaling_fit --runs=FILE.csv|STUDY_DIR [--approach=1|2|3|all] [--json]
-      [--metric=loss|bits_per_byte] [--target_flops=1e21] [--plots=DIR]
-      [--replicates=200] [--confidence=0.95]
-
-`--runs` is a CSV with at least the columns `params`, `tokens` and the metric's (`loss`,
-or `bits_per_byte` with `--metric=bits_per_byte`; and `flops` where known, otherwise
-6·N·D; `family` to fit families separately; `flop_budget` to name a run's isoFLOP
-budget, otherwise runs within 10% of each other's compute share one; rows with an empty
-metric are unfinished and skipped; rows whose `role` is `stable`, a forked study's
-uncooled constant-rate runs, are skipped too), or a study directory written by `launch.sweep`,
-whose `sweep.csv` is read and whose runs' `metrics.jsonl` evaluation rows (`eval_loss`
-or `eval_bits_per_byte`) give approach 1 its training curves. Bits per byte compare runs
-whose vocabularies differ; the fits treat either metric as "the loss". It prints, per
-family, the fits of the three Chinchilla approaches (`launch.scaling_laws`) with
-bootstrap intervals and the compute-optimal N and D at `--target_flops` (default: the
-largest compute in the data), as tables or, with `--json`, as one JSON object; `--plots`
-writes the figures (`launch.scaling_plots`). `--runs`, the runs' workdirs and `--plots`
-may be `gs://` or `s3://` URLs (`plumbing.storage`).
+The library of `python -m launch.scaling_fit` (launch/scaling_fit.py, whose docstring is the
+command's manual; its flags and main are there).
 
 Below: the single power law of loss against compute per family that `launch.sweep`
 reports for a fixed tokens-per-parameter design.
@@ -47,19 +31,17 @@ import io
 import json
 import math
 import os
-import sys
 import tempfile
 import warnings
 from typing import Dict, List, Mapping, Optional, Sequence
 
-from absl import flags
 import numpy as np
 from scipy import optimize
 
-from launch import scaling_laws
-from launch import scaling_plots
-from plumbing import cli, storage
-from plumbing.errors import UserError, usage_error
+from launch.scaling import scaling_laws
+from launch.scaling import scaling_plots
+from plumbing import storage
+from plumbing.errors import usage_error
 
 FULL_FORM = "E + A*C^-alpha"
 POWER_FORM = "A*C^-alpha"
@@ -271,7 +253,7 @@ def read_runs(path: str, metric: str = "loss") -> Dict[str, scaling_laws.Runs]:
     raise usage_error(f"--runs: {csv_path} has no column {', '.join(missing)}; it needs "
                       f"params, tokens and {metric} (flops, family, flop_budget optional)")
   # A forked study's stable runs end without a cooldown: their forks are the (N, D)
-  # points, each fork's curve its cooldown (launch.wsd_design).
+  # points, each fork's curve its cooldown (launch.sweeps.wsd_design).
   rows = [r for r in reader if (r.get(metric) or "").strip() and r.get("role") != "stable"]
   grouped: Dict[str, List[dict]] = {}
   for row in rows:
@@ -357,61 +339,3 @@ def write_plots(families: Mapping[str, scaling_laws.Runs],
     storage.upload_tree(staging, directory)
   return {name: storage.join(directory, os.path.basename(path))
           for name, path in paths.items()}
-
-
-FLAGS = flags.FLAGS
-
-
-def define_flags() -> None:
-  """Command-line flags, defined only when run as a program."""
-  flags.DEFINE_string("runs", None, "CSV (params,tokens,loss[,bits_per_byte,flops,family,"
-                      "flop_budget]) or a launch.sweep study directory.")
-  flags.DEFINE_enum("approach", "all", APPROACHES, "Chinchilla approach(es) to fit.")
-  flags.DEFINE_enum("metric", "loss", tuple(METRICS), "What to fit: the final evaluation "
-                    "loss (nats/token) or bits per byte (comparable across vocabularies).")
-  flags.DEFINE_bool("json", False, "Print one JSON object instead of tables.")
-  flags.DEFINE_float("target_flops", None, "Compute budget to answer for (default: the "
-                     "largest in the data).", lower_bound=0.0)
-  flags.DEFINE_string("plots", None, "Directory (or gs:// / s3:// URL) for the PNG "
-                      "figures.")
-  flags.DEFINE_integer("replicates", 200, "Bootstrap replicates per approach.",
-                       lower_bound=10)
-  flags.DEFINE_float("confidence", scaling_laws.DEFAULT_CONFIDENCE,
-                     "Coverage of the bootstrap intervals.", lower_bound=0.5, upper_bound=0.999)
-  flags.DEFINE_integer("seed", 0, "Seed of the bootstrap resampling.")
-  flags.mark_flag_as_required("runs")
-
-
-def main(argv: Sequence[str]) -> None:
-  cli.reject_extra_arguments(argv)
-  families = read_runs(FLAGS.runs, FLAGS.metric)
-  approaches = ("1", "2", "3") if FLAGS.approach == "all" else (FLAGS.approach,)
-  out, isoflop, parametric = {}, {}, {}
-  for family, runs in families.items():
-    target = FLAGS.target_flops or float(runs.flops.max())
-    results = analyse(runs, approaches, target, FLAGS.replicates, FLAGS.confidence,
-                      FLAGS.seed)
-    if all(isinstance(fit, str) for fit in results.values()):
-      raise UserError(f"{family}: no approach could be fitted: " + "; ".join(
-          f"approach {k}: {v}" for k, v in results.items()))
-    if isinstance(results.get("2"), scaling_laws.FrontierFit):
-      isoflop[family] = results["2"]
-    if isinstance(results.get("3"), scaling_laws.ParametricFit):
-      parametric[family] = results["3"]
-    out[family] = {f"approach_{k}": ({"error": v} if isinstance(v, str) else v.to_json())
-                   for k, v in results.items()}
-    out[family]["runs"] = len(runs.params)
-    if not FLAGS.json:
-      print(results_markdown(family, results, FLAGS.confidence) + "\n")
-  if FLAGS.plots:
-    paths = write_plots(families, isoflop, parametric, FLAGS.plots, FLAGS.metric)
-    if not FLAGS.json:
-      print("plots: " + ", ".join(sorted(paths.values())))
-  if FLAGS.json:
-    json.dump(out, sys.stdout, indent=2)
-    print()
-
-
-if __name__ == "__main__":
-  define_flags()
-  cli.run(main)
