@@ -8,7 +8,7 @@ predict a run at a larger budget, train that run, compare.
    20-tokens-per-parameter optimum, on the byte-level sources of the running Python's
    standard library (the embedded corpus of configs/quickstart.gin; no download).
 2. Approaches 2 (isoFLOP parabolas) and 3 (parametric L(N, D) = E + A/N^α + B/D^β,
-   Huber on log loss, bootstrap) of `launch.scaling_laws` are fitted to those runs only.
+   Huber on log loss, bootstrap) of `launch.scaling.scaling_laws` are fitted to those runs only.
 3. The held-out run: `launch.sweep` again, one run spending `HELD_OUT_BUDGET` at
    approach 3's compute-optimal size for it (the size rule then picks the nearest model).
 4. Approach 3's forecast of that run's loss at its actual N and D, with the 95%
@@ -37,8 +37,8 @@ from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
 from matplotlib import ticker  # pylint: disable=g-import-not-at-top
 import numpy as np
 
-from launch import scaling_fit
-from launch import scaling_laws
+from launch.scaling import scaling_fit
+from launch.scaling import scaling_laws
 from plumbing import cli
 
 FAMILY = "mqa"

@@ -1,9 +1,9 @@
-r"""Starts a cooldown fork from its stable run's checkpoint, then runs its training.
+"""Starts a cooldown fork from its stable run's checkpoint, then runs its training.
 
   python -m launch.fork --source=STABLE_RUN_DIR --step=S --workdir=FORK_DIR -- \
       python -m pretrain.train ... --workdir=FORK_DIR
 
-A forked (WSD) study (`launch.wsd_design`) trains each size once at a constant learning
+A forked (WSD) study (`launch.sweeps.wsd_design`) trains each size once at a constant learning
 rate and forks a cooldown from that run's checkpoint of step S. The fork is an ordinary
 run of the study: before its first attempt this copies checkpoint S of the stable run
 into the fork's own `checkpoints/`, and the trainer then resumes from it as from any
@@ -20,42 +20,9 @@ from typing import Sequence
 
 from absl import flags
 
-from launch import common
+from launch.clusters import common
+from launch.sweeps import fork
 from plumbing import cli
-from plumbing import storage
-from plumbing.errors import usage_error
-from pretrain.checkpoints import checkpointer as checkpointing
-
-STAGING = "fork_seed.partial"
-
-
-def seed(source: str, step: int, workdir: str) -> bool:
-  """Copies the committed checkpoint `step` of the run in `source` into `workdir`'s
-  checkpoints unless the fork already has one; returns whether it copied.
-
-  The copy goes to a staging directory first and is moved into place whole, so an
-  interrupted copy is redone rather than mistaken for a checkpoint.
-
-  Raises:
-    UserError (exit code 2): the source has no committed checkpoint `step`.
-  """
-  target = str(checkpointing.checkpoint_dir(workdir))
-  if checkpointing.complete_steps(target):
-    return False
-  source_dir = str(checkpointing.checkpoint_dir(source))
-  if step not in checkpointing.complete_steps(source_dir):
-    raise usage_error(f"the stable run {source} has no committed checkpoint of step {step} "
-                      "to fork from; finish it first (launch.sweep starts forks once their "
-                      "stable run has finished)")
-  origin = storage.join(source_dir, str(step))
-  staging = storage.join(workdir, STAGING)
-  if storage.exists(staging):
-    storage.rmtree(staging)
-  for name in storage.list_files(origin):
-    storage.copy(storage.join(origin, name), storage.join(staging, name))
-  storage.makedirs(target)
-  storage.move_tree(staging, storage.join(target, str(step)))
-  return True
 
 
 FLAGS = flags.FLAGS
@@ -72,7 +39,7 @@ def define_flags() -> None:
 
 def main(argv: Sequence[str]) -> None:
   command = common.child_command(argv)
-  if seed(FLAGS.source, FLAGS.step, FLAGS.workdir):
+  if fork.seed(FLAGS.source, FLAGS.step, FLAGS.workdir):
     print(f"[fork] {FLAGS.workdir}: starts from step {FLAGS.step} of {FLAGS.source}",
           flush=True)
   os.execvp(command[0], command)

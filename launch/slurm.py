@@ -1,8 +1,8 @@
 """Submits a command to a SLURM GPU cluster with `sbatch`, one process per GPU.
 
-  python -m launch.slurm --nodes=4 --gpus_per_node=8 --partition=gpu --time=24:00:00 \\
-      --setup='source ~/griffin-pretrain/.venv/bin/activate' --dry_run -- \\
-      python -m pretrain.train --gin_file=configs/models/griffin_1_3b.gin \\
+  python -m launch.slurm --nodes=4 --gpus_per_node=8 --partition=gpu --time=24:00:00 \
+      --setup='source ~/griffin-pretrain/.venv/bin/activate' --dry_run -- \
+      python -m pretrain.train --gin_file=configs/models/griffin_1_3b.gin \
       --gin_param='MeshConfig.fsdp=32' --workdir=/shared/runs/griffin_1_3b
 
 `srun` starts nodes x gpus_per_node tasks; in each, JAX reads SLURM's variables (job id,
@@ -12,190 +12,20 @@ the whole step when any task fails. With `--max_restarts=N` (default 5) the job 
 itself after a failed step or a preemption signal, and the trainer resumes from its
 newest checkpoint. `--dry_run` prints the batch script and the sbatch command instead of
 submitting.
-
-`SweepBackend` is `launch.sweep --backend=slurm`: a study's runs as one job array.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import subprocess
 import sys
 import tempfile
-from typing import Optional, Sequence
+from typing import Sequence
 
 from absl import flags
 
-from launch import common
-from launch import sweep_dispatch
+from launch.clusters import common
+from launch.clusters import slurm
 from plumbing import cli
-from plumbing import storage
-from plumbing.errors import usage_error
-
-
-def _recovery_lines(max_restarts: int) -> list[str]:
-  """Bash that saves and requeues the job on a preemption or time-limit signal, and
-  requeues it after a failed step, at most `max_restarts` times (SLURM counts requeues in
-  SLURM_RESTART_COUNT).
-
-  The trainer saves on SIGTERM, and it must get that signal itself: srun answers a
-  SIGTERM by killing its tasks at once ("forcing job termination"), so the batch shell
-  never signals srun. Signals reach the tasks in two ways:
-  * SLURM sends them to the tasks directly (a preemption's SIGTERM at the start of its
-    grace time, `scancel --signal=TERM JOB`); the shell does not see them.
-  * The time-limit warning (`--signal=B:USR1@S`) and `scancel --batch` reach this
-    shell, which forwards SIGTERM to every task of the job's steps with
-    `scancel --signal=TERM $SLURM_JOB_ID` (steps only, not the batch shell or srun).
-  Either way each task saves the step all processes agree on and exits 0, and process 0
-  writes that step to $GRIFFIN_PREEMPTED_MARKER (pretrain.train), which tells this
-  shell to requeue the job rather than end it.
-  """
-  return [
-      f"max_restarts={max_restarts}",
-      "restarts=${SLURM_RESTART_COUNT:-0}",
-      'export GRIFFIN_PREEMPTED_MARKER="${TMPDIR:-/tmp}/griffin-preempted-$SLURM_JOB_ID"',
-      'rm -f "$GRIFFIN_PREEMPTED_MARKER"',
-      "requeue() {",
-      '  if [ "$restarts" -lt "$max_restarts" ]; then',
-      '    echo "launch.slurm: $1; requeueing job $SLURM_JOB_ID (restart $((restarts + 1)) '
-      'of $max_restarts)" >&2',
-      '    scontrol requeue "$SLURM_JOB_ID"',
-      "    exit 0",
-      "  fi",
-      '  echo "launch.slurm: $1; the restart budget of $max_restarts is spent, so the job '
-      'ends here (submit it again to resume from the newest checkpoint)" >&2',
-      "  exit 1",
-      "}",
-      'signalled=""',
-      "interrupted=""",
-      "on_signal() {",
-      '  echo "launch.slurm: received SIG$1; sending SIGTERM to the training tasks, which '
-      'save their current step" >&2',
-      '  signalled="SIG$1"',
-      "  interrupted=1",
-      '  scancel --signal=TERM "$SLURM_JOB_ID" || true',
-      "}",
-      "trap 'on_signal USR1' USR1",
-      "trap 'on_signal TERM' TERM",
-  ]
-
-
-def batch_script(command: Sequence[str], *, job_name: str, nodes: int, gpus_per_node: int,
-                 cpus_per_task: int, time_limit: Optional[str], partition: Optional[str],
-                 account: Optional[str], output: str, chdir: Optional[str], setup: str,
-                 env: dict[str, str], array: Optional[str] = None, max_restarts: int = 0,
-                 warning_s: int = 120) -> str:
-  """The sbatch script text; `array` (e.g. "0-9") makes it a job array (launch.sweep).
-
-  With `max_restarts` > 0 the job is requeueable: a failed training step or a preemption
-  signal requeues it (at most `max_restarts` times in all), and with a `time_limit` SLURM
-  sends SIGUSR1 `warning_s` seconds before the limit so the run saves and continues in
-  the requeued job.
-  """
-  if nodes < 1 or gpus_per_node < 1:
-    raise usage_error("--nodes and --gpus_per_node must be >= 1")
-  if max_restarts < 0:
-    raise usage_error("--max_restarts must be >= 0")
-  directives = [
-      f"--job-name={job_name}",
-      f"--nodes={nodes}",
-      f"--ntasks-per-node={gpus_per_node}",
-      f"--gpus-per-node={gpus_per_node}",
-      f"--cpus-per-task={cpus_per_task}",
-      f"--output={output}",
-      "--exclusive",
-  ]
-  for flag, value in (("--time", time_limit), ("--partition", partition),
-                      ("--account", account), ("--chdir", chdir), ("--array", array)):
-    if value:
-      directives.append(f"{flag}={value}")
-  if max_restarts:
-    # --open-mode=append keeps the output of every attempt in one file.
-    directives += ["--requeue", "--open-mode=append"]
-    if time_limit:
-      directives.append(f"--signal=B:USR1@{warning_s}")
-  lines = ["#!/bin/bash"] + [f"#SBATCH {d}" for d in directives]
-  lines += ["set -euo pipefail"]
-  if setup:
-    lines.append(setup)
-  lines += [f"export {name}={common.shell_join([value])}" for name, value in env.items()]
-  srun = "srun --kill-on-bad-exit=1 " + common.shell_join(command)
-  if not max_restarts:
-    lines.append(srun)
-    return "\n".join(lines) + "\n"
-  lines += _recovery_lines(max_restarts)
-  # srun runs in the background so the traps run while it does. `wait` returns early
-  # when a trapped signal arrives; the loop then waits on for srun's own exit status.
-  lines += [
-      f"{srun} &",
-      "step=$!",
-      "code=0",
-      "while :; do",
-      '  interrupted=""',
-      '  wait "$step" && status=0 || status=$?',
-      '  [ "$status" -eq 127 ] || code=$status',
-      '  [ -n "$interrupted" ] || break',
-      "done",
-      'if [ "$code" -ne 0 ]; then',
-      '  requeue "the training step exited with code $code"',
-      'elif [ -n "$signalled" ] || [ -e "$GRIFFIN_PREEMPTED_MARKER" ]; then',
-      '  saved=$(cat "$GRIFFIN_PREEMPTED_MARKER" 2>/dev/null || echo "?")',
-      '  rm -f "$GRIFFIN_PREEMPTED_MARKER"',
-      '  requeue "preempted (${signalled:-SIGTERM to the tasks}); the run saved step $saved"',
-      "fi",
-  ]
-  return "\n".join(lines) + "\n"
-
-
-@dataclasses.dataclass(frozen=True)
-class SweepBackend(sweep_dispatch.ClusterBackend):
-  """`launch.sweep --backend=slurm`: the study's runs as one sbatch job array, task i
-  running job i, every task with the same resources (sweep_dispatch.Backend)."""
-  nodes: int = 1
-  gpus_per_node: int = 8
-  cpus_per_task: int = 8
-  time_limit: Optional[str] = None
-  partition: Optional[str] = None
-  account: Optional[str] = None
-
-  name = "slurm"
-
-  def define_flags(self) -> None:
-    self.define_cluster_flags()
-    flags.DEFINE_integer("nodes", self.nodes, "slurm: nodes per run.", lower_bound=1)
-    flags.DEFINE_integer("gpus_per_node", self.gpus_per_node, "slurm: GPUs per node.",
-                         lower_bound=1)
-    flags.DEFINE_integer("cpus_per_task", self.cpus_per_task, "slurm: CPUs of each process.",
-                         lower_bound=1)
-    flags.DEFINE_string("time", self.time_limit, "slurm: wall-clock limit per run.")
-    flags.DEFINE_string("partition", self.partition, "slurm: partition.")
-    flags.DEFINE_string("account", self.account, "slurm: account.")
-
-  def from_flags(self, values: flags.FlagValues) -> SweepBackend:
-    return dataclasses.replace(
-        self, **self.cluster_flags(values), nodes=values.nodes,
-        gpus_per_node=values.gpus_per_node, cpus_per_task=values.cpus_per_task,
-        time_limit=values.time,
-        partition=values.partition, account=values.account)
-
-  def submissions(self, jobs: Sequence[sweep_dispatch.Job], attempt: int,
-                  study_dir: str) -> list[sweep_dispatch.Submission]:
-    """One sbatch job array: task i runs job i (a `case` on SLURM_ARRAY_TASK_ID); its
-    output goes to the study's `logs/` (to the submitting directory for a study in a
-    bucket, which SLURM cannot write to)."""
-    del attempt  # an array's job id keeps resubmissions apart
-    logs = "." if storage.is_url(study_dir) else os.path.join(study_dir, "logs")
-    cases = " ".join(f"{i}) exec {common.shell_join(job.wrapped())} ;;"
-                     for i, job in enumerate(jobs))
-    selector = f'case "$SLURM_ARRAY_TASK_ID" in {cases} *) exit 2 ;; esac'
-    script = batch_script(
-        ["bash", "-c", selector], job_name=self.job_name, nodes=self.nodes,
-        gpus_per_node=self.gpus_per_node, cpus_per_task=self.cpus_per_task,
-        time_limit=self.time_limit, partition=self.partition, account=self.account,
-        output=os.path.join(logs, "slurm-%A_%a.out"), chdir=None,
-        setup=self.setup, env=self.env, array=f"0-{len(jobs) - 1}")
-    return [sweep_dispatch.Submission(["sbatch"], script, script,
-                                      directories=(logs,) if logs != "." else ())]
 
 
 FLAGS = flags.FLAGS
@@ -226,7 +56,7 @@ def define_flags() -> None:
 
 def main(argv: Sequence[str]) -> None:
   command = common.child_command(argv)
-  script = batch_script(
+  script = slurm.batch_script(
       command, job_name=FLAGS.job_name, nodes=FLAGS.nodes, gpus_per_node=FLAGS.gpus_per_node,
       cpus_per_task=FLAGS.cpus_per_task, time_limit=FLAGS.time, partition=FLAGS.partition,
       account=FLAGS.account, output=FLAGS.output, chdir=FLAGS.chdir, setup=FLAGS.setup,

@@ -11,10 +11,10 @@ r"""Scaling-law studies: plan the runs, run them here or on a cluster, collect, 
   python -m launch.sweep ... [--lr_sweep=1e-3,3e-3,1e-2 [--lr_sweep_sizes=2]]
   python -m launch.sweep --train_optimum=C --workdir=DIR [the study's flags]
 
-`--design=wsd` is the forked design (`launch.wsd_design`: one constant-rate run per
+`--design=wsd` is the forked design (`launch.sweeps.wsd_design`: one constant-rate run per
 size, cooldowns forked from its checkpoints); `--lr_sweep` fits a learning rate per
-size before the study (`launch.size_rule`); `--train_optimum` trains the model the
-study's fit recommends for a larger budget and scores its forecast (`launch.ladder`).
+size before the study (`launch.sweeps.size_rule`); `--train_optimum` trains the model the
+study's fit recommends for a larger budget and scores its forecast (`launch.sweeps.ladder`).
 
 With the default `--design=cosine`, two designs. With `--sizes`, every (family, size)
 gets a model by the size rule below and the compute-optimal budget `tokens_per_param`
@@ -26,10 +26,10 @@ in `DIR/runs/<name>` with the user's Gin files, the run's model and budget as bi
 then the user's bindings.
 
 `--backend` picks where the runs execute, by name among the registered backends
-(`launch.sweep_dispatch`: N at a time here, one SLURM job array, a GKE JobSet per run,
+(`launch.sweeps.sweep_dispatch`: N at a time here, one SLURM job array, a GKE JobSet per run,
 a TPU queued resource per run; each backend module defines its own flags); `--dry_run`
 prints the plan and every job spec; locally, a progress line with an ETA goes to
-stderr as runs start and end (`launch.sweep_progress`). What a run needs is read from
+stderr as runs start and end (`launch.sweeps.sweep_progress`). What a run needs is read from
 its directory (finished, running, interrupted, failed, pending), so running the same
 command again resumes a study, retries failed runs up to `--max_retries`, and never
 redoes finished work. Once every run is finished the sweep writes `sweep.csv` (what
@@ -44,9 +44,9 @@ optimizer's fixed default would make a short run all warm-up) and may get a comm
 `--peak_learning_rate`.
 
 This module is the command line; the study's parts live apart: the size rule and the
-designs in `launch.sweep_design`, running the runs in `launch.sweep_execute` (through
-the backends of `launch.sweep_dispatch`), the results and plots in
-`launch.sweep_results`.
+designs in `launch.sweeps.sweep_design`, running the runs in `launch.sweeps.sweep_execute` (through
+the backends of `launch.sweeps.sweep_dispatch`), the results and plots in
+`launch.sweeps.sweep_results`.
 """
 from __future__ import annotations
 
@@ -56,17 +56,18 @@ from typing import Dict, List, Sequence, Tuple
 from absl import flags
 import gin
 
-from launch import common
-from launch import ladder
-from launch import scaling_fit
-from launch import size_rule
-from launch import sweep_design
-from launch import sweep_dispatch
-from launch import sweep_execute
-from launch import wsd_design
-from launch.sweep_design import (FAMILY_PATTERNS, Run, budget_label, non_embedding_params,
-                                 parse_size, plan, plan_isoflop, run_gin)
-from launch.sweep_results import runs_table_markdown, write_results
+from launch.clusters import common
+from launch.sweeps import ladder
+from launch.scaling import scaling_fit
+from launch.sweeps import size_rule
+from launch.sweeps import sweep_design
+from launch.sweeps import sweep_dispatch
+from launch.sweeps import sweep_execute
+from launch.sweeps import wsd_design
+from launch.sweeps.sweep_design import (FAMILY_PATTERNS, Run, budget_label,
+                                        non_embedding_params, parse_size, plan,
+                                        plan_isoflop, run_gin)
+from launch.sweeps.sweep_results import runs_table_markdown, write_results
 from plumbing import cli
 from plumbing import storage
 from plumbing.errors import usage_error
@@ -131,14 +132,14 @@ def define_flags() -> None:
   flags.DEFINE_enum("design", "cosine", ("cosine", "wsd"),
                     "cosine: every run decays to its own end (--sizes or --flop_budgets); "
                     "wsd: one stable run per size, cooldowns forked from it "
-                    "(launch.wsd_design).")
+                    "(launch.sweeps.wsd_design).")
   flags.DEFINE_list("cooldown_tokens_per_param", ["5", "10", "20", "40"],
                     "WSD design: the forks' tokens per non-embedding parameter.")
   flags.DEFINE_float("cooldown_fraction", 0.2, "WSD design: share of each fork's steps "
                      "spent cooling down.")
   flags.DEFINE_enum("cooldown_shape", "1-sqrt", ("linear", "1-sqrt"),
                     "WSD design: the cooldown's shape (Hägele et al. find 1-sqrt best).")
-  flags.DEFINE_float("train_optimum", None, "The ladder (launch.ladder): train each "
+  flags.DEFINE_float("train_optimum", None, "The ladder (launch.sweeps.ladder): train each "
                      "family's compute-optimal model for this many FLOPs, as the study's "
                      "approach-3 fit predicts, and score the forecast.", lower_bound=0.0)
   flags.DEFINE_enum("metric", "loss", tuple(scaling_fit.METRICS),
@@ -146,7 +147,7 @@ def define_flags() -> None:
                     "eval_bits_per_byte).")
   flags.DEFINE_integer("replicates", 200, "The ladder: bootstrap replicates of the fit.",
                        lower_bound=10)
-  flags.DEFINE_list("lr_sweep", [], "Size rule (launch.size_rule): learning rates probed "
+  flags.DEFINE_list("lr_sweep", [], "Size rule (launch.sweeps.size_rule): learning rates probed "
                     "at the smallest sizes, e.g. 1e-3,3e-3,1e-2; every run then trains at "
                     "the fitted rate for its size (replaces --peak_learning_rate).")
   flags.DEFINE_integer("lr_sweep_sizes", 2, "Size rule: how many of the smallest sizes "
@@ -205,7 +206,7 @@ def main(argv: Sequence[str]) -> None:
              aspect_tolerance=FLAGS.aspect_tolerance),
         _rates(), count=FLAGS.lr_sweep_sizes, workdir=workdir, extra_gin=probe_gin)
     if FLAGS.dry_run:
-      print("# The learning-rate probes (launch.size_rule); the study's runs follow at the "
+      print("# The learning-rate probes (launch.sweeps.size_rule); the study's runs follow at the "
             "rates of the rule fitted to them:")
       print(runs_table_markdown(probes))
     states = _run_all(probes, storage.join(workdir, "lr_sweep"), backend)
@@ -230,7 +231,7 @@ def main(argv: Sequence[str]) -> None:
 
 
 def _train_optimum(workdir: str, vocab_size: int, backend: sweep_dispatch.Backend) -> None:
-  """The ladder (launch.ladder): each family's compute-optimal model at the budget,
+  """The ladder (launch.sweeps.ladder): each family's compute-optimal model at the budget,
   forecast written first, trained, then scored."""
   budget = FLAGS.train_optimum
   runs, forecasts = [], {}
@@ -273,7 +274,7 @@ def _rates() -> List[float]:
 def _plan_runs(budgets: Sequence[float], vocab_size: int, workdir: str
                ) -> Tuple[List[Run], Tuple[str, ...]]:
   """The study's runs by the chosen design, and the schedule bindings its LR probes
-  share with them (launch.size_rule)."""
+  share with them (launch.sweeps.size_rule)."""
   shared = dict(batch_size=FLAGS.batch_size, sequence_length=FLAGS.sequence_length,
                 vocab_size=vocab_size, workdir=workdir, warmup_fraction=FLAGS.warmup_fraction,
                 aspect_tolerance=FLAGS.aspect_tolerance)

@@ -7,78 +7,20 @@ directory (local, `gs://` or `s3://`, through `plumbing.storage`) says what beca
 ran: `sweep_status.json` holds `{"state": "running", "host", "pid", "failures"}` while
 the command runs and `{"state": "exited", "exit_code", "failures"}` after it, where
 `failures` counts the attempts that failed (exit code other than 0 and not a
-preemption). Whether the run is finished is read from its metrics (`launch.sweep_results`).
+preemption). Whether the run is finished is read from its metrics (`launch.sweeps.sweep_results`).
 In a multi-process job only process 0 (SLURM_PROCID, TPU_WORKER_ID or
 JOB_COMPLETION_INDEX) writes; the others just run the command.
 """
 from __future__ import annotations
 
-import json
-import os
-import signal
-import socket
-import subprocess
 import sys
-import time
-from typing import Optional, Sequence
+from typing import Sequence
 
 from absl import flags
 
-from launch import common
+from launch.clusters import common
+from launch.sweeps import sweep_job
 from plumbing import cli
-from plumbing import storage
-
-STATUS_FILE = "sweep_status.json"
-_PROCESS_INDEX_VARIABLES = ("SLURM_PROCID", "TPU_WORKER_ID", "JOB_COMPLETION_INDEX")
-# Exit codes of a run stopped from outside (the trainer checkpoints on SIGTERM and exits
-# 0); such a run is resumed, not counted as a failure.
-INTERRUPTED_CODES = frozenset({0, -signal.SIGTERM, -signal.SIGINT, -signal.SIGKILL,
-                               128 + signal.SIGTERM, 128 + signal.SIGINT,
-                               128 + signal.SIGKILL})
-
-
-def read_status(run_dir: str) -> Optional[dict]:
-  path = storage.join(run_dir, STATUS_FILE)
-  try:
-    return json.loads(storage.read_text(path)) if storage.exists(path) else None
-  except (FileNotFoundError, json.JSONDecodeError):
-    return None
-
-
-def write_status(run_dir: str, status: dict) -> None:
-  """Writes the status whole (a temporary file renamed over the old one locally, one
-  upload on object storage)."""
-  storage.write_text(storage.join(run_dir, STATUS_FILE),
-                     json.dumps(dict(status, time=time.time())))
-
-
-def is_process_zero() -> bool:
-  return all(os.environ.get(name, "0") == "0" for name in _PROCESS_INDEX_VARIABLES)
-
-
-def run(command: Sequence[str], run_dir: str) -> int:
-  """Runs `command`, recording its start and exit in `run_dir`; returns its exit code."""
-  writer = is_process_zero()
-  failures = int((read_status(run_dir) or {}).get("failures", 0))
-  process = subprocess.Popen(list(command))
-  if writer:
-    write_status(run_dir, {"state": "running", "host": socket.gethostname(),
-                           "pid": os.getpid(), "failures": failures})
-
-  def forward(signum, _frame):
-    if process.poll() is None:
-      process.send_signal(signum)
-  previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-  try:
-    code = process.wait()
-  finally:
-    for s, handler in previous.items():
-      signal.signal(s, handler)
-  if writer:
-    if code not in INTERRUPTED_CODES:
-      failures += 1
-    write_status(run_dir, {"state": "exited", "exit_code": code, "failures": failures})
-  return code
 
 
 FLAGS = flags.FLAGS
@@ -91,7 +33,7 @@ def define_flags() -> None:
 
 
 def main(argv: Sequence[str]) -> None:
-  code = run(common.child_command(argv), FLAGS.run_dir)
+  code = sweep_job.run(common.child_command(argv), FLAGS.run_dir)
   sys.exit(code if 0 <= code < 256 else 128 - code)
 
 

@@ -5,7 +5,7 @@ A residual block's temporal mixer is named by a string in `ModelConfig.block_pat
 this registry for the type's `BlockSpec` instead of switching on the name: config
 validation (`model.config`), the layer and its decoding cache (`model.residual_block`),
 parameter and FLOP counts (`model.counting`), the memory planner's activation terms
-(`model.memory`), the sweep's model families (`launch.sweep_design`) and the transformers
+(`model.memory`), the sweep's model families (`launch.sweeps.sweep_design`) and the transformers
 export (`model.hf_params`). So a new block type is one module that defines a spec and
 calls `register`, and nothing else changes; a name nobody registered is a `ValueError`
 wherever it is first looked up, never a silent zero.
@@ -56,7 +56,7 @@ class BlockSpec(Protocol):
     title: how messages name it ("GateLoop", "MQA attention").
     layer: the Flax module class: `layer(config, name=...)(x [B, T, D], segment_pos
       [B, T], cache=None, return_cache=False) -> (y [B, T, D], cache or None)`.
-    family: the `launch.sweep_design` family made of this block alone (None: none).
+    family: the `launch.sweeps.sweep_design` family made of this block alone (None: none).
     logical_axes: the logical axis names its parameters and activations use; each needs
       a rule in `sharding.rules.DEFAULT_RULES`, which decides their layout (checked by
       `register`).

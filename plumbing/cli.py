@@ -50,7 +50,7 @@ def require_gin_files() -> None:
 
 
 def _list_shared_flags_in_help() -> None:
-  """Makes the flags defined in shared modules (this one, launch.common) key flags of
+  """Makes the flags defined in shared modules (this one, launch.clusters.common) key flags of
   the main module, which is what absl's --help lists."""
   main = sys.argv[0]
   for module, module_flags in flags.FLAGS.flags_by_module_dict().items():

@@ -10,7 +10,7 @@ degenerate point (unit-free scales, zero decay rates) rather than regularising i
 The WSD schedule (Hägele et al. 2024) holds the peak after warm-up and cools down over
 the last `cooldown_fraction` of the run. Its value is a function of the global step
 and the run's own length only, so a run that restores a stable-phase checkpoint of
-step S and trains on to T (a cooldown fork, `launch.wsd_design`) follows exactly the
+step S and trains on to T (a cooldown fork, `launch.sweeps.wsd_design`) follows exactly the
 curve of a run trained to T from the start: before its cooldown starts, every WSD run
 with the same warm-up and peak has the same learning rate.
 
@@ -104,7 +104,7 @@ class OptimizerConfig:
 def cooldown_start(config: OptimizerConfig, total_steps: int) -> int:
   """The step at which a WSD run of `total_steps` leaves its peak: total minus
   round(cooldown_fraction · total), never inside the warm-up. A forked study
-  (`launch.wsd_design`) restores its stable run's checkpoint of exactly this step."""
+  (`launch.sweeps.wsd_design`) restores its stable run's checkpoint of exactly this step."""
   warmup = min(config.warmup_steps, total_steps)
   cooldown = min(int(round(config.cooldown_fraction * total_steps)), total_steps - warmup)
   return total_steps - cooldown

@@ -9,7 +9,7 @@ import runpy
 import sys
 import time
 
-from launch import common
+from launch.clusters import common
 from pretrain.data import pipeline
 
 _plain_batch = pipeline.DataPipeline.batch

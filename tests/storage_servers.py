@@ -24,7 +24,7 @@ import fsspec
 import fsspec.config
 import pytest
 
-from launch import gcs_emulator
+from launch.faults import gcs_emulator
 
 gcs_environment = gcs_emulator.environment
 

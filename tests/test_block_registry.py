@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from launch import sweep_design
+from launch.sweeps import sweep_design
 from model import block_registry, counting, decoding, hf_params, memory, recurrence
 from model import partitioning as P
 from model.config import ModelConfig

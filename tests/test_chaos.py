@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from launch import chaos
-from launch.storage_faults import CuttableProxy, SmallDisk
+from launch.faults import chaos
+from launch.faults.storage_faults import CuttableProxy, SmallDisk
 from plumbing import storage
 from plumbing.errors import UserError
 

@@ -129,22 +129,43 @@ PRETRAIN_COMMANDS = ("pretrain.train", "pretrain.evaluate", "pretrain.sample",
                      "pretrain.extrapolation", "pretrain.data.prepare")
 
 
+# The wings of `launch`, in the same way. The sweeps wing has two halves: the contract
+# between a study and the backends that run it (the dispatcher's registry and run states,
+# and the wrapper every run starts through) below the cluster launchers, whose modules
+# each also define their sweep backend; the study's design, execution and results above
+# them. The launchers' shared pieces sit below both.
+LAUNCH_WINGS = (
+    {"faults": ("launch.faults",), "scaling": ("launch.scaling",)},
+    {"clusters: shared pieces": ("launch", "launch.clusters.common")},
+    {"sweeps: dispatch": ("launch.sweeps.sweep_dispatch", "launch.sweeps.sweep_job")},
+    {"clusters": ("launch.clusters",)},
+    {"sweeps": ("launch.sweeps",)},
+)
+LAUNCH_COMMANDS = ("launch.local", "launch.slurm", "launch.gke", "launch.tpu_vm",
+                   "launch.sweep", "launch.sweep_job", "launch.fork", "launch.scaling_fit",
+                   "launch.chaos", "launch.gcs_emulator")
+WINGS = {"pretrain": (PRETRAIN_WINGS, PRETRAIN_COMMANDS),
+         "launch": (LAUNCH_WINGS, LAUNCH_COMMANDS)}
+
+
 def _is_command(module):
   source = open(MODULES[module], encoding="utf-8").read()
   return '__name__ == "__main__"' in source
 
 
 def _wing(module):
-  """(rank, wing) of a `pretrain` module: its wing's place in PRETRAIN_WINGS and the
-  wing's name (the commands rank above every wing)."""
-  if module in PRETRAIN_COMMANDS:
-    return len(PRETRAIN_WINGS), module
-  for rank, peers in enumerate(PRETRAIN_WINGS):
+  """(rank, wing) of a `pretrain` or `launch` module: its wing's place in its package's
+  wings and the wing's name (the commands rank above every wing)."""
+  package = module.split(".")[0]
+  wings, commands = WINGS[package]
+  if module in commands:
+    return len(wings), module
+  for rank, peers in enumerate(wings):
     for wing, packages in peers.items():
-      for package in packages:
-        if module == package or (package != "pretrain" and module.startswith(package + ".")):
+      for prefix in packages:
+        if module == prefix or (prefix != package and module.startswith(prefix + ".")):
           return rank, wing
-  raise AssertionError(f"{module} is in no wing of PRETRAIN_WINGS; add it to one")
+  raise AssertionError(f"{module} is in no wing of {package}; add it to one")
 
 
 def _across_wings(graph, wing_of):
@@ -166,24 +187,30 @@ def _pretrain_wing(module):
   return _wing(module) if module.split(".")[0] == "pretrain" else None
 
 
-def test_pretrain_wings_keep_their_order():
-  bad = _across_wings(_graph(), _pretrain_wing)
+def _launch_wing(module):
+  return _wing(module) if module.split(".")[0] == "launch" else None
+
+
+@pytest.mark.parametrize("wing_of", [_pretrain_wing, _launch_wing])
+def test_wings_keep_their_order(wing_of):
+  bad = _across_wings(_graph(), wing_of)
   assert not bad, "imports against the order of the wings: " + ", ".join(bad)
 
 
-def test_every_pretrain_module_is_in_a_wing():
+@pytest.mark.parametrize("package", sorted(WINGS))
+def test_every_module_is_in_a_wing(package):
   for module in MODULES:
-    if module.split(".")[0] == "pretrain":
+    if module.split(".")[0] == package:
       _wing(module)
 
 
-def test_commands_are_the_modules_with_a_main_and_nothing_imports_them():
+@pytest.mark.parametrize("package", sorted(WINGS))
+def test_commands_are_the_modules_with_a_main_and_nothing_imports_them(package):
   """A `python -m` command is a thin module (flags, main); no library doubles as one."""
-  commands = {m for m in MODULES if m.split(".")[0] in ("pretrain", "launch")
-              and _is_command(m)}
-  assert commands & {m for m in MODULES if m.startswith("pretrain")} == set(PRETRAIN_COMMANDS)
+  commands = WINGS[package][1]
+  assert {m for m in MODULES if m.split(".")[0] == package and _is_command(m)} == set(commands)
   importers = sorted(f"{module} -> {target}" for module, targets in _graph().items()
-                     for target in targets if target in PRETRAIN_COMMANDS)
+                     for target in targets if target in commands)
   assert not importers, "a library imports a command: " + ", ".join(importers)
 
 
@@ -195,6 +222,11 @@ def test_the_wing_check_finds_what_it_looks_for():
   assert _across_wings({"pretrain.trainer": {"pretrain.checkpoints.loading"},
                         "pretrain.export": {"pretrain.interchange.hf_export"}},
                        _pretrain_wing) == []
+  assert _across_wings({"launch.clusters.slurm": {"launch.sweeps.sweep_execute"},
+                        "launch.sweeps.sweep_dispatch": {"launch.clusters.gke"},
+                        "launch.sweeps.sweep_execute": {"launch.clusters.slurm"}},
+                       _launch_wing) == ["launch.clusters.slurm -> launch.sweeps.sweep_execute",
+                                         "launch.sweeps.sweep_dispatch -> launch.clusters.gke"]
 
 
 def test_no_import_runs_up_a_layer():

@@ -9,8 +9,8 @@ import sys
 import pytest
 import yaml
 
-from launch import common
-from launch import gke
+from launch.clusters import common
+from launch.clusters import gke
 from plumbing.errors import EXIT_USAGE, UserError
 from sharding.tpu_slice import TpuSlice
 

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from launch import common
+from launch.clusters import common
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

@@ -15,10 +15,10 @@ import sys
 
 import pytest
 
-from launch import common
-from launch import gke
-from launch import slurm
-from launch import tpu_vm
+from launch.clusters import common
+from launch.clusters import gke
+from launch.clusters import slurm
+from launch.clusters import tpu_vm
 from sharding.tpu_slice import TpuSlice
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

@@ -30,7 +30,7 @@ import time
 
 import pytest
 
-from launch import chaos
+from launch.faults import chaos
 from pretrain.observability import goodput
 from pretrain.checkpoints.checkpointer import complete_steps
 from trainer_helpers import (REPO, assert_ok, read_metrics,  # pylint: disable=unused-import

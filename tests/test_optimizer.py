@@ -79,7 +79,7 @@ def test_wsd_cooldown_never_eats_the_warmup():
 
 def test_wsd_fork_from_a_stable_checkpoint_continues_the_unforked_run():
   """A stable run (no cooldown) to step S, whose optimizer state is handed to a run
-  of T steps that cools down from S (what launch.wsd_design's forks do through the
+  of T steps that cools down from S (what launch.sweeps.wsd_design's forks do through the
   checkpoint), gives bit for bit the parameters and learning rates of one run trained
   to T with the same cooldown."""
   fork = opt_lib.OptimizerConfig(peak_learning_rate=0.05, warmup_steps=3, schedule="wsd",

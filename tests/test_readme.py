@@ -1,6 +1,7 @@
-"""Every command README.md shows runs as written.
+"""Every command README.md and the docs pages it sends readers to show runs as written.
 
-Commands are read from the README itself (```bash blocks and 4-space indented blocks,
+Commands are read from the pages themselves (README.md, then `PAGES`; a command or
+snippet on a docs page is checked exactly like one in the README) (```bash blocks and 4-space indented blocks,
 backslash continuations joined; ```python blocks), so a documented command cannot rot:
   - launcher commands run verbatim (they all carry `--dry_run`), and the training
     command they wrap is checked without a cluster: its Gin configuration parses, has a
@@ -14,8 +15,8 @@ backslash continuations joined; ```python blocks), so a documented command canno
   - the experiment-tracker commands run verbatim (the MLflow server on its port, in the
     background; the training shortened the same way, W&B offline), and each tracker
     is read back with its own client.
-A command of a kind not listed here fails the test, so a new README command needs a
-check before it can be documented.
+A command of a kind not listed here fails the test, so a new README or docs command
+needs a check before it can be documented.
 """
 import os
 import re
@@ -29,7 +30,7 @@ import gin
 import numpy as np
 import pytest
 
-from launch import common
+from launch.clusters import common
 from model.config import ModelConfig
 from plumbing import storage
 from pretrain import gin_config
@@ -98,12 +99,32 @@ def _join(lines):
   return commands
 
 
-with open(os.path.join(REPO, "README.md"), encoding="utf-8") as _f:
-  README = _f.read()
+# The docs pages whose commands are checked with the README's: the README's long
+# explanations, moved there by topic (tests/test_tpu_compile.py and test_gpu_compile.py
+# read their commands from `read_pages` too).
+PAGES = ("README.md", "docs/data.md", "docs/interchange.md", "docs/clusters.md",
+         "docs/compiling.md")
+
+
+def read_pages():
+  """{page: its text}, for every page of `PAGES`."""
+  texts = {}
+  for page in PAGES:
+    with open(os.path.join(REPO, page), encoding="utf-8") as f:
+      texts[page] = f.read()
+  return texts
+
+
+TEXTS = read_pages()
+README = TEXTS["README.md"]
 # The "## Commands" block is a synopsis with placeholders; --help of each command is
 # tested in test_cli_output.py.
 _SYNOPSIS = README.split("## Commands", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
-COMMANDS, SNIPPETS = _commands_and_snippets(README.replace(_SYNOPSIS, "\n"))
+COMMANDS, SNIPPETS = [], []
+for _page, _text in TEXTS.items():
+  _commands, _snippets = _commands_and_snippets(_text.replace(_SYNOPSIS, "\n"))
+  COMMANDS += _commands
+  SNIPPETS += _snippets
 PIECES = [piece.strip() for command in COMMANDS for piece in command.split(" && ")]
 
 
@@ -135,9 +156,9 @@ def _kind(piece):
 
 
 def test_every_readme_command_has_a_check():
-  assert PIECES, "no commands found in README.md"
+  assert PIECES, "no commands found in README.md and the docs pages"
   unknown = [piece for piece in PIECES if _kind(piece) == "unknown"]
-  assert not unknown, f"README commands without a check in {__file__}: {unknown}"
+  assert not unknown, f"README/docs commands without a check in {__file__}: {unknown}"
   kinds = {_kind(piece) for piece in PIECES}
   assert {"launcher", "summary", "train", "prepare", "report"} <= kinds, kinds
 

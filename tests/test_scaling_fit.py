@@ -10,8 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from launch import scaling_fit
-from launch import scaling_laws
+from launch.scaling import scaling_fit
+from launch.scaling import scaling_laws
 from plumbing import storage
 
 

@@ -5,7 +5,7 @@ approach's 95% bootstrap interval must hold the truth in at least 90% of them.""
 import numpy as np
 import pytest
 
-from launch import scaling_laws
+from launch.scaling import scaling_laws
 
 TRUE = dict(E=1.8, A=400.0, B=410.0, alpha=0.34, beta=0.28)
 A_TRUE = TRUE["beta"] / (TRUE["alpha"] + TRUE["beta"])   # N_opt ∝ C^a

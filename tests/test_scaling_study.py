@@ -10,8 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from launch import scaling_laws
-from launch import sweep_design
+from launch.scaling import scaling_laws
+from launch.sweeps import sweep_design
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "benchmarks", "scaling_study.py")

@@ -9,8 +9,8 @@ import sys
 import gin
 import pytest
 
-from launch import sweep_design
-from launch import sweep_results
+from launch.sweeps import sweep_design
+from launch.sweeps import sweep_results
 from model import counting
 from tiers import slow_after_first
 from pretrain import gin_config

@@ -1,4 +1,4 @@
-"""launch.sweep_progress: the local study's progress line and its ETA, with a fake clock,
+"""launch.sweeps.sweep_progress: the local study's progress line and its ETA, with a fake clock,
 and run_local writing it as real (tiny) jobs start and end."""
 import io
 import os
@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from launch import sweep_dispatch
-from launch import sweep_local
-from launch import sweep_progress
+from launch.sweeps import sweep_dispatch
+from launch.sweeps import sweep_local
+from launch.sweeps import sweep_progress
 
 
 class FakeClock:

@@ -15,10 +15,10 @@ import time
 import pytest
 import yaml
 
-from launch import sweep_design
-from launch import sweep_dispatch
-from launch import sweep_job
-from launch import sweep_local
+from launch.sweeps import sweep_design
+from launch.sweeps import sweep_dispatch
+from launch.sweeps import sweep_job
+from launch.sweeps import sweep_local
 from pretrain.observability import flops as flops_lib
 from tiers import slow_after_first
 

@@ -17,15 +17,15 @@ import time
 import pytest
 import yaml
 
-from launch import fork as fork_lib
-from launch import ladder
-from launch import size_rule
-from launch import sweep_design
-from launch import sweep_dispatch
-from launch import sweep_execute
-from launch import sweep_job
-from launch import sweep_local
-from launch import wsd_design
+from launch.sweeps import fork as fork_lib
+from launch.sweeps import ladder
+from launch.sweeps import size_rule
+from launch.sweeps import sweep_design
+from launch.sweeps import sweep_dispatch
+from launch.sweeps import sweep_execute
+from launch.sweeps import sweep_job
+from launch.sweeps import sweep_local
+from launch.sweeps import wsd_design
 from plumbing.errors import UserError
 from pretrain import optimizer as optimizer_lib
 from pretrain.checkpoints.integrity import COMMIT_MARKER

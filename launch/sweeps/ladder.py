@@ -5,7 +5,7 @@ the forecast.
       [--metric=loss|bits_per_byte] [--replicates=200]
 
 Why: a study is only useful if it forecasts the next, larger run. For each family,
-approach 3 (`launch.scaling_laws.fit_parametric`) is fitted to the study's finished
+approach 3 (`launch.scaling.scaling_laws.fit_parametric`) is fitted to the study's finished
 runs (`launch.scaling_fit.read_runs`: a forked study's cooldown end-points), its
 compute-optimal N_opt at C becomes a model by the size rule, trained for the steps
 that spend C (the trainer's FLOPs count), in the study's schedule (WSD with its
@@ -23,9 +23,9 @@ import dataclasses
 import json
 from typing import Dict, Optional, Tuple
 
-from launch import scaling_fit
-from launch import scaling_laws
-from launch import size_rule
+from launch.scaling import scaling_fit
+from launch.scaling import scaling_laws
+from launch.sweeps import size_rule
 from model import counting
 from plumbing import storage
 from plumbing.errors import usage_error
@@ -85,7 +85,7 @@ def run_dir(study_dir: str, name: str) -> str:
 
 
 def ladder_run(base, study_dir: str, name: str, default_rate: Optional[float]):
-  """`base` (the `launch.sweep_design.Run` that spends the budget at N_opt) as the ladder's
+  """`base` (the `launch.sweeps.sweep_design.Run` that spends the budget at N_opt) as the ladder's
   run: its own directory, the study's schedule and learning rate."""
   params = counting.analytic_param_counts(base.config).non_embedding
   return dataclasses.replace(

@@ -32,7 +32,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
-from launch import common
+from launch.clusters import common
 from model import counting
 
 PROBE = "lr_probe"
@@ -99,7 +99,7 @@ def fit_rule(family: str, sizes: Sequence[Tuple[int, Sequence[float], Sequence[f
 
 def plan_probes(sizes: Sequence, rates: Sequence[float], *, count: int, workdir: str,
                 extra_gin: Tuple[str, ...] = ()) -> list:
-  """The probe runs: of `sizes` (`launch.sweep_design.Run`s of one family and size each, at
+  """The probe runs: of `sizes` (`launch.sweeps.sweep_design.Run`s of one family and size each, at
   the probes' tokens per parameter), each family's `count` smallest at every rate."""
   probes = []
   for family in dict.fromkeys(run.family for run in sizes):

@@ -10,7 +10,7 @@ from typing import Dict, Mapping, Optional
 
 import numpy as np
 
-from launch import scaling_laws
+from launch.scaling import scaling_laws
 
 _DPI = 200
 

@@ -3,7 +3,7 @@
 `--backend=local` (the default). Each run is a child process of the sweep, wrapped in
 `launch.sweep_job`; failures are retried up to `--max_retries`, a cooldown fork starts
 as soon as its stable run has finished, and a progress line with an ETA goes to stderr
-(`launch.sweep_progress`). Its one flag is `--parallel`.
+(`launch.sweeps.sweep_progress`). Its one flag is `--parallel`.
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from absl import flags
 
-from launch import sweep_dispatch
-from launch import sweep_progress
+from launch.sweeps import sweep_dispatch
+from launch.sweeps import sweep_progress
 
 _POLL_S = 0.2
 

@@ -22,7 +22,7 @@ from absl import flags
 from plumbing.errors import usage_error
 from sharding import distributed
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 _COMMAND_EXAMPLE = ("-- python -m pretrain.train --gin_file=configs/quickstart.gin "
                     "--workdir=/tmp/run")

@@ -15,9 +15,9 @@ import os
 import tempfile
 from typing import Callable, Dict, Optional, Sequence
 
-from launch import scaling_fit
-from launch import wsd_design
-from launch.sweep_design import CSV_FIELDS, Run, non_embedding_params
+from launch.scaling import scaling_fit
+from launch.sweeps import wsd_design
+from launch.sweeps.sweep_design import CSV_FIELDS, Run, non_embedding_params
 from plumbing import storage
 
 

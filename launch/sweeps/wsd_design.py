@@ -89,8 +89,8 @@ def fork_schedule(target_steps: Sequence[int], fraction: float, warmup: int
 
 def plan_wsd(sizes: Sequence, options: WsdOptions, *, workdir: str,
              warmup_fraction: float = 0.1) -> list:
-  """The stable run and forks of every run in `sizes` (one `launch.sweep_design.Run` per
-  family and size, as `launch.sweep_design.plan` gives them: its model, batch and peak rate
+  """The stable run and forks of every run in `sizes` (one `launch.sweeps.sweep_design.Run` per
+  family and size, as `launch.sweeps.sweep_design.plan` gives them: its model, batch and peak rate
   are kept, its steps replaced)."""
   runs = []
   for base in sizes:

@@ -2,7 +2,7 @@
 
   [sweep] progress: 4/15 finished, 1 running, 9 pending, 1 failed; elapsed 6m02s; ETA 18m40s
 
-`launch.sweep_local.run_local` tells a `Progress` when each run starts and ends and
+`launch.sweeps.sweep_local.run_local` tells a `Progress` when each run starts and ends and
 calls `tick()` as it polls; a line is written whenever the counts change, and otherwise
 at most every `interval_s` seconds (the ETA moves as running runs age).
 

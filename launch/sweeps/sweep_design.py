@@ -1,10 +1,10 @@
 r"""The runs of a scaling-law study: the size rule, the designs, each run's Gin and command.
 
 Which models a study trains (`config_for_size`), for how long (`plan`: tokens per
-parameter; `plan_isoflop`: FLOP budgets; the forked design, `launch.wsd_design`, is
+parameter; `plan_isoflop`: FLOP budgets; the forked design, `launch.sweeps.wsd_design`, is
 built on `plan`) and what each run executes (`run_gin`, `command`). Kept apart from
-where runs execute (`launch.sweep_execute` and its backends) and from how their
-results are read (`launch.sweep_results`), so a design can be planned, printed and
+where runs execute (`launch.sweeps.sweep_execute` and its backends) and from how their
+results are read (`launch.sweeps.sweep_results`), so a design can be planned, printed and
 tested without either.
 
 Size rule (per family; also in docs/demos.md). A size names a target number of
@@ -134,7 +134,7 @@ class Run:
   flop_budget: Optional[float] = None     # isoFLOP design: the budget this run spends
   eval_loss: Optional[float] = None
   eval_bits_per_byte: Optional[float] = None   # None too where the vocabulary has no text
-  # The forked (WSD) design (launch.wsd_design): "stable" or "fork", the run's name,
+  # The forked (WSD) design (launch.sweeps.wsd_design): "stable" or "fork", the run's name,
   # its schedule bindings, bindings the user's may not override (a stable run's
   # checkpoint steps), and for a fork the stable run (directory and name) and
   # checkpoint step it starts from.
@@ -302,7 +302,8 @@ def run_gin(run: Run) -> str:
   if run.peak_learning_rate is not None:
     lines.append(f"OptimizerConfig.peak_learning_rate = {run.peak_learning_rate!r}")
   if run.extra_gin:
-    lines += ["", f"# The schedule of a {run.role} run (launch.wsd_design, size_rule, ladder).",
+    lines += ["", f"# The schedule of a {run.role} run "
+              "(launch.sweeps.wsd_design, size_rule, ladder).",
               "import pretrain.checkpoints.checkpointer", *run.extra_gin]
   if run.final_gin:
     lines += ["# Also after the user's bindings, which may not override them:",

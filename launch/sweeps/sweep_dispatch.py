@@ -3,15 +3,15 @@ every backend reads from the runs' directories.
 
 A backend (`Backend`) is one module that owns its `launch.sweep` flags, how it turns
 the study's jobs into its own specs, and how it starts them: this machine, N at a time
-(`launch.sweep_local`), one SLURM job array (`launch.slurm`), one GKE JobSet per run
+(`launch.sweeps.sweep_local`), one SLURM job array (`launch.slurm`), one GKE JobSet per run
 (`launch.gke`), one TPU queued resource per run (`launch.tpu_vm`). Each is registered
-here (`register`; `launch.sweep_execute` lists the built-ins) and `--backend=NAME` is
+here (`register`; `launch.sweeps.sweep_execute` lists the built-ins) and `--backend=NAME` is
 looked up by name (`get`), so a new backend is one module and no switch changes. This
 module imports no backend, so every backend may import it.
 
 A run's state is read from its directory, never from the dispatcher's memory, so that a
 study can be stopped and resumed, or submitted twice, without redoing work:
-  finished     its metrics hold the final evaluation (launch.sweep_results.final_eval);
+  finished     its metrics hold the final evaluation (launch.sweeps.sweep_results.final_eval);
   running      `sweep_status.json` (launch.sweep_job) says running, or submitted to a
                cluster; on this host a running status whose process is gone counts as
                interrupted instead;
@@ -33,8 +33,8 @@ from typing import Any, Callable, ClassVar, Dict, List, Optional, Protocol, Sequ
 
 from absl import flags
 
-from launch import common
-from launch import sweep_job
+from launch.clusters import common
+from launch.sweeps import sweep_job
 from plumbing.errors import usage_error
 
 FINISHED, RUNNING, INTERRUPTED, FAILED, PENDING = (
@@ -44,7 +44,7 @@ FINISHED, RUNNING, INTERRUPTED, FAILED, PENDING = (
 @dataclasses.dataclass(frozen=True)
 class Job:
   """One run to start: its name, directory and training command; `work` (its training
-  FLOPs) weighs it in the local backend's ETA (launch.sweep_progress); `after` names
+  FLOPs) weighs it in the local backend's ETA (launch.sweeps.sweep_progress); `after` names
   the job it starts from (a cooldown fork's stable run), if any."""
   name: str
   run_dir: str
