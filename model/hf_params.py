@@ -33,6 +33,9 @@ Where the two models' conventions differ, the export adapts the config, never th
   bit for bit.
 * No soft cap: transformers always caps, so `NO_SOFT_CAP` (c = 1e30: tanh(x/c)·c = x
   to float32 rounding).
+* Decoding cache: transformers' cache counts the tokens it has seen in its attention
+  layers, so a model without one (Hawk) cannot use it: `use_cache: false`, and
+  transformers recomputes the whole prefix for each generated token.
 * RG-LRU gate blocks: transformers uses one block per attention head. Where our gate
   blocks differ and the model has both attention and recurrent layers (every paper
   Griffin preset but 1.3B), the export needs the `trust_remote_code` subclass that
@@ -82,6 +85,13 @@ def gate_blocks_need_remote_code(config: ModelConfig) -> bool:
           and config.gate_blocks != config.num_heads)
 
 
+def uses_cache(config: ModelConfig) -> bool:
+  """Whether transformers can generate with its cache: DynamicCache.get_seq_length reads
+  the length from the first attention layer and raises when there is none (Hawk), which
+  `model(ids)` and `generate` hit with their default `use_cache=True`."""
+  return _has(config, BlockType.ATTENTION)
+
+
 def hf_config(config: ModelConfig) -> dict[str, Any]:
   """The `config.json` fields of transformers' RecurrentGemmaConfig for `config`."""
   check_exportable(config)
@@ -110,6 +120,7 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
       "block_types": list(config.block_pattern),
       "attention_bias": False,
       "tie_word_embeddings": bool(config.embeddings_scale_by_sqrt_dim),
+      "use_cache": uses_cache(config),
       # Our documents start with input 0 (the pad id): that is the "beginning" token.
       "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 0,
   }

@@ -7,6 +7,7 @@ The output loads with `transformers.AutoModelForCausalLM.from_pretrained(DIR)` a
 `AutoTokenizer.from_pretrained(DIR)`:
 
   config.json, generation_config.json   transformers' RecurrentGemma config (model.hf_params)
+                                        and what generate needs without flags
   model.safetensors                     the weights (sharded with an index past 5 GiB)
   tokenizer.json, tokenizer_config.json the run's vocabulary (pretrain.interchange.hf_tokenizer)
   configuration_griffin.py, modeling_griffin.py

@@ -6,11 +6,14 @@ embedding, soft cap) and the griffin_100m preset (16 gate blocks, 6 heads: the
 weights, exports it with `pretrain.export`, and compares transformers' logits and
 greedy generation with ours; then imports the export back (`pretrain.convert hf`) and
 requires the very same bits. A checkpoint built by transformers itself imports too.
+transformers runs with its defaults throughout (`model(ids)`, `generate`, `pipeline`,
+README.md's snippet, lm_eval's `hf` backend): what they need is the export's job.
 """
 import json
 import os
 import subprocess
 import sys
+from typing import Any, Sequence
 
 import jax
 import numpy as np
@@ -26,11 +29,11 @@ import seqio
 from plumbing.errors import UserError
 from pretrain.interchange import conversion as convert, hf_export as export, hf_import
 from pretrain import extras, gin_config
-from pretrain.evaluation import generation
+from pretrain.evaluation import downstream, generation
 from pretrain.interchange import tokenizer as tokenizer_lib
 from pretrain.checkpoints.metadata import make_vocabulary
-from trainer_helpers import (REPO, assert_ok, storage_env,  # pylint: disable=unused-import
-                             trainer_env)
+from trainer_helpers import (LM_EVAL_TASKS, REPO, assert_ok,  # pylint: disable=unused-import
+                             storage_env, trainer_env)
 
 TEXT = ("def items(self):\n    return [value for value in self.values() if value]\n"
         "class Tree:\n    def __init__(self, left, right):\n        self.left = left\n")
@@ -51,6 +54,19 @@ CONFIGS = {
 # trust_remote_code export; 12 layers, 4 scanned units), with a 512-id vocabulary and
 # float32 compute (the preset trains in bfloat16).
 PRESET = "griffin_100m"
+# README.md's transformers snippet ("The directory loads with transformers alone"), run
+# verbatim on each export; it prompts with PROMPT.
+with open(os.path.join(REPO, "README.md"), encoding="utf-8") as _f:
+  README_SNIPPET = _f.read().split("The directory loads with transformers alone", 1)[1].split(
+      "```python\n", 1)[1].split("```", 1)[0]
+PROMPT = "def main("
+EOS = 1
+# The tiny_mc documents lm_eval's `hf` backend scores. Not document 2: lm_eval's logits
+# cache (on by default) computes "return se" + "lf" and document 14's "return" + " self"
+# in one forward pass, then reads the shorter continuation's log-probabilities at the
+# longer one's first positions (lm_eval 0.4.13, whatever the model). Five documents,
+# continuations of 2 to 6 bytes, keep the test cheap.
+LM_EVAL_DOCS = [0, 6, 9, 12, 14]
 
 
 def preset_config(name: str) -> ModelConfig:
@@ -92,8 +108,26 @@ def token_rows(config, length):
 
 
 def their_logits(model, tokens):
+  """`model(ids)` as typed: the export's config.json sets what the defaults need."""
   with torch.no_grad():
-    return model(torch.tensor(tokens, dtype=torch.long), use_cache=False).logits.numpy()
+    return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+
+
+@pytest.fixture(scope="module")
+def greedy(exported) -> tuple[list[int], list[int]]:
+  """(prompt ids as the export's tokenizer writes PROMPT, our 32 greedy tokens)."""
+  _, config, params, _, output, _ = exported
+  prompt = transformers.AutoTokenizer.from_pretrained(output, trust_remote_code=True)(
+      PROMPT).input_ids
+  assert prompt[0] == 0   # the document start, which attention layers must see
+  return prompt, generation.generate(config, params, prompt, max_new_tokens=32,
+                                     temperature=0)
+
+
+def until_eos(tokens: Sequence[int], count: int) -> list[int]:
+  """The first `count` tokens, cut after the first EOS (where transformers stops)."""
+  tokens = list(tokens[:count])
+  return tokens[:tokens.index(EOS) + 1] if EOS in tokens else tokens
 
 
 def test_logits_match_transformers(exported):
@@ -111,18 +145,79 @@ def test_logits_match_transformers(exported):
   assert type(model).__name__ == expected_class
 
 
-def test_greedy_generation_matches_pretrain_sample(exported):
-  name, config, params, _, output, model = exported
-  tokenizer = transformers.AutoTokenizer.from_pretrained(output)
-  prompt = list(tokenizer("def items(self", add_special_tokens=False).input_ids)
-  ours = generation.generate(config, params, prompt, max_new_tokens=24, temperature=0)
-  # transformers' cache cannot count the tokens of a model without attention layers
-  # (DynamicCache.get_seq_length raises), so Hawk generates without it (model card).
-  use_cache = "attention" in config.block_pattern
+def test_greedy_generation_matches_pretrain_sample(exported, greedy):
+  """Past every tiny window, with the document start in the prompt and no flag but a
+  length: Hawk generates without a cache, the others with one (their config says so)."""
+  name, config, _, _, _, model = exported
+  prompt, ours = greedy
   with torch.no_grad():
     theirs = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
-                            eos_token_id=None, pad_token_id=0, use_cache=use_cache)
-  assert theirs[0, len(prompt):].tolist() == ours, name
+                            eos_token_id=None)
+  assert theirs[0, len(prompt):].tolist() == ours[:24], name
+  assert model.config.use_cache == model.generation_config.use_cache == (
+      "attention" in config.block_pattern)
+
+
+@pytest.mark.filterwarnings("ignore:Using the model-agnostic default `max_length`")
+def test_readme_snippet_generate_and_pipeline_need_no_flags(exported, greedy, tmp_path,
+                                                             monkeypatch, capsys):
+  """README.md's and the model card's snippets, `generate(ids)` and a greedy `pipeline`
+  (it samples by default) run as a user types them and continue the prompt as we do.
+  Before the export said `use_cache: false`, Hawk raised in transformers' cache; before
+  its generation config's pad id stopped being the document start 0, `generate` masked
+  that input out of every attention layer."""
+  name, _, _, _, output, model = exported
+  prompt, ours = greedy
+  tokenizer = transformers.AutoTokenizer.from_pretrained(output, trust_remote_code=True)
+  with open(os.path.join(output, "README.md"), encoding="utf-8") as f:
+    card = f.read().split("```python\n", 1)[1].split("```", 1)[0]
+  snippets = [(card.replace('"DIR"', repr(output)), 32)]
+  remote = name == PRESET   # README.md: these load with trust_remote_code=True
+  if not remote:
+    snippets.append((README_SNIPPET, 16))
+    (tmp_path / "workdirs").mkdir()
+    (tmp_path / "workdirs" / "quickstart-hf").symlink_to(output)
+    monkeypatch.chdir(tmp_path)
+  for code, new_tokens in snippets:
+    capsys.readouterr()
+    exec(code, {})  # pylint: disable=exec-used
+    assert capsys.readouterr().out == tokenizer.decode(
+        prompt + until_eos(ours, new_tokens), skip_special_tokens=True) + "\n", name
+  with torch.no_grad():
+    theirs = model.generate(torch.tensor([prompt]))[0, len(prompt):].tolist()
+  assert theirs and theirs == until_eos(ours, len(theirs)), name   # its default length
+  generator = transformers.pipeline("text-generation", model=output,
+                                    trust_remote_code=remote)
+  text = generator(PROMPT, max_new_tokens=8, do_sample=False)[0]["generated_text"]
+  assert text == tokenizer.decode(prompt + until_eos(ours, 8), skip_special_tokens=True)
+
+
+def test_lm_evals_hf_backend_with_default_model_args_scores_like_ours(exported):
+  """lm_eval's `hf` backend given only the export (`model_args="pretrained=DIR"`; the
+  device is this machine's) gives each choice of a local task our backend's
+  log-likelihood. (The full task, on a trained Griffin: test_lm_eval_backend.py.)"""
+  from lm_eval import evaluator  # pylint: disable=import-outside-toplevel
+  name, _, _, workdir, output, _ = exported
+  if name == PRESET:
+    pytest.skip("the tiny Griffin covers the family; this would compile our backend "
+                "for a 100M model")
+  manager = downstream.task_manager(["tiny_mc"], LM_EVAL_TASKS)
+
+  def scores(**backend: Any) -> dict[int, list[float]]:
+    results = evaluator.simple_evaluate(tasks=["tiny_mc"], task_manager=manager,
+                                        samples={"tiny_mc": LM_EVAL_DOCS},
+                                        log_samples=True, bootstrap_iters=0, **backend)
+    return {sample["doc_id"]: [resp[0][0] for resp in sample["resps"]]
+            for sample in results["samples"]["tiny_mc"]}
+
+  model = pretrain.load(workdir)
+  ours = scores(model=downstream.backend(model.runtime, model.params, model.vocabulary,
+                                         max_length=model.sequence_length, batch_size=8))
+  theirs = scores(model="hf", model_args=f"pretrained={output}", device="cpu")
+  assert sorted(ours) == sorted(theirs) == LM_EVAL_DOCS
+  for doc_id, choices in ours.items():
+    np.testing.assert_allclose(choices, theirs[doc_id], atol=1e-4, rtol=0,
+                               err_msg=f"{name} doc {doc_id}")
 
 
 def test_import_of_the_export_is_bit_identical(exported, tmp_path):

@@ -136,24 +136,38 @@ def model_card(model: LoadedModel, hf_config: dict[str, Any], dtype: str,
   lines += ["", "```python", "import torch",
             "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
             f'model = AutoModelForCausalLM.from_pretrained("DIR"{trust})']
-  # transformers' DynamicCache cannot count tokens without an attention layer.
-  no_cache = ", use_cache=False" if "attention" not in cfg.block_pattern else ""
   if has_tokenizer:
-    lines += ['tokenizer = AutoTokenizer.from_pretrained("DIR")',
+    # AutoTokenizer reads config.json too: without the flag it asks on the terminal.
+    lines += [f'tokenizer = AutoTokenizer.from_pretrained("DIR"{trust})',
               'ids = tokenizer("def main(", return_tensors="pt").input_ids',
               "print(tokenizer.decode(model.generate(ids, max_new_tokens=32, "
-              f"do_sample=False{no_cache})[0], skip_special_tokens=True))"]
+              "do_sample=False)[0], skip_special_tokens=True))"]
   lines += ["```", "",
             "The tokenizer starts every text with id 0, the document-start input the model "
             "was trained with."]
-  if no_cache:
-    lines.append("A model without attention layers generates with `use_cache=False`: "
-                 "transformers' cache cannot count the tokens of recurrent-only models.")
+  if not hf_config["use_cache"]:
+    lines.append("Without attention layers the model has no transformers cache "
+                 "(`use_cache: false`: it cannot count the tokens of recurrent-only models), "
+                 "so `generate` recomputes the whole text for each new token: slower, same "
+                 "tokens.")
   lines.append("")
   if "config_gin" in summary:
     lines += ["## Training config (the run's operative Gin config)", "", "```",
               summary["config_gin"].rstrip(), "```", ""]
   return "\n".join(lines)
+
+
+def generation_config(hf_config: dict[str, Any]) -> dict[str, Any]:
+  """generation_config.json: what `generate` and `pipeline` use when given no flags.
+
+  `use_cache` repeats config.json's (`model(ids)` reads that one, `generate` this one).
+  The pad id is EOS, not config.json's 0: given no attention mask, `generate` masks
+  every input equal to the pad id unless pad = EOS, and id 0 is the document start the
+  tokenizer puts first, which attention layers must see.
+  """
+  eos = hf_config["eos_token_id"]
+  return {"bos_token_id": hf_config["bos_token_id"], "eos_token_id": eos,
+          "pad_token_id": eos, "use_cache": hf_config["use_cache"]}
 
 
 def _write_export(model: LoadedModel, directory: str, dtype: str) -> dict[str, Any]:
@@ -169,8 +183,7 @@ def _write_export(model: LoadedModel, directory: str, dtype: str) -> dict[str, A
   write_weights(state, directory, dtype)
   del state
   _write_json(os.path.join(directory, "config.json"), hf_config)
-  _write_json(os.path.join(directory, "generation_config.json"),
-              {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 0})
+  _write_json(os.path.join(directory, "generation_config.json"), generation_config(hf_config))
   remote_code = hf_params.gate_blocks_need_remote_code(model.config)
   if remote_code:
     for name in REMOTE_CODE_FILES:
