@@ -191,3 +191,50 @@ def test_weight_schedule_switches_at_its_step():
   task, _ = mixer.assign(np.arange(12 * 8))
   for k in (0, 1):
     assert sorted(index[task == k]) == list(range((task == k).sum()))
+
+
+MIXTURE_GIN = """
+include 'configs/base/trainer.gin'
+include 'configs/base/optimizer.gin'
+include 'configs/data/corpus.gin'
+CORPUS = 'unused'
+TRAIN_STEPS = 4
+BATCH_SIZE = 8
+SEQUENCE_LENGTH = 32
+SEED = 3
+web/corpus_task.files = '{root}/web'
+web/corpus_task.validation_fraction = 0.1
+code/corpus_task.files = '{root}/code/*.jsonl.zst'
+code/corpus_task.text_field = 'content'
+code/corpus_task.validation_fraction = 0.1
+DataPipeline.task = @mixture()
+mixture.tasks = {{'web': @web/corpus_task(), 'code': @code/corpus_task()}}
+mixture.weights = {{'web': 0.7, 'code': 0.3}}
+mixture.schedule = {{2: {{'web': 0.2, 'code': 0.8}}}}
+"""
+
+
+@pytest.mark.slow
+def test_beam_prepares_a_gin_mixture_the_trainer_reads(tmp_path):
+  import gin  # pylint: disable=import-outside-toplevel
+  from pretrain.data import prepare  # pylint: disable=import-outside-toplevel
+  from test_prepare import IN_PROCESS, trainer_pipeline  # pylint: disable=import-outside-toplevel
+  (tmp_path / "web").mkdir()
+  (tmp_path / "code").mkdir()
+  for i in range(2):
+    write_parquet(tmp_path / "web" / f"{i}.parquet", documents(60, seed=i, prefix="w"))
+    write_zst(tmp_path / "code" / f"{i}.jsonl.zst", documents(60, seed=9 + i, prefix="c"),
+              field="content")
+  config = tmp_path / "mix.gin"
+  config.write_text(MIXTURE_GIN.format(root=tmp_path))
+  stores = prepare.prepare(str(tmp_path / "prepared"), [str(config)], [], IN_PROCESS)
+  gin.clear_config()
+  assert sorted(s.metadata["split"] for s in stores) == [
+      "train", "train", "validation", "validation"]
+  built = trainer_pipeline(str(config), str(tmp_path / "built"))
+  prepared = trainer_pipeline(str(config), str(tmp_path / "prepared"))
+  assert all(s.path.startswith(str(tmp_path / "prepared")) for s in prepared.train_stores)
+  for step in range(4):
+    for name, array in built.batch(step).items():
+      np.testing.assert_array_equal(prepared.batch(step)[name], array)
+  assert "mixture mixture_" in prepared.describe()
