@@ -12,6 +12,7 @@ import seqio
 import zstandard
 
 from pretrain.data import DataError, materialize, mixing, pipeline, tasks
+from trainer_helpers import trainer_env  # pylint: disable=unused-import  # noqa: F401
 
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
 
@@ -238,3 +239,56 @@ def test_beam_prepares_a_gin_mixture_the_trainer_reads(tmp_path):
     for name, array in built.batch(step).items():
       np.testing.assert_array_equal(prepared.batch(step)[name], array)
   assert "mixture mixture_" in prepared.describe()
+
+
+@pytest.mark.slow
+def test_run_killed_mid_mixture_resumes_to_the_same_losses(trainer_env, tmp_path):
+  """A tiny model on a 3-source mixture with a phase change at step 6: killed with
+  SIGKILL after step 8 or so and restarted, it logs the uninterrupted run's losses."""
+  import signal  # pylint: disable=import-outside-toplevel
+  import time  # pylint: disable=import-outside-toplevel
+  from trainer_helpers import assert_ok, read_metrics, train_losses  # pylint: disable=import-outside-toplevel
+  names = {}
+  for k, key in enumerate(["web", "code", "math"]):
+    write_parquet(tmp_path / f"{key}.parquet", documents(80, seed=k, prefix=key))
+  config = tmp_path / "mixture.gin"
+  from trainer_helpers import TINY_GIN  # pylint: disable=import-outside-toplevel
+  tiny = (TINY_GIN.replace("include 'configs/data/text_files.gin'",
+                           "import pretrain.data.mixing\nimport pretrain.data.pipeline\n"
+                           "import pretrain.data.tasks")
+          .replace("TRAIN_FILES = '{corpus}/*.txt'", "")
+          .replace("text_files_task.validation_fraction = 0.25", "")
+          .replace("TRAIN_STEPS = 24", "TRAIN_STEPS = 14")
+          .format(cache=trainer_env.cache))
+  config.write_text(
+      tiny + "".join(f"{key}/corpus_task.files = '{tmp_path}/{key}.parquet'\n"
+                     for key in ("web", "code", "math"))
+      + "DataPipeline.task = @mixture()\n"
+      "mixture.tasks = {'web': @web/corpus_task(), 'code': @code/corpus_task(), "
+      "'math': @math/corpus_task()}\n"
+      "mixture.weights = {'web': 0.5, 'code': 0.3, 'math': 0.2}\n"
+      "mixture.schedule = {6: {'web': 0.1, 'code': 0.1, 'math': 0.8}}\n")
+  del names
+  reference_dir, killed_dir = str(tmp_path / "reference"), str(tmp_path / "killed")
+  assert_ok(trainer_env.run(trainer_env.train_command(reference_dir,
+                                                      gin_files=[str(config)])))
+  reference = train_losses(reference_dir)
+  assert sorted(reference) == list(range(1, 15))
+  shares = [row for row in read_metrics(reference_dir) if row.get("kind") == "mixture"]
+  assert [row["step"] for row in shares] == list(range(1, 15))
+  assert shares[0]["weight/web"] == 0.5 and shares[-1]["weight/math"] == 0.8
+  command = trainer_env.train_command(killed_dir, gin_files=[str(config)])
+  process = trainer_env.popen(command)
+  deadline = time.time() + 240
+  while time.time() < deadline and len(train_losses(killed_dir)) < 8:
+    if process.poll() is not None:
+      break
+    time.sleep(0.01)
+  assert process.poll() is None, "the run ended before it could be killed"
+  os.kill(process.pid, signal.SIGKILL)
+  process.wait(timeout=60)
+  assert_ok(trainer_env.run(command))
+  restarted = train_losses(killed_dir)
+  assert sorted(restarted) == list(range(1, 15))
+  for step in range(1, 15):
+    assert restarted[step] == reference[step], (step, restarted[step], reference[step])
