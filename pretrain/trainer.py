@@ -442,6 +442,10 @@ class Trainer:
               hook.resumed(step)
           if step % self.config.log_every == 0:
             self.writer.log_record(clock.row(step))
+            mixture_record = getattr(self.pipeline, "mixture_record", None)
+            record = mixture_record(step) if mixture_record else None
+            if record:  # a mixture's realized token shares (pretrain.data.mixing)
+              self.writer.log_record(record)
         with watchdog.phase(watchdog.wait_phase):
           pending.drain()
       preempted = step < self.config.train_steps

@@ -13,7 +13,7 @@ import hashlib
 import json
 import os
 import sysconfig
-from typing import Iterator, List, Sequence
+from typing import Iterable, Iterator, List, Optional, Sequence
 
 from pretrain.data.errors import DataError
 
@@ -93,19 +93,29 @@ def iter_jsonl_texts(path: str) -> Iterator[str]:
   """The `text` field of every non-blank line of a JSONL file, one line in memory at a
   time (a corpus file may be many gigabytes)."""
   with open(path, "r", encoding="utf-8") as f:
-    for line_number, line in enumerate(f, start=1):
-      if not line.strip():
-        continue
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise DataError(
-            f"{path}:{line_number} is not valid JSON ({e.msg}); every line of a "
-            ".jsonl file must be an object with a 'text' field") from None
-      if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-        raise DataError(
-            f"{path}:{line_number} has no string 'text' field; every line of a "
-            ".jsonl file must look like {\"text\": \"...\"}")
-      yield record["text"]
+    yield from jsonl_texts(f, path, allow_null=False)
 
 
+def jsonl_texts(lines: Iterable[str], path: str, field: str = "text",
+                fix: Optional[str] = None, allow_null: bool = True
+                ) -> Iterator[Optional[str]]:
+  """The `field` of every non-blank line (None where it is null, if `allow_null`); a
+  DataError naming
+  `path`, the line and `fix` (how to choose another field) for a bad line."""
+  fix = fix or f"every line of a .jsonl file must look like {{\"{field}\": \"...\"}}"
+  for line_number, line in enumerate(lines, start=1):
+    if not line.strip():
+      continue
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError as e:
+      raise DataError(
+          f"{path}:{line_number} is not valid JSON ({e.msg}); every line must be a "
+          f"JSON object with a '{field}' field") from None
+    text = record.get(field) if isinstance(record, dict) else None
+    if not isinstance(record, dict) or field not in record or not (
+        (text is None and allow_null) or isinstance(text, str)):
+      has = ", ".join(record) if isinstance(record, dict) else type(record).__name__
+      raise DataError(
+          f"{path}:{line_number} has no string '{field}' field (it has: {has}); {fix}")
+    yield text

@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
+import re
 from typing import Any, Dict, Iterator, Optional, Tuple
 
 from etils import epy
@@ -90,6 +91,8 @@ def _function_fingerprint(fn: Any) -> str:
 def _source_fingerprint(source: seqio.DataSource) -> Any:
   if isinstance(source, sources.TextFilesDataSource):
     return ["text_files", source.fingerprint]
+  if isinstance(source, sources.ShardedTextSource):
+    return [type(source).__name__, source.fingerprint]
   if isinstance(source, seqio.TfdsDataSource):
     return ["tfds", source.tfds_dataset.name, source.tfds_dataset.data_dir,
             sorted(source.splits)]
@@ -153,7 +156,7 @@ def num_shards(provider: seqio.DatasetProviderBase, split: str) -> int:
     return min(num_shards(task, split) for task in provider.tasks
                if has_split(task, split))
   source = provider.source
-  if isinstance(source, sources.TextFilesDataSource):
+  if isinstance(source, (sources.TextFilesDataSource, sources.ShardedTextSource)):
     return source.num_shards
   if isinstance(source, seqio.TfdsDataSource):
     try:  # the dataset's file list (metadata only; every host that trains needs it)
@@ -239,7 +242,7 @@ def packed_groups(provider: seqio.DatasetProviderBase, split: str,
         np.count_nonzero(lengths))
 
   pending_tokens = 0
-  for batch in ds:
+  for batch in _reraising_data_errors(ds):
     # ragged_batch yields a dense tensor when every document has the same length.
     tokens = _as_ragged(batch["tokens"])
     mask = batch.get("loss_mask")
@@ -252,6 +255,22 @@ def packed_groups(provider: seqio.DatasetProviderBase, split: str,
       pending, pending_tokens = [], 0
   if pending:
     yield pack(pending)
+
+
+def _reraising_data_errors(ds: tf.data.Dataset) -> Iterator[Any]:
+  """Iterates `ds`; a DataError a source raised inside tf.data (which wraps it in an
+  OpError with the traceback) comes out as that DataError, one line."""
+  iterator = iter(ds)
+  while True:
+    try:
+      yield next(iterator)
+    except StopIteration:
+      return
+    except tf.errors.OpError as error:
+      found = re.findall(r"DataError: (.+)", str(error))
+      if not found:
+        raise
+      raise DataError(found[-1].strip()) from None
 
 
 def fill_store(writer, provider: seqio.DatasetProviderBase, split: str,

@@ -11,6 +11,12 @@ Gin (see configs/data/*.gin):
   text_files_task.train_files = %TRAIN_FILES
 The trainer passes `sequence_length`, `batch_size` and `seed` (from its TrainConfig, so
 the data and the model never disagree), `process_index` and `process_count`.
+
+A mixture named with `DataPipeline.task = @mixture()` (`mixing`) keeps one store per
+task; `batch(step)` deals the global batch's rows over the tasks as a pure function of
+(seed, step, weights), and `mixture_record(step)` reports the token share each task
+got in the batches served since the last report (a `metrics.jsonl` row of kind
+`mixture`).
 """
 from __future__ import annotations
 
@@ -22,9 +28,10 @@ import gin
 import numpy as np
 
 from plumbing import storage
-from pretrain.data import indexing, materialize, token_store
+from pretrain.data import indexing, materialize, mixing, token_store
 from pretrain.data.errors import DataError
 from pretrain.data.packing import features_from_rows
+from pretrain.data.vocabularies import vocabulary_fingerprint
 
 # SeqIO and TensorFlow load on first use (about 6 s): commands that only parse
 # configs, print help or plan memory never touch them.
@@ -97,13 +104,41 @@ class DataPipeline:
     self._build_missing = build_missing and not storage.is_url(cache_dir)
     self._validation_split = validation_split
     self._max_validation_documents = max_validation_documents
-    self._provider = materialize.get_provider(task)
+    self._mixture = mixing.lookup(task)
+    task_names = self._mixture.tasks if self._mixture else (task,)
+    self._providers = [materialize.get_provider(name) for name in task_names]
+    self._provider = self._providers[0]
     self.vocabulary: seqio.Vocabulary = (
         self._provider.output_features["targets"].vocabulary)
-    if not materialize.has_split(self._provider, train_split):
-      raise DataError(f"SeqIO task '{task}' has no '{train_split}' split")
-    self.train_store = self._store(train_split, max_train_documents)
+    for provider in self._providers:
+      if not materialize.has_split(provider, train_split):
+        raise DataError(f"SeqIO task '{provider.name}' has no '{train_split}' split")
+    self._check_mixable()
+    self.train_stores = [self._store(provider, train_split, max_train_documents)
+                         for provider in self._providers]
+    self.train_store = self.train_stores[0]
     self._validation_store = None
+    self._mixer = None
+    if self._mixture:
+      self._mixer = mixing.Mixer(
+          self._mixture, batch_size,
+          [s.metadata["num_tokens"] / max(s.num_rows, 1) for s in self.train_stores])
+      self._served_tokens = np.zeros(len(self._providers), np.int64)
+      self._served_rows = np.zeros(len(self._providers), np.int64)
+
+  def _check_mixable(self) -> None:
+    """A mixture's tasks share a vocabulary and stored arrays."""
+    if len(self._providers) < 2:
+      return
+    first = self._providers[0]
+    for other in self._providers[1:]:
+      if vocabulary_fingerprint(other.output_features["targets"].vocabulary) != (
+          vocabulary_fingerprint(self.vocabulary)) or (
+              materialize.has_loss_mask(other) != materialize.has_loss_mask(first)):
+        raise DataError(
+            f"mixture '{self.task_name}': task '{other.name}' has another vocabulary or "
+            f"loss mask than '{first.name}'; give every task of a mixture the same "
+            "vocabulary")
 
   @property
   def vocab_size(self) -> int:
@@ -111,7 +146,7 @@ class DataPipeline:
 
   @property
   def num_train_rows(self) -> int:
-    return self.train_store.num_rows
+    return sum(store.num_rows for store in self.train_stores)
 
   @property
   def steps_per_epoch(self) -> float:
@@ -119,11 +154,54 @@ class DataPipeline:
 
   def batch(self, step: int) -> Batch:
     """This process's `[batch_size / process_count, T]` rows of global batch `step`."""
+    if self._mixer is not None:
+      return self._mixture_batch(step)
     rows = indexing.batch_rows(
         step, seed=self.seed, batch_size=self.batch_size,
         num_rows=self.num_train_rows, process_index=self.process_index,
         process_count=self.process_count)
     return features_from_rows(**self.train_store.read(rows))
+
+  def _mixture_batch(self, step: int) -> Batch:
+    indexing.check_batch_split(self.batch_size, self.process_count)
+    if step < 0:
+      raise DataError(f"step={step} must be >= 0")
+    positions = (step * self.batch_size + self.process_index * self.rows_per_process
+                 + np.arange(self.rows_per_process, dtype=np.int64))
+    owners, indices = self._mixer.assign(positions)
+    parts = {}
+    for k in np.unique(owners):
+      selected = owners == k
+      store = self.train_stores[k]
+      rows = mixing.stream_rows(indices[selected], store.num_rows,
+                                mixing.task_seed(self.seed, int(k)))
+      for name, array in store.read(rows).items():
+        if name not in parts:
+          parts[name] = np.zeros((self.rows_per_process,) + array.shape[1:], array.dtype)
+        parts[name][selected] = array
+      self._served_rows[k] += int(selected.sum())
+    self._served_tokens += np.bincount(
+        owners, weights=np.count_nonzero(parts["segment_ids"], axis=1),
+        minlength=len(self._providers)).astype(np.int64)
+    return features_from_rows(**parts)
+
+  def mixture_record(self, step: int) -> Optional[Dict]:
+    """For a mixture: a `metrics.jsonl` row (kind `mixture`) of the tokens and token
+    share each task got in this process's rows since the last call, with the weights
+    in force at `step`; then the counts restart. None for a single task."""
+    if self._mixer is None or not self._served_rows.sum():
+      return None
+    total = max(int(self._served_tokens.sum()), 1)
+    record = {"kind": mixing.RECORD_KIND, "step": int(step),
+              "rows": int(self._served_rows.sum())}
+    weights = self._mixer.weights_at(max(step - 1, 0))
+    for k, name in enumerate(self._mixture.names):
+      record[f"tokens/{name}"] = int(self._served_tokens[k])
+      record[f"share/{name}"] = float(self._served_tokens[k] / total)
+      record[f"weight/{name}"] = float(weights[k])
+    self._served_tokens[:] = 0
+    self._served_rows[:] = 0
+    return record
 
   def validation_batches(self, max_batches: Optional[int] = None
                          ) -> Iterator[Batch]:
@@ -154,30 +232,32 @@ class DataPipeline:
     """The validation split's token store, built on first use."""
     if self._validation_store is None:
       split = self._validation_split
-      if not materialize.has_split(self._provider, split):
+      if not any(materialize.has_split(p, split) for p in self._providers):
         raise DataError(
             f"SeqIO task '{self.task_name}' has no '{split}' split; set "
             "DataPipeline.validation_split (or text_files_task.validation_fraction"
             " > 0)")
       try:
-        self._validation_store = self._store(split, self._max_validation_documents)
+        stores = [self._store(provider, split, self._max_validation_documents)
+                  for provider in self._providers if materialize.has_split(provider, split)]
+        self._validation_store = (stores[0] if len(stores) == 1
+                                  else _ConcatenatedStores(stores))
       except DataError as e:
         raise DataError(
             f"{e}; a corpus of one document cannot be split: add files or set "
             "text_files_task.validation_fraction=0") from None
     return self._validation_store
 
-  def _store(self, split: str, max_documents: Optional[int]
+  def _store(self, provider, split: str, max_documents: Optional[int]
              ) -> token_store.TokenStore:
-    name = materialize.store_name(self._provider, split, self.sequence_length,
-                                  max_documents)
+    name = materialize.store_name(provider, split, self.sequence_length, max_documents)
     if not self._build_missing:
       return self._prepared(name)
     return token_store.open_or_build(
         self._cache_dir, name, self.sequence_length,
-        materialize.has_loss_mask(self._provider),
+        materialize.has_loss_mask(provider),
         lambda writer: materialize.fill_store(
-            writer, self._provider, split, self.sequence_length, max_documents))
+            writer, provider, split, self.sequence_length, max_documents))
 
   def _prepared(self, name: str) -> token_store.TokenStore:
     """The complete store `name` (written by `prepare`), or the one-line error naming
@@ -194,8 +274,41 @@ class DataPipeline:
   def describe(self) -> str:
     """One line for the training log."""
     meta = self.train_store.metadata
+    if self._mixture is not None:
+      parts = ", ".join(
+          f"{name} {store.metadata['num_tokens']} tokens in {store.num_rows} rows "
+          f"({store.path})" for name, store in zip(self._mixture.names, self.train_stores))
+      phases = "; ".join(
+          f"from step {step}: " + ", ".join(
+              f"{n} {w:.3g}" for n, w in zip(self._mixture.names, weights))
+          for step, weights in self._mixture.phases)
+      return (f"data: mixture {self.task_name} of {parts}; weights {phases}; "
+              f"rows of {self.sequence_length}, vocab {self.vocab_size}")
     return (f"data: task {self.task_name}, {meta['num_documents']} documents, "
             f"{meta['num_tokens']} tokens in {self.num_train_rows} rows of "
             f"{self.sequence_length} ({self.steps_per_epoch:.1f} steps/epoch at "
             f"batch {self.batch_size}), vocab {self.vocab_size}; store "
             f"{self.train_store.path}")
+
+
+class _ConcatenatedStores:
+  """Several stores read as one (a mixture's validation splits, one after another)."""
+
+  def __init__(self, stores):
+    self._stores = stores
+    self._starts = np.cumsum([0] + [s.num_rows for s in stores])
+    self.num_rows = int(self._starts[-1])
+
+  def read(self, rows: np.ndarray) -> Dict[str, np.ndarray]:
+    rows = np.asarray(rows, np.int64)
+    which = np.searchsorted(self._starts, rows, side="right") - 1
+    out = {}
+    for k in np.unique(which):
+      selected = which == k
+      for name, array in self._stores[k].read(rows[selected] - self._starts[k]).items():
+        if name not in out:
+          out[name] = np.zeros((len(rows),) + array.shape[1:], array.dtype)
+        out[name][selected] = array
+    if not out:
+      out = self._stores[0].read(rows)
+    return out

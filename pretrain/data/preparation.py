@@ -13,7 +13,7 @@ from apache_beam.runners.portability.fn_api_runner import fn_runner
 
 from plumbing import storage
 from plumbing.errors import usage_error
-from pretrain.data import beam_stores, kvstore, materialize, token_store
+from pretrain.data import beam_stores, kvstore, materialize, mixing, token_store
 from pretrain.data.errors import DataError
 
 
@@ -25,25 +25,28 @@ def store_plans(output: str, data: Mapping[str, Any], sequence_length: int
                 ) -> List[beam_stores.StorePlan]:
   """The stores a data config needs: `data` holds its DataPipeline bindings (`task`,
   the splits and their document limits), `sequence_length` the trainer's."""
+  spec = mixing.lookup(data["task"])   # a mixture: one store per task and split
   try:
-    provider = materialize.get_provider(data["task"])
+    providers = [materialize.get_provider(name)
+                 for name in (spec.tasks if spec else (data["task"],))]
   except DataError as error:
     raise usage_error(str(error)) from None
   splits = [(data.get("train_split", "train"), data.get("max_train_documents")),
             (data.get("validation_split", "validation"),
              data.get("max_validation_documents"))]
   plans = []
-  for split, max_documents in splits:
-    if not materialize.has_split(provider, split):
-      continue  # e.g. a text-files task with validation_fraction = 0
-    name = materialize.store_name(provider, split, sequence_length, max_documents)
-    plans.append(beam_stores.StorePlan(
-        name=name, path=storage.join(output, name), task=provider.name, split=split,
-        sequence_length=sequence_length, max_documents=max_documents,
-        num_shards=materialize.num_shards(provider, split),
-        with_loss_mask=materialize.has_loss_mask(provider)))
+  for provider in providers:
+    for split, max_documents in splits:
+      if not materialize.has_split(provider, split):
+        continue  # e.g. a text-files task with validation_fraction = 0
+      name = materialize.store_name(provider, split, sequence_length, max_documents)
+      plans.append(beam_stores.StorePlan(
+          name=name, path=storage.join(output, name), task=provider.name, split=split,
+          sequence_length=sequence_length, max_documents=max_documents,
+          num_shards=materialize.num_shards(provider, split),
+          with_loss_mask=materialize.has_loss_mask(provider)))
   if not plans:
-    raise usage_error(f"SeqIO task '{provider.name}' has none of the splits "
+    raise usage_error(f"SeqIO task '{data['task']}' has none of the splits "
                       f"{[split for split, _ in splits]}")
   return plans
 

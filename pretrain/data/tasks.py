@@ -7,6 +7,9 @@ equally take any other registered SeqIO task or mixture by name.
 Every language-modelling task here has one output feature, `targets`: the document's
 tokens followed by EOS. Empty documents are dropped.
 
+`corpus_task` registers a Parquet, JSONL (plain, gzip, zstd) or `datasets`-directory
+corpus (`pretrain.data.sources`); `mixture` (pretrain/data/mixing.py) weights several.
+
 TFDS tasks (need the dataset downloaded, or `tfds_data_dir` pointing at a copy):
 - `c4_en`: C4 English (`c4/en`), one web page per document; splits train/validation.
 - `wikitext103`: WikiText-103 raw (`wikitext/wikitext-103-raw-v1`); TFDS yields one
@@ -97,6 +100,53 @@ def text_files_task(train_files: str = gin.REQUIRED,
             f"{hashlib.sha256(key.encode()).hexdigest()[:10]}")
   source = sources.TextFilesDataSource(train_files, validation_fraction, exclude,
                                        shard_bytes)
+  return _register(seqio.Task(
+      name, source=source,
+      preprocessors=language_modeling_preprocessors(),
+      output_features=language_modeling_features(vocabulary),
+      shuffle_buffer_size=None))
+
+
+@gin.configurable
+def corpus_task(files: str = gin.REQUIRED,
+                text_field: str = "text",
+                format: Optional[str] = None,  # pylint: disable=redefined-builtin
+                validation_fraction: float = 0.0,
+                skip_bad_shards: bool = False,
+                hf_split: str = "train",
+                vocabulary: Optional[seqio.Vocabulary] = None,
+                name: Optional[str] = None) -> str:
+  """Registers a task over a corpus in the format it ships in; returns its name.
+
+  Args:
+    files: a glob, a directory of shards or one file, local or `gs://` / `s3://`:
+      Parquet (`*.parquet`), JSON lines (`*.jsonl`, `*.jsonl.gz`, `*.jsonl.zst`) or a
+      `datasets` `save_to_disk` directory.
+    text_field: the column (Parquet, Arrow) or field (JSONL) holding each document.
+    format: `parquet`, `jsonl` or `hf_dataset`; by default told from `files`.
+    validation_fraction: expected fraction of documents held out as the `validation`
+      split, by a hash of each document's file and row (0 = no split).
+    skip_bad_shards: warn about unreadable shards and train without them, instead of
+      stopping with an error naming the first one.
+    hf_split: the split of a `DatasetDict` directory.
+    vocabulary: defaults to bytes.
+    name: task name; by default derived from the other arguments.
+
+  Scope it to name several corpora in one config (`web/corpus_task.files = ...`), e.g.
+  for `mixture` (pretrain/data/mixing.py).
+  """
+  vocabulary = vocabulary or seqio.ByteVocabulary()
+  fmt = format or sources.detect_format(files)
+  scope = gin.current_scope_str()
+  flag = f"{scope}/corpus_task.files" if scope else "corpus_task.files"
+  kwargs = {"hf_split": hf_split} if fmt == "hf_dataset" else {}
+  source = sources.source_for(fmt)(files, text_field, validation_fraction,
+                                   skip_bad_shards, flag=flag, **kwargs)
+  if name is None:
+    key = json.dumps([files, text_field, fmt, validation_fraction, skip_bad_shards,
+                      hf_split, vocabulary_fingerprint(vocabulary)])
+    name = (f"corpus_{fmt}_{short_vocabulary_name(vocabulary)}_"
+            f"{hashlib.sha256(key.encode()).hexdigest()[:10]}")
   return _register(seqio.Task(
       name, source=source,
       preprocessors=language_modeling_preprocessors(),

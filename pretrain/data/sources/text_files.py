@@ -21,6 +21,7 @@ from pretrain.data.corpus_files import (DEFAULT_EXCLUDE, DEFAULT_SHARD_BYTES,
                                         assign_validation, expand_pattern, glob_root,
                                         iter_jsonl_texts, match_files)
 from pretrain.data.errors import DataError
+from pretrain.data.sources.sharded import FileListSource
 
 TRAIN = "train"
 VALIDATION = "validation"
@@ -34,7 +35,7 @@ class _FileStat:
   mtime_ns: int
 
 
-class TextFilesDataSource(seqio.DataSource):
+class TextFilesDataSource(FileListSource):
   """Documents from files matching a glob, split into train and validation.
 
   Yields examples `{"text": tf.string}`. Plain files are read whole by TensorFlow (no
@@ -81,16 +82,6 @@ class TextFilesDataSource(seqio.DataSource):
     for f in self._files:
       h.update(f"{f.key}\0{f.size}\0{f.mtime_ns}\n".encode())
     return h.hexdigest()
-
-  @property
-  def supports_arbitrary_sharding(self) -> bool:
-    return False
-
-  def list_shards(self, split: str) -> Sequence[str]:
-    return list(self.files)
-
-  def num_input_examples(self, split: str) -> Optional[int]:
-    return None
 
   def _documents_by_split(self):
     """{split: (whole-file paths, [(JSONL path, which of its documents)])}, assigned
