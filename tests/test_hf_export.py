@@ -7,7 +7,7 @@ weights, exports it with `pretrain.export`, and compares transformers' logits an
 greedy generation with ours; then imports the export back (`pretrain.convert hf`) and
 requires the very same bits. A checkpoint built by transformers itself imports too.
 transformers runs with its defaults throughout (`model(ids)`, `generate`, `pipeline`,
-README.md's snippet, lm_eval's `hf` backend): what they need is the export's job.
+the documented snippet (docs/interchange.md), lm_eval's `hf` backend): what they need is the export's job.
 """
 import json
 import os
@@ -54,9 +54,9 @@ CONFIGS = {
 # trust_remote_code export; 12 layers, 4 scanned units), with a 512-id vocabulary and
 # float32 compute (the preset trains in bfloat16).
 PRESET = "griffin_100m"
-# README.md's transformers snippet ("The directory loads with transformers alone"), run
-# verbatim on each export; it prompts with PROMPT.
-with open(os.path.join(REPO, "README.md"), encoding="utf-8") as _f:
+# The documented transformers snippet (docs/interchange.md, "The directory loads with
+# transformers alone"), run verbatim on each export; it prompts with PROMPT.
+with open(os.path.join(REPO, "docs", "interchange.md"), encoding="utf-8") as _f:
   README_SNIPPET = _f.read().split("The directory loads with transformers alone", 1)[1].split(
       "```python\n", 1)[1].split("```", 1)[0]
 PROMPT = "def main("
@@ -161,7 +161,7 @@ def test_greedy_generation_matches_pretrain_sample(exported, greedy):
 @pytest.mark.filterwarnings("ignore:Using the model-agnostic default `max_length`")
 def test_readme_snippet_generate_and_pipeline_need_no_flags(exported, greedy, tmp_path,
                                                              monkeypatch, capsys):
-  """README.md's and the model card's snippets, `generate(ids)` and a greedy `pipeline`
+  """The documented and the model card's snippets, `generate(ids)` and a greedy `pipeline`
   (it samples by default) run as a user types them and continue the prompt as we do.
   Before the export said `use_cache: false`, Hawk raised in transformers' cache; before
   its generation config's pad id stopped being the document start 0, `generate` masked

@@ -144,7 +144,7 @@ def test_tpu_vm_dry_run_is_one_queued_resource_per_run(tmp_path):
     body = script.split("=", 2)[2]
     assert body.startswith("#!/bin/bash\ncd griffin-pretrain && source ~/venv/bin/activate && ")
     remote = shlex.split(body.splitlines()[1].split(" && ")[2])
-    assert remote[:3] == ["python", "-m", "launch.sweep_job"]
+    assert remote[:4] == ["exec", "python", "-m", "launch.sweep_job"]   # SIGTERM reaches it
 
 
 @pytest.mark.parametrize("flags, fragment", slow_after_first([

@@ -198,7 +198,7 @@ def induction_oracle(inputs, positions):
 
 
 def test_extrapolation_metrics_of_an_exact_solver_and_a_uniform_guess():
-  from pretrain import extrapolation
+  from pretrain.evaluation import extrapolation
   spec = synthetic.spec_of(synthetic.induction_heads_task(length=16, num_train=2,
                                                           num_validation=2))
   results = extrapolation.evaluate_multiples(induction_oracle, spec, [1, 4],
@@ -218,7 +218,7 @@ def test_extrapolation_runs_a_real_model_on_longer_sequences():
   import jax
   from model import lm
   from model.config import ModelConfig
-  from pretrain import extrapolation
+  from pretrain.evaluation import extrapolation
   config = ModelConfig(vocab_size=18, width=16, rnn_width=16, num_heads=2, depth=2,
                        block_pattern=("recurrent", "attention"), attention_window=8)
   params = lm.init_params(config, jax.random.PRNGKey(0))
@@ -280,7 +280,7 @@ def test_cli_trains_checkpoints_loads_and_evaluates_a_synthetic_task(trainer_env
   """`DataPipeline.task='induction_heads'` needs no data config; the checkpoint records
   the pass-through vocabulary; `pretrain.evaluate` reports the answers' accuracy."""
   import pretrain
-  from pretrain import extrapolation
+  from pretrain.evaluation import extrapolation
   from pretrain.checkpoints.checkpointer import complete_steps
   config = tmp_path / "synthetic.gin"
   config.write_text(SYNTHETIC_RUN_GIN)
