@@ -253,8 +253,10 @@ def test_chaos_run_recovers_from_sigkill_and_sigterm_with_equal_losses(
 def test_chaos_run_survives_a_bucket_outage_with_equal_losses(
     trainer_env, two_process_run, tmp_path, monkeypatch):
   """launch.chaos --gcs_emulator, seed 2: the bucket is cut off at step 2 for 10 s,
-  longer than the run's StorageConfig.outage_s = 3 s, so the run saves its local tier,
-  stops with one line and the launcher restarts it (again while the bucket is still
+  longer than the run's StorageConfig.outage_s = 1 s (short, since the run must meet the
+  limit while it trains: the 14 steps after the cut take about 1.5 s on a quiet machine,
+  and a run that reaches its last step waits there for the bucket), so the run saves its
+  local tier, stops with one line and the launcher restarts it (again while the bucket is still
   down, if it comes up first). It ends by itself with A's loss at every step: the rows
   logged while the bucket was down by the run that then stopped were kept beside its
   local tier and sent by the restart. (The disk_full kind is tested in tests/test_chaos.py
@@ -267,7 +269,7 @@ def test_chaos_run_survives_a_bucket_outage_with_equal_losses(
       gin_files=[trainer_env.gin], gin_params=["BATCH_SIZE=8", *MESH_2X2],
       local_every=2, checkpoint_every=6, tolerance=1e-6,
       reference_workdir=two_process_run[0], timeout_s=400, kinds=("outage",),
-      gcs_emulator_bucket=True, outage_fault_s=10, outage_s=3)
+      gcs_emulator_bucket=True, outage_fault_s=10, outage_s=1)
   print(report["text"])
   assert report["verdict"] == "pass", report["text"]
   faults = [f["kind"] for f in report["faults"]]
@@ -281,7 +283,7 @@ def test_chaos_run_survives_a_bucket_outage_with_equal_losses(
     log = f.read()
   assert "Traceback" not in log, log[-3000:]
   assert re.search(r"error: cannot reach the storage of gs://bucket/chaos\S* .*longer "
-                   r"than StorageConfig.outage_s = 3 s; saved the local checkpoint of "
+                   r"than StorageConfig.outage_s = 1 s; saved the local checkpoint of "
                    f"step {outage['resumed_step']} in ", log), log[-3000:]
   # The harness's own clients point at the session's storage again, not the emulator.
   assert os.environ.get("STORAGE_EMULATOR_HOST") == trainer_env.env.get(

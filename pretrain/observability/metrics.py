@@ -216,7 +216,23 @@ class MetricsWriter:
   def _write(self, kind: str, step: int, row: Mapping[str, Optional[float]]) -> None:
     values = {k: (None if v is None else float(v)) for k, v in row.items()}
     self._jsonl.append(json.dumps({"step": int(step), **values}) + "\n")
+    self._keep_while_down()
     self._track(Row(kind, int(step), values))
+
+  def _keep_while_down(self) -> None:
+    """While the storage is down, keeps the file as the bucket should have it beside the
+    local tier after every row, and drops that copy once the bucket has caught up.
+
+    `close` keeps it too, but only a process that stops in order gets there: when
+    another process meets the outage first and stops, the launcher ends this one (the
+    writer of the rows) in the middle of its step, and the rows logged since the outage
+    began would be lost."""
+    if not self._unsent_path or self._uploads is None:
+      return
+    if self._uploads.outage.down_s() > 0:
+      self._keep_unsent()
+    elif os.path.exists(self._unsent_path) and self._uploads.flush(0):
+      os.remove(self._unsent_path)
 
   def start_trackers(self, run: Optional[RunInfo] = None) -> None:
     """Starts the trackers' runs (`RunInfo`: its config, the model card's facts; None:
@@ -266,6 +282,7 @@ class MetricsWriter:
     to the file only and survives `rewind`."""
     if self._enabled:
       self._jsonl.append(json.dumps(dict(record)) + "\n")
+      self._keep_while_down()
       self._track(tracker_row(record))
 
   def log_train(self, step: int, row: Mapping[str, Optional[float]]) -> None:
@@ -325,6 +342,8 @@ class MetricsWriter:
         warn("metrics and TensorBoard writes " + (f"of the last {down_s:.0f} s " if down_s
                                                   else "still queued ")
              + "did not reach the storage" + kept)
+      elif self._unsent_path and os.path.exists(self._unsent_path):
+        os.remove(self._unsent_path)   # kept during an outage the bucket has caught up on
       self._uploads.close(timeout_s=0)
 
 
