@@ -138,20 +138,21 @@ def _saved_steps(text):
   return [int(s) for s in re.findall(r"the run saved step (\d+)", text)]
 
 
-def _kill_a_task_on(node_namespace, workdir_flag):
-  """SIGKILLs one training process (`workdir_flag` in its argv) in `node_namespace`."""
-  pids = subprocess.run(["ip", "netns", "pids", node_namespace], capture_output=True,
-                        text=True, check=True).stdout.split()
-  for pid in pids:
-    try:
-      with open(f"/proc/{pid}/cmdline", "rb") as f:
-        argv = f.read().split(b"\0")
-    except FileNotFoundError:
-      continue
-    if argv[1:3] == [b"-m", b"pretrain.train"] and workdir_flag.encode() in argv:
-      os.kill(int(pid), signal.SIGKILL)
-      return
-  raise AssertionError(f"no training process with {workdir_flag} in {node_namespace}")
+def _trainer_pid(namespaces, workdir_flag):
+  """The pid of the training process with `workdir_flag` in its argv running in one of
+  `namespaces` (the trainer itself, not launch.sweep_job around it), or None."""
+  for namespace in namespaces:
+    pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True,
+                          text=True, check=True).stdout.split()
+    for pid in pids:
+      try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+          argv = f.read().split(b"\0")
+      except FileNotFoundError:
+        continue
+      if argv[1:3] == [b"-m", b"pretrain.train"] and workdir_flag.encode() in argv:
+        return int(pid)
+  return None
 
 
 def test_readme_example_survives_warning_preemption_scancel_and_a_killed_task(
@@ -189,7 +190,9 @@ def test_readme_example_survives_warning_preemption_scancel_and_a_killed_task(
   # 4. A task dies (SIGKILL, on the second node): srun ends the step, the job requeues
   #    and resumes from the newest checkpoint.
   progress(3)
-  _kill_a_task_on(cluster.namespace("n2"), workdir_flag)
+  pid = _trainer_pid([cluster.namespace("n2")], workdir_flag)
+  assert pid, f"no training process with {workdir_flag} on node2"
+  os.kill(pid, signal.SIGKILL)
   _wait_for_restart(cluster, job, 4)
   record = cluster.wait_for(job, ["COMPLETED", "FAILED", "CANCELLED"], timeout_s=300)
   output = _output(tmp_path, job)
@@ -256,22 +259,6 @@ def _wait_until_queue_empty(cluster, timeout_s=300):
                        + cluster.client("squeue"))
 
 
-def _training_process(cluster, workdir):
-  """The pid of the training process of `workdir` on either node, or None."""
-  for index in range(NODES):
-    pids = subprocess.run(["ip", "netns", "pids", cluster.namespace(f"n{index + 1}")],
-                          capture_output=True, text=True, check=True).stdout.split()
-    for pid in pids:
-      try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-          argv = f.read().split(b"\0")
-      except FileNotFoundError:
-        continue
-      if argv[1:3] == [b"-m", b"pretrain.train"] and f"--workdir={workdir}".encode() in argv:
-        return int(pid)   # the trainer itself, not launch.sweep_job around it
-  return None
-
-
 def test_sweep_runs_a_forked_study_as_slurm_jobs_retries_a_killed_run_and_fits(
     cluster, trainer_env, tmp_path):
   """`launch.sweep --backend=slurm`: each call submits what can run (the forks only once
@@ -302,7 +289,8 @@ def test_sweep_runs_a_forked_study_as_slurm_jobs_retries_a_killed_run_and_fits(
   assert len(forks) == 2, forks
   victim = forks[-1]
   _wait_for_step_of(victim, 10)
-  pid = _training_process(cluster, victim)
+  pid = _trainer_pid([cluster.namespace(f"n{i + 1}") for i in range(NODES)],
+                     f"--workdir={victim}")
   assert pid, f"no training process of {victim}"
   os.kill(pid, signal.SIGKILL)
   _wait_until_queue_empty(cluster)
