@@ -245,9 +245,8 @@ def test_beam_prepares_a_gin_mixture_the_trainer_reads(tmp_path):
 def test_run_killed_mid_mixture_resumes_to_the_same_losses(trainer_env, tmp_path):
   """A tiny model on a 3-source mixture with a phase change at step 6: killed with
   SIGKILL after step 8 or so and restarted, it logs the uninterrupted run's losses."""
-  import signal  # pylint: disable=import-outside-toplevel
-  import time  # pylint: disable=import-outside-toplevel
-  from trainer_helpers import assert_ok, read_metrics, train_losses  # pylint: disable=import-outside-toplevel
+  from trainer_helpers import (assert_ok, kill_after_steps, read_metrics,  # pylint: disable=import-outside-toplevel
+                               train_losses)
   names = {}
   for k, key in enumerate(["web", "code", "math"]):
     write_parquet(tmp_path / f"{key}.parquet", documents(80, seed=k, prefix=key))
@@ -278,15 +277,7 @@ def test_run_killed_mid_mixture_resumes_to_the_same_losses(trainer_env, tmp_path
   assert [row["step"] for row in shares] == list(range(1, 15))
   assert shares[0]["weight/web"] == 0.5 and shares[-1]["weight/math"] == 0.8
   command = trainer_env.train_command(killed_dir, gin_files=[str(config)])
-  process = trainer_env.popen(command)
-  deadline = time.time() + 240
-  while time.time() < deadline and len(train_losses(killed_dir)) < 8:
-    if process.poll() is not None:
-      break
-    time.sleep(0.01)
-  assert process.poll() is None, "the run ended before it could be killed"
-  os.kill(process.pid, signal.SIGKILL)
-  process.wait(timeout=60)
+  kill_after_steps(trainer_env, command, killed_dir, 8)
   assert_ok(trainer_env.run(command))
   restarted = train_losses(killed_dir)
   assert sorted(restarted) == list(range(1, 15))

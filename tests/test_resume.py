@@ -1,14 +1,12 @@
 """Exact resume: a run killed with SIGKILL (async saves in flight) and restarted with the
 same command produces, step for step, the losses of an uninterrupted run."""
 import os
-import signal
-import time
 
 import pytest
 
 from pretrain.observability import goodput
 from pretrain.checkpoints.checkpointer import complete_steps
-from trainer_helpers import (assert_ok, read_metrics, train_losses,  # pylint: disable=unused-import
+from trainer_helpers import (assert_ok, kill_after_steps, read_metrics, train_losses,  # pylint: disable=unused-import
                              trained_workdir, trainer_env)
 
 STEPS = 24          # 2N, as in the shared tiny config (saves every 2 steps)
@@ -26,15 +24,7 @@ def test_sigkill_then_restart_reproduces_uninterrupted_losses(trainer_env, train
   # (b) the same run killed with SIGKILL after about N steps, then restarted.
   workdir = str(tmp_path / "killed")
   command = trainer_env.train_command(workdir)
-  process = trainer_env.popen(command)
-  deadline = time.time() + 240
-  while time.time() < deadline and len(train_losses(workdir)) < KILL_AFTER:
-    if process.poll() is not None:
-      break
-    time.sleep(0.01)
-  assert process.poll() is None, "the run ended before it could be killed"
-  os.kill(process.pid, signal.SIGKILL)
-  process.wait(timeout=60)
+  kill_after_steps(trainer_env, command, workdir, KILL_AFTER)
   killed_at = max(train_losses(workdir))
   assert killed_at < STEPS
   checkpoint_dir = os.path.join(workdir, "checkpoints")

@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -139,6 +140,19 @@ def read_metrics(workdir):
 def train_losses(workdir):
   """{step: loss} of the training rows (eval rows skipped)."""
   return {row["step"]: row["loss"] for row in read_metrics(workdir) if "loss" in row}
+
+
+def kill_after_steps(env, command, workdir, steps, timeout_s=240):
+  """Starts `command` and SIGKILLs it once `workdir` has logged `steps` training rows."""
+  process = env.popen(command)
+  deadline = time.time() + timeout_s
+  while time.time() < deadline and len(train_losses(workdir)) < steps:
+    if process.poll() is not None:
+      break
+    time.sleep(0.01)
+  assert process.poll() is None, "the run ended before it could be killed"
+  os.kill(process.pid, signal.SIGKILL)
+  process.wait(timeout=60)
 
 
 def stderr_excerpt(stderr: str, tail: int = 3000) -> str:
