@@ -46,7 +46,7 @@ from jax.experimental import multihost_utils
 from plumbing import storage
 from plumbing.errors import (CheckpointMismatchError, CheckpointSaveError,
                              UnreadableCheckpointError, UserError, warn)
-from pretrain.checkpoints import integrity
+from pretrain.checkpoints import integrity, orbax_manager
 from pretrain.checkpoints.tier import CheckpointTier, Restored, checked_read
 from pretrain.checkpoints.integrity import COMMIT_MARKER
 from pretrain.checkpoints.local import MAX_LOCAL_KEEP, LocalCheckpointer, process_directory
@@ -228,8 +228,9 @@ class Checkpointer:
                     opt_state=ocp.StandardCheckpointHandler(),
                     train=ocp.JsonCheckpointHandler(),
                     metadata=ocp.JsonCheckpointHandler())
-    return ocp.CheckpointManager(self.directory, options=options or self._options,
-                                 item_handlers=handlers)
+    return orbax_manager.CheckpointManager(self.directory,
+                                           options=options or self._options,
+                                           item_handlers=handlers)
 
   @contextlib.contextmanager
   def _reporting(self, step: int) -> Iterator[None]:
@@ -261,11 +262,6 @@ class Checkpointer:
   def latest_step(self) -> Optional[int]:
     steps = self.all_steps()
     return steps[-1] if steps else None
-
-  def reached_preemption(self, step: int) -> bool:
-    """Whether every process agreed to stop at `step` (JAX's preemption sync, through
-    Orbax); False on a single-process run, which has no sync service."""
-    return self._manager.reached_preemption(step)
 
   def has_item(self, step: int, item: str) -> bool:
     return (self.directory / str(step) / item).exists()
