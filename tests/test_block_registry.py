@@ -15,6 +15,7 @@ from model import block_registry, counting, decoding, hf_params, memory, recurre
 from model import partitioning as P
 from model.config import ModelConfig
 from model.lm import init_params
+from pretrain.compilation import summary
 from inprocess_trainer import make_trainer
 
 NAME = "diagonal"
@@ -175,6 +176,12 @@ def test_a_block_of_layer_and_param_count_alone_counts_plans_decodes_and_sweeps(
       assert estimated["activations"] >= planned["activations"], remat
   finally:
     block_registry.unregister(NAME)
+
+  # `pretrain.summary` says which of its figures are estimates, one line each (a mesh
+  # larger than this machine's 8 devices is planned analytically, not compiled).
+  text = summary.format_text(summary.summarize(config, 32, mesh="data:16", batch=16))
+  assert [line.split(" declare ")[0] for line in text.splitlines() if "estimated" in line] == [
+      "  estimated: block types 'bare_diagonal'"] * 2
 
   # Decodes from the default cache: zeros shaped like its layer's one-token cache.
   _prefill_then_step_equals_one_call(config)
