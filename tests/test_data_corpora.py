@@ -78,6 +78,10 @@ def test_every_format_tokenizes_like_plain_jsonl(tmp_path):
     name = tasks.corpus_task(str(location), text_field=field)
     assert tokens_of(name) == reference, location
     assert materialize.num_shards(materialize.get_provider(name), "train") == 3
+  # Parquet files cut at row groups (7 rows each) into more input shards: same documents.
+  name = tasks.corpus_task(str(tmp_path / "pq"), text_field="content", shard_bytes=300)
+  assert tokens_of(name) == reference
+  assert materialize.num_shards(materialize.get_provider(name), "train") > 3
 
 
 def test_validation_split_is_disjoint_and_stable(tmp_path):
@@ -88,6 +92,11 @@ def test_validation_split_is_disjoint_and_stable(tmp_path):
   assert len(train) + len(validation) == 200 and 5 <= len(validation) <= 40
   assert not {tuple(t) for t in train} & {tuple(v) for v in validation}
   assert tokens_of(name, "validation") == validation
+  # A document's split does not depend on how the file is cut into input shards.
+  cut = tasks.corpus_task(str(tmp_path / "a.parquet"), validation_fraction=0.1,
+                          shard_bytes=500)
+  assert materialize.num_shards(materialize.get_provider(cut), "train") > 1
+  assert tokens_of(cut, "validation") == validation
 
 
 def one_line(error):
@@ -169,6 +178,16 @@ def test_mixture_token_shares_follow_weights(tmp_path):
   for key, weight in weights.items():
     assert abs(record[f"share/{key}"] - weight) < 0.01, record
     assert record[f"weight/{key}"] == pytest.approx(weight)
+  # A run resumed at step 45 with records every 4 steps recounts batches 44 before its
+  # first record (step 48), which then equals the uninterrupted run's.
+  for step in range(44, 48):
+    data.batch(step)
+  uninterrupted = data.mixture_record(48)
+  resumed = tokens_of_store(tmp_path, mix, batch_size=64, seed=3)
+  resumed.recount_mixture_batches(range(44, 45))
+  for step in range(45, 48):
+    resumed.batch(step)
+  assert resumed.mixture_record(48) == uninterrupted
   # A pure function of (seed, step, weights): any process count, any order.
   halves = [tokens_of_store(tmp_path, mix, batch_size=64, seed=3, process_count=2,
                             process_index=p) for p in range(2)]
@@ -205,6 +224,7 @@ SEQUENCE_LENGTH = 32
 SEED = 3
 web/corpus_task.files = '{root}/web'
 web/corpus_task.validation_fraction = 0.1
+web/corpus_task.shard_bytes = 2000
 code/corpus_task.files = '{root}/code/*.jsonl.zst'
 code/corpus_task.text_field = 'content'
 code/corpus_task.validation_fraction = 0.1
@@ -217,13 +237,16 @@ mixture.schedule = {{2: {{'web': 0.2, 'code': 0.8}}}}
 
 @pytest.mark.slow
 def test_beam_prepares_a_gin_mixture_the_trainer_reads(tmp_path):
+  """Web is one Parquet file of 18 row groups, cut into several input shards (2000
+  bytes of text each), so Beam packs one file in parallel; code is two .jsonl.zst files,
+  a shard each. The prepared stores hold the trainer's own rows."""
   import gin  # pylint: disable=import-outside-toplevel
   from pretrain.data import prepare  # pylint: disable=import-outside-toplevel
-  from test_prepare import IN_PROCESS, trainer_pipeline  # pylint: disable=import-outside-toplevel
+  from test_prepare import IN_PROCESS, all_rows, trainer_pipeline  # pylint: disable=import-outside-toplevel
   (tmp_path / "web").mkdir()
   (tmp_path / "code").mkdir()
+  write_parquet(tmp_path / "web" / "0.parquet", documents(120, prefix="w"))
   for i in range(2):
-    write_parquet(tmp_path / "web" / f"{i}.parquet", documents(60, seed=i, prefix="w"))
     write_zst(tmp_path / "code" / f"{i}.jsonl.zst", documents(60, seed=9 + i, prefix="c"),
               field="content")
   config = tmp_path / "mix.gin"
@@ -235,6 +258,11 @@ def test_beam_prepares_a_gin_mixture_the_trainer_reads(tmp_path):
   built = trainer_pipeline(str(config), str(tmp_path / "built"))
   prepared = trainer_pipeline(str(config), str(tmp_path / "prepared"))
   assert all(s.path.startswith(str(tmp_path / "prepared")) for s in prepared.train_stores)
+  assert prepared.train_stores[0].metadata["num_shards"] >= 4
+  for own, store in zip(built.train_stores, prepared.train_stores):
+    assert store.metadata["prepared_by"]["runner"] == "apache_beam"
+    for name, rows in all_rows(own).items():
+      np.testing.assert_array_equal(all_rows(store)[name], rows)
   for step in range(4):
     for name, array in built.batch(step).items():
       np.testing.assert_array_equal(prepared.batch(step)[name], array)
@@ -283,3 +311,6 @@ def test_run_killed_mid_mixture_resumes_to_the_same_losses(trainer_env, tmp_path
   assert sorted(restarted) == list(range(1, 15))
   for step in range(1, 15):
     assert restarted[step] == reference[step], (step, restarted[step], reference[step])
+  # The redone steps' share records replace the killed session's: one per step, the
+  # uninterrupted run's.
+  assert [row for row in read_metrics(killed_dir) if row.get("kind") == "mixture"] == shares

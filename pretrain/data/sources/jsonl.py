@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import gzip
 import io
-from typing import Iterator, Optional
+from typing import Iterator, List, Optional
 
 import zstandard
 
 from pretrain.data.corpus_files import jsonl_texts
-from pretrain.data.sources.sharded import Shard, ShardedTextSource, open_binary
+from pretrain.data.sources.sharded import Piece, Shard, ShardedTextSource, open_binary
 
 _CHUNK = 1 << 20
 
@@ -77,12 +77,15 @@ class JsonlDataSource(ShardedTextSource):
   FORMAT = "JSONL"
   SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".json.zst")
 
-  def _check(self, shard: Shard) -> None:
+  def _pieces(self, shard: Shard) -> List[Piece]:
+    """The whole file: a compressed stream cannot be split (gzip and zstd frames carry
+    no index of where lines start), so a file is read by one worker, start to end."""
     with open_binary(shard.path) as f:  # exists and is readable; the rest streams
       f.read(1)
+    return [Piece(shard)]
 
-  def _texts(self, shard: Shard) -> Iterator[Optional[str]]:
+  def _texts(self, piece: Piece) -> Iterator[Optional[str]]:
     task = self._flag.split(".")[0]
-    with open_text_lines(shard.path) as lines:
-      yield from jsonl_texts(lines, shard.path, self.text_field,
+    with open_text_lines(piece.shard.path) as lines:
+      yield from jsonl_texts(lines, piece.shard.path, self.text_field,
                              f"set {task}.text_field to the field that holds the text")
