@@ -3,6 +3,7 @@ and weighted Gin mixtures: same ids as plain JSONL, one-line errors, exact share
 import gzip
 import json
 import os
+import subprocess
 
 import numpy as np
 import pyarrow as pa
@@ -12,6 +13,7 @@ import seqio
 import zstandard
 
 from pretrain.data import DataError, materialize, mixing, pipeline, tasks
+from storage_servers import gcs_bucket  # pylint: disable=unused-import  # noqa: F401
 from trainer_helpers import trainer_env  # pylint: disable=unused-import  # noqa: F401
 
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
@@ -269,42 +271,51 @@ def test_beam_prepares_a_gin_mixture_the_trainer_reads(tmp_path):
   assert "mixture mixture_" in prepared.describe()
 
 
-@pytest.mark.slow
-def test_run_killed_mid_mixture_resumes_to_the_same_losses(trainer_env, tmp_path):
-  """A tiny model on a 3-source mixture with a phase change at step 6: killed with
-  SIGKILL after step 8 or so and restarted, it logs the uninterrupted run's losses."""
-  from trainer_helpers import (assert_ok, kill_after_steps, read_metrics,  # pylint: disable=import-outside-toplevel
-                               train_losses)
-  names = {}
-  for k, key in enumerate(["web", "code", "math"]):
-    write_parquet(tmp_path / f"{key}.parquet", documents(80, seed=k, prefix=key))
-  config = tmp_path / "mixture.gin"
+def tiny_mixture_config(trainer_env, path, files, weights, steps, schedule=None):
+  """A Gin file training the trainer tests' tiny model for `steps` steps on a mixture of
+  the corpora `files` ({name: location}), with the tiny text-files tests' shapes (so
+  the compiled step comes from the session's compilation cache)."""
   from trainer_helpers import TINY_GIN  # pylint: disable=import-outside-toplevel
   tiny = (TINY_GIN.replace("include 'configs/data/text_files.gin'",
                            "import pretrain.data.mixing\nimport pretrain.data.pipeline\n"
                            "import pretrain.data.tasks")
           .replace("TRAIN_FILES = '{corpus}/*.txt'", "")
           .replace("text_files_task.validation_fraction = 0.25", "")
-          .replace("TRAIN_STEPS = 24", "TRAIN_STEPS = 14")
+          .replace("TRAIN_STEPS = 24", f"TRAIN_STEPS = {steps}")
           .format(cache=trainer_env.cache))
-  config.write_text(
-      tiny + "".join(f"{key}/corpus_task.files = '{tmp_path}/{key}.parquet'\n"
-                     for key in ("web", "code", "math"))
+  tasks_text = ", ".join(f"'{key}': @{key}/corpus_task()" for key in files)
+  path.write_text(
+      tiny + "".join(f"{key}/corpus_task.files = '{location}'\n"
+                     for key, location in files.items())
       + "DataPipeline.task = @mixture()\n"
-      "mixture.tasks = {'web': @web/corpus_task(), 'code': @code/corpus_task(), "
-      "'math': @math/corpus_task()}\n"
-      "mixture.weights = {'web': 0.5, 'code': 0.3, 'math': 0.2}\n"
-      "mixture.schedule = {6: {'web': 0.1, 'code': 0.1, 'math': 0.8}}\n")
-  del names
+      f"mixture.tasks = {{{tasks_text}}}\n"
+      f"mixture.weights = {weights!r}\n"
+      + (f"mixture.schedule = {schedule!r}\n" if schedule else ""))
+  return str(path)
+
+
+@pytest.mark.slow
+def test_run_killed_mid_mixture_resumes_to_the_same_losses(trainer_env, tmp_path):
+  """A tiny model on a 3-source mixture with a phase change at step 6: killed with
+  SIGKILL after step 8 or so and restarted, it logs the uninterrupted run's losses."""
+  from trainer_helpers import (assert_ok, kill_after_steps, read_metrics,  # pylint: disable=import-outside-toplevel
+                               train_losses)
+  for k, key in enumerate(["web", "code", "math"]):
+    write_parquet(tmp_path / f"{key}.parquet", documents(80, seed=k, prefix=key))
+  config = tiny_mixture_config(
+      trainer_env, tmp_path / "mixture.gin",
+      {key: f"{tmp_path}/{key}.parquet" for key in ("web", "code", "math")},
+      {"web": 0.5, "code": 0.3, "math": 0.2}, steps=14,
+      schedule={6: {"web": 0.1, "code": 0.1, "math": 0.8}})
   reference_dir, killed_dir = str(tmp_path / "reference"), str(tmp_path / "killed")
   assert_ok(trainer_env.run(trainer_env.train_command(reference_dir,
-                                                      gin_files=[str(config)])))
+                                                      gin_files=[config])))
   reference = train_losses(reference_dir)
   assert sorted(reference) == list(range(1, 15))
   shares = [row for row in read_metrics(reference_dir) if row.get("kind") == "mixture"]
   assert [row["step"] for row in shares] == list(range(1, 15))
   assert shares[0]["weight/web"] == 0.5 and shares[-1]["weight/math"] == 0.8
-  command = trainer_env.train_command(killed_dir, gin_files=[str(config)])
+  command = trainer_env.train_command(killed_dir, gin_files=[config])
   kill_after_steps(trainer_env, command, killed_dir, 8)
   assert_ok(trainer_env.run(command))
   restarted = train_losses(killed_dir)
@@ -314,3 +325,42 @@ def test_run_killed_mid_mixture_resumes_to_the_same_losses(trainer_env, tmp_path
   # The redone steps' share records replace the killed session's: one per step, the
   # uninterrupted run's.
   assert [row for row in read_metrics(killed_dir) if row.get("kind") == "mixture"] == shares
+
+
+@pytest.mark.slow
+def test_each_format_and_a_mixture_train_from_the_gcs_emulator(gcs_bucket, trainer_env,
+                                                                 tmp_path):
+  """Parquet shards, .jsonl.zst shards and a `datasets` directory, uploaded to the
+  project's GCS emulator: each source reads the ids it reads from the local copy, and a
+  tiny model trains 3 steps on a Gin mixture of the three gs:// corpora."""
+  datasets = pytest.importorskip("datasets")
+  from plumbing import storage  # pylint: disable=import-outside-toplevel
+  from trainer_helpers import (REPO, assert_ok, read_metrics, storage_env,  # pylint: disable=import-outside-toplevel
+                               train_losses)
+  local = tmp_path / "corpora"
+  (local / "web").mkdir(parents=True)
+  (local / "code").mkdir()
+  for i in range(2):
+    write_parquet(local / "web" / f"{i}.parquet", documents(30, seed=i, prefix="w"))
+    write_zst(local / "code" / f"{i}.jsonl.zst", documents(30, seed=5 + i, prefix="c"))
+  datasets.Dataset.from_dict({"text": documents(40, seed=7, prefix="b")}).save_to_disk(
+      str(local / "books"), num_shards=2)
+  remote = f"{gcs_bucket}/corpora-{tmp_path.name}"
+  storage.upload_tree(str(local), remote)
+  files = {"web": f"{remote}/web", "code": f"{remote}/code/*.jsonl.zst",
+           "books": f"{remote}/books"}
+  for key, location in files.items():
+    assert tokens_of(tasks.corpus_task(location)) == tokens_of(
+        tasks.corpus_task(location.replace(remote, str(local)))), key
+  config = tiny_mixture_config(trainer_env, tmp_path / "gcs.gin", files,
+                               {"web": 0.5, "code": 0.3, "books": 0.2}, steps=3)
+  workdir = str(tmp_path / "run")
+  # The session's trainer environment, pointed at the emulator.
+  assert_ok(subprocess.run(trainer_env.train_command(workdir, gin_files=[config]),
+                           env=storage_env(trainer_env.env), cwd=REPO,
+                           capture_output=True, text=True, timeout=300))
+  assert sorted(train_losses(workdir)) == [1, 2, 3]
+  shares = [row for row in read_metrics(workdir) if row.get("kind") == "mixture"]
+  assert [row["step"] for row in shares] == [1, 2, 3]
+  for key in files:   # 12 rows: each corpus served some
+    assert sum(row[f"tokens/{key}"] for row in shares) > 0, key
