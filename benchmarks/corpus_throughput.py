@@ -13,9 +13,11 @@ a random lexicon) as Parquet files (`--files`, row groups of `--row_group_rows`)
 - `tokenize/bytes`, `tokenize/spm`: the corpus task as the trainer builds its store
   (`materialize.packed_groups`: the source in tf.data, SeqIO's tokenizer and packing
   into rows of `--sequence_length`), with the byte vocabulary and with a SentencePiece
-  model (`--spm_vocab`, trained here on the first documents; 0 skips it).
+  model (`--spm_vocab`, trained on the first 2,000 documents by `python -m
+  pretrain.tokenizer` in a child process, as a user trains one; 0 skips it).
 
-Each measure runs `--repeats` times and keeps the fastest. Rows per second per core
+The readers that load no TensorFlow run first, then the tokenizing ones. Each measure
+runs `--repeats` times and keeps the fastest. Rows per second per core
 divides by the process's CPU seconds (all threads, user + system), not wall seconds, so
 a shared machine's load moves it less, and a reader that uses several threads is
 charged for all of them; `vs baseline` is rows per CPU-second over the baseline's
@@ -32,6 +34,8 @@ quiet.setup()  # first, before JAX or TensorFlow load: see plumbing/quiet.py
 import io
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from typing import Callable, Dict, List
@@ -45,7 +49,6 @@ from absl import flags
 
 from plumbing import cli
 from pretrain.data import materialize, sources, tasks
-from pretrain.interchange.tokenizer import train_sentencepiece
 
 flags.DEFINE_integer("rows", 40_000, "Documents in the corpus.")
 flags.DEFINE_integer("chars", 2_000, "Mean characters per document.")
@@ -133,28 +136,31 @@ def tokenized_rows(task: str, sequence_length: int) -> int:
 
 
 def measure(root: str, spm_model: str | None) -> List[Dict]:
-  """Every measure of the module docstring, as rows of the table."""
+  """Every measure of the module docstring, as rows of the table (by format)."""
   repeats, length = FLAGS.repeats, FLAGS.sequence_length
-  parquet, zst = os.path.join(root, "parquet"), os.path.join(root, "zst")
+  locations = {"parquet": os.path.join(root, "parquet"),
+               "jsonl.zst": os.path.join(root, "zst")}
+  readers = {
+      "parquet": [("pyarrow", lambda: pyarrow_rows(root, False)),
+                  ("pyarrow+pylist", lambda: pyarrow_rows(root, True)),
+                  ("source", lambda: source_rows(
+                      sources.ParquetDataSource(locations["parquet"])))],
+      "jsonl.zst": [("zstd+json", lambda: zstd_json_rows(root)),
+                    ("source", lambda: source_rows(
+                        sources.JsonlDataSource(locations["jsonl.zst"])))]}
   vocabularies = {"bytes": seqio.ByteVocabulary()}
   if spm_model:
     vocabularies["spm"] = seqio.SentencePieceVocabulary(spm_model)
-  results = []
-  for fmt, location, baseline, reader in (
-      ("parquet", parquet, ("pyarrow", lambda: pyarrow_rows(root, False)),
-       sources.ParquetDataSource),
-      ("jsonl.zst", zst, ("zstd+json", lambda: zstd_json_rows(root)),
-       sources.JsonlDataSource)):
-    rows = [(baseline[0], timed(baseline[1], repeats))]
-    if fmt == "parquet":
-      rows.append(("pyarrow+pylist", timed(lambda: pyarrow_rows(root, True), repeats)))
-    source = reader(location)
-    rows.append(("source", timed(lambda: source_rows(source), repeats)))
+  measured = {fmt: [(name, timed(count, repeats)) for name, count in counts]
+              for fmt, counts in readers.items()}
+  for fmt, location in locations.items():
     for name, vocabulary in vocabularies.items():
       task = tasks.corpus_task(location, vocabulary=vocabulary)
-      rows.append((f"tokenize/{name}", timed(lambda: tokenized_rows(task, length),
-                                             repeats)))
-    base = rows[0][1]["rows_per_cpu_s"]
+      measured[fmt].append((f"tokenize/{name}",
+                            timed(lambda: tokenized_rows(task, length), repeats)))
+  results = []
+  for fmt, rows in measured.items():
+    base = rows[0][1]["rows_per_cpu_s"]   # the library's own reader
     for reader_name, result in rows:
       results.append({"format": fmt, "reader": reader_name, **result,
                       "vs_baseline": result["rows_per_cpu_s"] / base})
@@ -170,7 +176,10 @@ def main(_) -> None:
     sample = os.path.join(root, "spm_sample.txt")
     with open(sample, "w", encoding="utf-8") as f:
       f.write("\n".join(texts[:2000]))
-    spm_model = train_sentencepiece(sample, FLAGS.spm_vocab, os.path.join(root, "spm"))
+    spm_model = os.path.join(root, "spm.model")
+    subprocess.run([sys.executable, "-m", "pretrain.tokenizer", f"--input_glob={sample}",
+                    f"--vocab_size={FLAGS.spm_vocab}", f"--output={spm_model}"],
+                   check=True, capture_output=True)
   results = measure(root, spm_model)
   mb = sum(len(t.encode()) for t in texts) / 1e6
   print(f"{FLAGS.rows} documents, {mb:.1f} MB of text, {FLAGS.files} files per format, "
