@@ -114,7 +114,7 @@ def corpus_task(files: str = gin.REQUIRED,
                 validation_fraction: float = 0.0,
                 skip_bad_shards: bool = False,
                 hf_split: str = "train",
-                shard_bytes: int = corpus_files.DEFAULT_SHARD_BYTES,
+                shard_bytes: int = corpus_files.PARQUET_SHARD_BYTES,
                 vocabulary: Optional[seqio.Vocabulary] = None,
                 name: Optional[str] = None) -> str:
   """Registers a task over a corpus in the format it ships in; returns its name.
@@ -130,8 +130,9 @@ def corpus_task(files: str = gin.REQUIRED,
     skip_bad_shards: warn about unreadable shards and train without them, instead of
       stopping with an error naming the first one.
     hf_split: the split of a `DatasetDict` directory.
-    shard_bytes: Parquet: text per input shard (whole row groups; a large file is read
-      by several `prepare` workers). JSONL and Arrow files are one shard each.
+    shard_bytes: Parquet: text per input shard (whole row groups, 256 MiB by default; a
+      large file is read by several `prepare` workers). JSONL and Arrow files are one
+      shard each.
     vocabulary: defaults to bytes.
     name: task name; by default derived from the other arguments.
 

@@ -3,8 +3,9 @@ column is read, one row group at a time, so memory is bounded by the largest row
 text, never by the file.
 
 A file is cut into pieces of whole row groups, about `shard_bytes` of (uncompressed)
-text each, from the sizes in its footer: each piece is an input shard of its own, so
-`pretrain.data.prepare` reads a single large file with many workers in parallel."""
+text each (256 MiB by default, `corpus_files.PARQUET_SHARD_BYTES`), from the sizes in
+its footer: each piece is an input shard of its own, so `pretrain.data.prepare` reads a
+single large file with many workers in parallel."""
 from __future__ import annotations
 
 from typing import Iterator, List, Optional
@@ -12,7 +13,7 @@ from typing import Iterator, List, Optional
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pretrain.data.corpus_files import DEFAULT_SHARD_BYTES
+from pretrain.data.corpus_files import PARQUET_SHARD_BYTES
 from pretrain.data.errors import DataError
 from pretrain.data.sources.sharded import (Piece, Shard, ShardedTextSource, missing_field,
                                            open_binary)
@@ -25,10 +26,10 @@ class ParquetDataSource(ShardedTextSource):
   FORMAT = "Parquet"
   SUFFIXES = (".parquet",)
 
-  def __init__(self, location: str, *args, shard_bytes: int = DEFAULT_SHARD_BYTES,
+  def __init__(self, location: str, *args, shard_bytes: int = PARQUET_SHARD_BYTES,
                **kwargs):
     if shard_bytes < 1:
-      raise DataError(f"shard_bytes={shard_bytes} must be >= 1, e.g. {DEFAULT_SHARD_BYTES}")
+      raise DataError(f"shard_bytes={shard_bytes} must be >= 1, e.g. {PARQUET_SHARD_BYTES}")
     self.shard_bytes = int(shard_bytes)
     super().__init__(location, *args, **kwargs)
 
