@@ -25,7 +25,7 @@ DEFAULT_SHARD_BYTES = 4 << 20
 # Parquet text per input shard (whole row groups): every shard pays about 2 CPU-seconds
 # of tf.data and SeqIO set-up before its first document (measured on the 2-core box,
 # benchmarks/RESULTS.md "Reading corpora"; tokenizing runs at about 10 MB of text per
-# CPU-second), so a shard holds enough text to make that a few percent.
+# CPU-second), so a shard holds enough text to keep that under a tenth.
 PARQUET_SHARD_BYTES = 256 << 20
 _GLOB_CHARS = "*?["
 
