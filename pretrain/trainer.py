@@ -393,6 +393,23 @@ class Trainer:
         self.writer.info(f"Redoing steps {restart['redone_from']}-{restart['redone_to']} "
                          f"(run before the restart, after the newest checkpoint)")
 
+  def _log_mixture_shares(self, step: int) -> None:
+    """A mixture's realized token shares over the batches since the last log step
+    (`pretrain.data.mixing`), written before the hooks run, so a checkpoint of `step`
+    is never on disk without its record."""
+    mixture_record = getattr(self.pipeline, "mixture_record", None)
+    record = mixture_record(step) if mixture_record else None
+    if record:
+      self.writer.log_record(record)
+
+  def _recount_mixture_batches(self, start_step: int) -> None:
+    """On resume at a step between two log steps: the mixture's counts take in the
+    batches since the last log step again, so the first record after a restart is the
+    one an uninterrupted run writes."""
+    recount = getattr(self.pipeline, "recount_mixture_batches", None)
+    if recount:
+      recount(range(start_step - start_step % self.config.log_every, start_step))
+
   def run(self) -> RunResult:
     """Trains from the newest checkpoint (or from scratch) to `train_steps`, with the
     default hooks and those added (`add_hook`), under the hang watchdog unless
@@ -411,6 +428,7 @@ class Trainer:
     clock.seconds["restore" if tier else "startup"] += time.perf_counter() - restore_started
     step = start_step = int(host_scalar(state.step))
     self._resume_accounting(start_step, tier)
+    self._recount_mixture_batches(start_step)
     hooks = self.default_hooks(start_step, rng, tier) + self._added_hooks
     pending = _PendingMetrics(hooks)
     started = time.perf_counter()
@@ -426,6 +444,8 @@ class Trainer:
           step += 1
           with watchdog.phase(watchdog.wait_phase):  # the previous step's metrics
             pending.push(step, metrics)
+          if step % self.config.log_every == 0:
+            self._log_mixture_shares(step)
           due = [hook for hook in hooks if hook.is_due(step)]
           if any(hook.drains_metrics for hook in due):
             with watchdog.phase(watchdog.wait_phase):
@@ -442,10 +462,6 @@ class Trainer:
               hook.resumed(step)
           if step % self.config.log_every == 0:
             self.writer.log_record(clock.row(step))
-            mixture_record = getattr(self.pipeline, "mixture_record", None)
-            record = mixture_record(step) if mixture_record else None
-            if record:  # a mixture's realized token shares (pretrain.data.mixing)
-              self.writer.log_record(record)
         with watchdog.phase(watchdog.wait_phase):
           pending.drain()
       preempted = step < self.config.train_steps

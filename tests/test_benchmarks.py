@@ -238,6 +238,23 @@ def test_shard_map_step_script_matches_the_single_device_step():
   assert difference <= 2e-4
 
 
+@pytest.mark.slow
+def test_corpus_throughput_script_measures_every_reader(tmp_path):
+  """benchmarks/corpus_throughput.py on 300 documents: every reader of both formats reads
+  every row, and the tokenizing ones pack every document."""
+  run = _run_benchmark("corpus_throughput.py", "--rows=300", "--files=2",
+                       "--row_group_rows=50", "--repeats=1", "--spm_vocab=300",
+                       "--sequence_length=128", f"--workdir={tmp_path}")
+  assert run.returncode == 0, run.stderr[-3000:]
+  results = json.loads(run.stdout.strip().splitlines()[-1])["results"]
+  assert [(r["format"], r["reader"]) for r in results] == [
+      ("parquet", "pyarrow"), ("parquet", "pyarrow+pylist"), ("parquet", "source"),
+      ("parquet", "tokenize/bytes"), ("parquet", "tokenize/spm"),
+      ("jsonl.zst", "zstd+json"), ("jsonl.zst", "source"),
+      ("jsonl.zst", "tokenize/bytes"), ("jsonl.zst", "tokenize/spm")]
+  assert all(r["rows"] == 300 and r["rows_per_cpu_s"] > 0 for r in results), results
+
+
 def test_wsd_three_families_script_prints_the_recorded_study():
   """The tables of docs/scaling.md's three-family study, from the recorded results."""
   result = subprocess.run([sys.executable, "benchmarks/wsd_three_families.py"],

@@ -3,6 +3,7 @@ and weighted Gin mixtures: same ids as plain JSONL, one-line errors, exact share
 import gzip
 import json
 import os
+import subprocess
 
 import numpy as np
 import pyarrow as pa
@@ -12,6 +13,7 @@ import seqio
 import zstandard
 
 from pretrain.data import DataError, materialize, mixing, pipeline, tasks
+from storage_servers import gcs_bucket  # pylint: disable=unused-import  # noqa: F401
 from trainer_helpers import trainer_env  # pylint: disable=unused-import  # noqa: F401
 
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
@@ -78,6 +80,10 @@ def test_every_format_tokenizes_like_plain_jsonl(tmp_path):
     name = tasks.corpus_task(str(location), text_field=field)
     assert tokens_of(name) == reference, location
     assert materialize.num_shards(materialize.get_provider(name), "train") == 3
+  # Parquet files cut at row groups (7 rows each) into more input shards: same documents.
+  name = tasks.corpus_task(str(tmp_path / "pq"), text_field="content", shard_bytes=300)
+  assert tokens_of(name) == reference
+  assert materialize.num_shards(materialize.get_provider(name), "train") > 3
 
 
 def test_validation_split_is_disjoint_and_stable(tmp_path):
@@ -88,6 +94,11 @@ def test_validation_split_is_disjoint_and_stable(tmp_path):
   assert len(train) + len(validation) == 200 and 5 <= len(validation) <= 40
   assert not {tuple(t) for t in train} & {tuple(v) for v in validation}
   assert tokens_of(name, "validation") == validation
+  # A document's split does not depend on how the file is cut into input shards.
+  cut = tasks.corpus_task(str(tmp_path / "a.parquet"), validation_fraction=0.1,
+                          shard_bytes=500)
+  assert materialize.num_shards(materialize.get_provider(cut), "train") > 1
+  assert tokens_of(cut, "validation") == validation
 
 
 def one_line(error):
@@ -169,6 +180,16 @@ def test_mixture_token_shares_follow_weights(tmp_path):
   for key, weight in weights.items():
     assert abs(record[f"share/{key}"] - weight) < 0.01, record
     assert record[f"weight/{key}"] == pytest.approx(weight)
+  # A run resumed at step 45 with records every 4 steps recounts batches 44 before its
+  # first record (step 48), which then equals the uninterrupted run's.
+  for step in range(44, 48):
+    data.batch(step)
+  uninterrupted = data.mixture_record(48)
+  resumed = tokens_of_store(tmp_path, mix, batch_size=64, seed=3)
+  resumed.recount_mixture_batches(range(44, 45))
+  for step in range(45, 48):
+    resumed.batch(step)
+  assert resumed.mixture_record(48) == uninterrupted
   # A pure function of (seed, step, weights): any process count, any order.
   halves = [tokens_of_store(tmp_path, mix, batch_size=64, seed=3, process_count=2,
                             process_index=p) for p in range(2)]
@@ -205,6 +226,7 @@ SEQUENCE_LENGTH = 32
 SEED = 3
 web/corpus_task.files = '{root}/web'
 web/corpus_task.validation_fraction = 0.1
+web/corpus_task.shard_bytes = 2000
 code/corpus_task.files = '{root}/code/*.jsonl.zst'
 code/corpus_task.text_field = 'content'
 code/corpus_task.validation_fraction = 0.1
@@ -217,13 +239,16 @@ mixture.schedule = {{2: {{'web': 0.2, 'code': 0.8}}}}
 
 @pytest.mark.slow
 def test_beam_prepares_a_gin_mixture_the_trainer_reads(tmp_path):
+  """Web is one Parquet file of 18 row groups, cut into several input shards (2000
+  bytes of text each), so Beam packs one file in parallel; code is two .jsonl.zst files,
+  a shard each. The prepared stores hold the trainer's own rows."""
   import gin  # pylint: disable=import-outside-toplevel
   from pretrain.data import prepare  # pylint: disable=import-outside-toplevel
-  from test_prepare import IN_PROCESS, trainer_pipeline  # pylint: disable=import-outside-toplevel
+  from test_prepare import IN_PROCESS, all_rows, trainer_pipeline  # pylint: disable=import-outside-toplevel
   (tmp_path / "web").mkdir()
   (tmp_path / "code").mkdir()
+  write_parquet(tmp_path / "web" / "0.parquet", documents(120, prefix="w"))
   for i in range(2):
-    write_parquet(tmp_path / "web" / f"{i}.parquet", documents(60, seed=i, prefix="w"))
     write_zst(tmp_path / "code" / f"{i}.jsonl.zst", documents(60, seed=9 + i, prefix="c"),
               field="content")
   config = tmp_path / "mix.gin"
@@ -235,10 +260,38 @@ def test_beam_prepares_a_gin_mixture_the_trainer_reads(tmp_path):
   built = trainer_pipeline(str(config), str(tmp_path / "built"))
   prepared = trainer_pipeline(str(config), str(tmp_path / "prepared"))
   assert all(s.path.startswith(str(tmp_path / "prepared")) for s in prepared.train_stores)
+  assert prepared.train_stores[0].metadata["num_shards"] >= 4
+  for own, store in zip(built.train_stores, prepared.train_stores):
+    assert store.metadata["prepared_by"]["runner"] == "apache_beam"
+    for name, rows in all_rows(own).items():
+      np.testing.assert_array_equal(all_rows(store)[name], rows)
   for step in range(4):
     for name, array in built.batch(step).items():
       np.testing.assert_array_equal(prepared.batch(step)[name], array)
   assert "mixture mixture_" in prepared.describe()
+
+
+def tiny_mixture_config(trainer_env, path, files, weights, steps, schedule=None):
+  """A Gin file training the trainer tests' tiny model for `steps` steps on a mixture of
+  the corpora `files` ({name: location}), with the tiny text-files tests' shapes (so
+  the compiled step comes from the session's compilation cache)."""
+  from trainer_helpers import TINY_GIN  # pylint: disable=import-outside-toplevel
+  tiny = (TINY_GIN.replace("include 'configs/data/text_files.gin'",
+                           "import pretrain.data.mixing\nimport pretrain.data.pipeline\n"
+                           "import pretrain.data.tasks")
+          .replace("TRAIN_FILES = '{corpus}/*.txt'", "")
+          .replace("text_files_task.validation_fraction = 0.25", "")
+          .replace("TRAIN_STEPS = 24", f"TRAIN_STEPS = {steps}")
+          .format(cache=trainer_env.cache))
+  tasks_text = ", ".join(f"'{key}': @{key}/corpus_task()" for key in files)
+  path.write_text(
+      tiny + "".join(f"{key}/corpus_task.files = '{location}'\n"
+                     for key, location in files.items())
+      + "DataPipeline.task = @mixture()\n"
+      f"mixture.tasks = {{{tasks_text}}}\n"
+      f"mixture.weights = {weights!r}\n"
+      + (f"mixture.schedule = {schedule!r}\n" if schedule else ""))
+  return str(path)
 
 
 @pytest.mark.slow
@@ -247,39 +300,67 @@ def test_run_killed_mid_mixture_resumes_to_the_same_losses(trainer_env, tmp_path
   SIGKILL after step 8 or so and restarted, it logs the uninterrupted run's losses."""
   from trainer_helpers import (assert_ok, kill_after_steps, read_metrics,  # pylint: disable=import-outside-toplevel
                                train_losses)
-  names = {}
   for k, key in enumerate(["web", "code", "math"]):
     write_parquet(tmp_path / f"{key}.parquet", documents(80, seed=k, prefix=key))
-  config = tmp_path / "mixture.gin"
-  from trainer_helpers import TINY_GIN  # pylint: disable=import-outside-toplevel
-  tiny = (TINY_GIN.replace("include 'configs/data/text_files.gin'",
-                           "import pretrain.data.mixing\nimport pretrain.data.pipeline\n"
-                           "import pretrain.data.tasks")
-          .replace("TRAIN_FILES = '{corpus}/*.txt'", "")
-          .replace("text_files_task.validation_fraction = 0.25", "")
-          .replace("TRAIN_STEPS = 24", "TRAIN_STEPS = 14")
-          .format(cache=trainer_env.cache))
-  config.write_text(
-      tiny + "".join(f"{key}/corpus_task.files = '{tmp_path}/{key}.parquet'\n"
-                     for key in ("web", "code", "math"))
-      + "DataPipeline.task = @mixture()\n"
-      "mixture.tasks = {'web': @web/corpus_task(), 'code': @code/corpus_task(), "
-      "'math': @math/corpus_task()}\n"
-      "mixture.weights = {'web': 0.5, 'code': 0.3, 'math': 0.2}\n"
-      "mixture.schedule = {6: {'web': 0.1, 'code': 0.1, 'math': 0.8}}\n")
-  del names
+  config = tiny_mixture_config(
+      trainer_env, tmp_path / "mixture.gin",
+      {key: f"{tmp_path}/{key}.parquet" for key in ("web", "code", "math")},
+      {"web": 0.5, "code": 0.3, "math": 0.2}, steps=14,
+      schedule={6: {"web": 0.1, "code": 0.1, "math": 0.8}})
   reference_dir, killed_dir = str(tmp_path / "reference"), str(tmp_path / "killed")
   assert_ok(trainer_env.run(trainer_env.train_command(reference_dir,
-                                                      gin_files=[str(config)])))
+                                                      gin_files=[config])))
   reference = train_losses(reference_dir)
   assert sorted(reference) == list(range(1, 15))
   shares = [row for row in read_metrics(reference_dir) if row.get("kind") == "mixture"]
   assert [row["step"] for row in shares] == list(range(1, 15))
   assert shares[0]["weight/web"] == 0.5 and shares[-1]["weight/math"] == 0.8
-  command = trainer_env.train_command(killed_dir, gin_files=[str(config)])
+  command = trainer_env.train_command(killed_dir, gin_files=[config])
   kill_after_steps(trainer_env, command, killed_dir, 8)
   assert_ok(trainer_env.run(command))
   restarted = train_losses(killed_dir)
   assert sorted(restarted) == list(range(1, 15))
   for step in range(1, 15):
     assert restarted[step] == reference[step], (step, restarted[step], reference[step])
+  # The redone steps' share records replace the killed session's: one per step, the
+  # uninterrupted run's.
+  assert [row for row in read_metrics(killed_dir) if row.get("kind") == "mixture"] == shares
+
+
+@pytest.mark.slow
+def test_each_format_and_a_mixture_train_from_the_gcs_emulator(gcs_bucket, trainer_env,
+                                                                 tmp_path):
+  """Parquet shards, .jsonl.zst shards and a `datasets` directory, uploaded to the
+  project's GCS emulator: each source reads the ids it reads from the local copy, and a
+  tiny model trains 3 steps on a Gin mixture of the three gs:// corpora."""
+  datasets = pytest.importorskip("datasets")
+  from plumbing import storage  # pylint: disable=import-outside-toplevel
+  from trainer_helpers import (REPO, assert_ok, read_metrics, storage_env,  # pylint: disable=import-outside-toplevel
+                               train_losses)
+  local = tmp_path / "corpora"
+  (local / "web").mkdir(parents=True)
+  (local / "code").mkdir()
+  for i in range(2):
+    write_parquet(local / "web" / f"{i}.parquet", documents(30, seed=i, prefix="w"))
+    write_zst(local / "code" / f"{i}.jsonl.zst", documents(30, seed=5 + i, prefix="c"))
+  datasets.Dataset.from_dict({"text": documents(40, seed=7, prefix="b")}).save_to_disk(
+      str(local / "books"), num_shards=2)
+  remote = f"{gcs_bucket}/corpora-{tmp_path.name}"
+  storage.upload_tree(str(local), remote)
+  files = {"web": f"{remote}/web", "code": f"{remote}/code/*.jsonl.zst",
+           "books": f"{remote}/books"}
+  for key, location in files.items():
+    assert tokens_of(tasks.corpus_task(location)) == tokens_of(
+        tasks.corpus_task(location.replace(remote, str(local)))), key
+  config = tiny_mixture_config(trainer_env, tmp_path / "gcs.gin", files,
+                               {"web": 0.5, "code": 0.3, "books": 0.2}, steps=3)
+  workdir = str(tmp_path / "run")
+  # The session's trainer environment, pointed at the emulator.
+  assert_ok(subprocess.run(trainer_env.train_command(workdir, gin_files=[config]),
+                           env=storage_env(trainer_env.env), cwd=REPO,
+                           capture_output=True, text=True, timeout=300))
+  assert sorted(train_losses(workdir)) == [1, 2, 3]
+  shares = [row for row in read_metrics(workdir) if row.get("kind") == "mixture"]
+  assert [row["step"] for row in shares] == [1, 2, 3]
+  for key in files:   # 12 rows: each corpus served some
+    assert sum(row[f"tokens/{key}"] for row in shares) > 0, key

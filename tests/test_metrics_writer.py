@@ -23,14 +23,19 @@ def test_rewind_drops_later_rows_and_a_torn_line(tmp_path):
   writer = MetricsWriter(str(tmp_path), 10, trackers=())
   for step in range(1, 6):
     writer.log_train(step, _train_row(float(step)))
+    writer.log_record({"kind": "mixture", "step": step, "share/web": 0.5})
   writer.log_eval(2, 3.0, 100)
   writer.log_eval(4, 2.0, 100)
+  writer.log_record({"kind": "goodput", "step": 5})
   writer.close()
   with open(tmp_path / "metrics.jsonl", "a", encoding="utf-8") as f:
     f.write('{"step": 6, "lo')   # killed mid-write
 
   writer = MetricsWriter(str(tmp_path), 10, trackers=())
   writer.rewind(3)   # restored from the checkpoint of step 3
+  # A session's record stays; a mixture's share record belongs to its step.
+  assert [(r["kind"], r["step"]) for r in writer.read_rows() if "kind" in r] == [
+      ("mixture", 1), ("mixture", 2), ("mixture", 3), ("goodput", 5)]
   for step in range(4, 6):
     writer.log_train(step, _train_row(step + 0.5))
   writer.log_eval(2, 3.0, 100)   # already in the file: not appended again

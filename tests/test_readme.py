@@ -9,7 +9,8 @@ backslash continuations joined; ```python blocks), so a documented command canno
     mesh and batch divide the cluster's devices;
   - `pretrain.summary` runs verbatim and its memory plan must fit;
   - local training runs for real, verbatim, shortened through the documented
-    `GRIFFIN_EXTRA_GIN_PARAMS` override (2 steps on a tiny corpus); the Python snippet
+    `GRIFFIN_EXTRA_GIN_PARAMS` override (2 steps on a tiny corpus; the corpus commands
+    of docs/data.md on small Parquet and .jsonl.zst files the test writes); the Python snippet
     and the `pretrain.report` command then run against the workdir it wrote;
   - the Python snippet, run as a user runs it, writes nothing to stderr;
   - the experiment-tracker commands run verbatim (the MLflow server on its port, in the
@@ -39,8 +40,8 @@ from pretrain.data import pipeline
 from pretrain.optimizer import OptimizerConfig
 from pretrain.trainer import TrainConfig
 from sharding.mesh import MeshConfig
-from trainer_helpers import (assert_ok, bucket_rows, make_corpus, storage_env,  # pylint: disable=unused-import
-                             trained_workdir, trainer_env)
+from trainer_helpers import (assert_ok, bucket_rows, make_corpus, read_metrics,  # pylint: disable=unused-import
+                             storage_env, trained_workdir, trainer_env)
 import tracker_tools
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -139,6 +140,8 @@ def _kind(piece):
     return "compile"  # run verbatim by tests/test_tpu_compile.py and test_gpu_compile.py
   if piece.startswith("python -m pretrain.summary"):
     return "summary"
+  if piece.startswith("python -m pretrain.train") and "configs/data/corpus.gin" in piece:
+    return "corpus_train"   # on corpus files the test writes
   if piece.startswith("python -m pretrain.train"):
     return "train"
   if piece.startswith("python -m pretrain.data.prepare"):
@@ -273,6 +276,41 @@ def test_local_training_commands_and_python_snippet_run_verbatim(tmp_path):
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith("def main("), result.stdout
+
+
+@pytest.mark.slow
+def test_corpus_training_commands_run_verbatim(tmp_path):
+  """docs/data.md's "Train on your corpus": a Parquet directory, then a two-corpus
+  mixture (that Parquet and .jsonl.zst files with a `content` field), each shortened to 2
+  steps, on the files the commands name, written here."""
+  from test_data_corpora import documents, write_parquet, write_zst  # pylint: disable=import-outside-toplevel
+  (tmp_path / "corpus" / "web").mkdir(parents=True)
+  (tmp_path / "corpus" / "code").mkdir()
+  for i in range(2):
+    write_parquet(tmp_path / "corpus" / "web" / f"part-{i}.parquet",
+                  documents(300, seed=i, prefix="web"))
+    write_zst(tmp_path / "corpus" / "code" / f"part-{i}.jsonl.zst",
+              documents(300, seed=5 + i, prefix="code"), field="content")
+  env = _env()
+  env.update(JAX_PLATFORMS="cpu", GRIFFIN_DATA_CACHE=str(tmp_path / "tokens"),
+             # The second command's step is the first's: compiled once.
+             JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+             GRIFFIN_EXTRA_GIN_PARAMS="\n".join([
+                 "TRAIN_STEPS = 2", "CHECKPOINT_EVERY = 2", "EVAL_EVERY = 0", "LOG_EVERY = 1",
+                 "TrainConfig.eval_batches = 1"]))
+  pieces = [piece for piece in PIECES if _kind(piece) == "corpus_train"]
+  assert len(pieces) == 2, pieces
+  for piece in pieces:
+    result = _run(piece, cwd=tmp_path, env=env)
+    assert result.returncode == 0, (piece, result.stdout[-2000:], result.stderr[-2000:])
+    assert result.stderr == "", result.stderr
+  workdir = dict(arg.split("=", 1) for arg in shlex.split(pieces[1]) if "=" in arg)[
+      "--workdir"]
+  shares = [row for row in read_metrics(str(tmp_path / workdir))
+            if row.get("kind") == "mixture"]
+  assert [row["step"] for row in shares] == [1, 2], shares
+  assert shares[0]["weight/web"] == 0.7 and shares[0]["weight/code"] == 0.3
 
 
 @pytest.mark.slow

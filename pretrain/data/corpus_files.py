@@ -22,6 +22,11 @@ from pretrain.data.errors import DataError
 DEFAULT_EXCLUDE = ("*/site-packages/*", "*/dist-packages/*", "*/__pycache__/*")
 # Text per input shard: shards are packed (and prepared by Beam workers) separately.
 DEFAULT_SHARD_BYTES = 4 << 20
+# Parquet text per input shard (whole row groups): every shard pays about 2 CPU-seconds
+# of tf.data and SeqIO set-up before its first document (measured on the 2-core box,
+# benchmarks/RESULTS.md "Reading corpora"; tokenizing runs at about 10 MB of text per
+# CPU-second), so a shard holds enough text to keep that under a tenth.
+PARQUET_SHARD_BYTES = 256 << 20
 _GLOB_CHARS = "*?["
 
 

@@ -14,7 +14,8 @@ Input shards: a split is read as `num_shards` SeqIO shards (`seqio.ShardInfo`: b
 source file where the source has enough files, else every n-th example), each packed on
 its own and padded at its end, and the store holds shard 0's rows, then shard 1's, ...
 The shard count is a function of the task alone (about 4 MiB of text per shard for
-text files, `text_files_task.shard_bytes`; one shard per file for TFDS), never of how
+text files, `text_files_task.shard_bytes`; for Parquet, cut at row groups, 256 MiB,
+`corpus_task.shard_bytes`; one shard per file for JSONL, Arrow and TFDS), never of how
 many workers run, so the in-process build here and `python -m pretrain.data.prepare` (one Beam worker per shard)
 write identical stores. A document cap `max_documents` is split evenly over the shards.
 

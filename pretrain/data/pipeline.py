@@ -21,7 +21,7 @@ got in the batches served since the last report (a `metrics.jsonl` row of kind
 from __future__ import annotations
 
 import os
-from typing import Dict, Iterator, Optional
+from typing import Dict, Iterable, Iterator, Optional
 
 from etils import epy
 import gin
@@ -184,6 +184,14 @@ class DataPipeline:
         owners, weights=np.count_nonzero(parts["segment_ids"], axis=1),
         minlength=len(self._providers)).astype(np.int64)
     return features_from_rows(**parts)
+
+  def recount_mixture_batches(self, steps: Iterable[int]) -> None:
+    """Counts the tokens of global batches `steps` towards the next `mixture_record`
+    without serving them: a resumed run's first record then covers the batches an
+    uninterrupted run's would (those before the restored step included)."""
+    if self._mixer is not None:
+      for step in steps:
+        self._mixture_batch(step)
 
   def mixture_record(self, step: int) -> Optional[Dict]:
     """For a mixture: a `metrics.jsonl` row (kind `mixture`) of the tokens and token

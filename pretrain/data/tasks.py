@@ -114,6 +114,7 @@ def corpus_task(files: str = gin.REQUIRED,
                 validation_fraction: float = 0.0,
                 skip_bad_shards: bool = False,
                 hf_split: str = "train",
+                shard_bytes: int = corpus_files.PARQUET_SHARD_BYTES,
                 vocabulary: Optional[seqio.Vocabulary] = None,
                 name: Optional[str] = None) -> str:
   """Registers a task over a corpus in the format it ships in; returns its name.
@@ -129,6 +130,9 @@ def corpus_task(files: str = gin.REQUIRED,
     skip_bad_shards: warn about unreadable shards and train without them, instead of
       stopping with an error naming the first one.
     hf_split: the split of a `DatasetDict` directory.
+    shard_bytes: Parquet: text per input shard (whole row groups, 256 MiB by default; a
+      large file is read by several `prepare` workers). JSONL and Arrow files are one
+      shard each.
     vocabulary: defaults to bytes.
     name: task name; by default derived from the other arguments.
 
@@ -139,12 +143,13 @@ def corpus_task(files: str = gin.REQUIRED,
   fmt = format or sources.detect_format(files)
   scope = gin.current_scope_str()
   flag = f"{scope}/corpus_task.files" if scope else "corpus_task.files"
-  kwargs = {"hf_split": hf_split} if fmt == "hf_dataset" else {}
+  kwargs = ({"hf_split": hf_split} if fmt == "hf_dataset" else
+            {"shard_bytes": shard_bytes} if fmt == "parquet" else {})
   source = sources.source_for(fmt)(files, text_field, validation_fraction,
                                    skip_bad_shards, flag=flag, **kwargs)
   if name is None:
     key = json.dumps([files, text_field, fmt, validation_fraction, skip_bad_shards,
-                      hf_split, vocabulary_fingerprint(vocabulary)])
+                      hf_split, shard_bytes, vocabulary_fingerprint(vocabulary)])
     name = (f"corpus_{fmt}_{short_vocabulary_name(vocabulary)}_"
             f"{hashlib.sha256(key.encode()).hexdigest()[:10]}")
   return _register(seqio.Task(

@@ -20,8 +20,8 @@ import jax
 
 from plumbing import storage
 from plumbing.errors import warn
-from pretrain.observability.trackers import (DOWNSTREAM, EVAL, TRAIN, Row, RunInfo,
-                                             TrackerContext)
+from pretrain.observability.trackers import (DOWNSTREAM, EVAL, STEP_RECORD_KINDS, TRAIN,
+                                             Row, RunInfo, TrackerContext)
 from pretrain.observability.trackers.rows import from_json as tracker_row
 from pretrain.observability.trackers.delivery import Trackers
 from pretrain.checkpoints.outage import FLUSH_TIMEOUT_S, StorageConfig, Uploads
@@ -141,7 +141,9 @@ class MetricsWriter:
   however often a run is stopped and rerun. On a local disk rows are appended; in a
   `gs://` / `s3://` workdir the file is rewritten whole (`_ObjectJsonl`).
   Rows with a `kind` field (`pretrain.observability.goodput`: goodput, restart) are records of
-  sessions; they are written with `log_record` and never dropped by `rewind`.
+  sessions; they are written with `log_record` and never dropped by `rewind`, except the
+  kinds that belong to a step (`STEP_RECORD_KINDS`: a mixture's token shares), which
+  `rewind` drops with their step's metrics.
 
   `unsent_path` (a local file; the trainer passes one beside its local checkpoint
   tier): a bucket run that stops while the storage is down writes the rows the bucket
@@ -256,8 +258,8 @@ class MetricsWriter:
   def rewind(self, step: int) -> list[dict]:
     """Drops the metric rows of steps after `step` (and a half-written last line): the
     run continues from the checkpoint of `step`, so those steps are logged again.
-    Records with a `kind` (goodput, restart) describe sessions, not steps, and stay.
-    Returns the dropped rows (on process 0; [] elsewhere)."""
+    Records with a `kind` (goodput, restart) describe sessions, not steps, and stay
+    (but for `STEP_RECORD_KINDS`). Returns the dropped rows (on process 0; [] elsewhere)."""
     if not self._enabled:
       return []
     kept, dropped = [], []
@@ -265,7 +267,8 @@ class MetricsWriter:
       if not line.endswith("\n"):
         continue  # a half-written last line
       row = json.loads(line)
-      (kept if "kind" in row or row["step"] <= step else dropped).append((line, row))
+      session = "kind" in row and row["kind"] not in STEP_RECORD_KINDS
+      (kept if session or row["step"] <= step else dropped).append((line, row))
     self._jsonl.replace([line for line, _ in kept])
     self._eval_steps = {row["step"] for _, row in kept if "eval_loss" in row}
     self._downstream_steps = {row["step"] for _, row in kept if _is_downstream(row)}

@@ -8,8 +8,8 @@
   files, read with pyarrow).
 
 The last three share `sharded.ShardedTextSource`: a glob, a directory or one file is one
-source (local, `gs://` or `s3://`, through `plumbing.storage`), one input shard per file,
-the text field named per source, and a validation split by a hash of each document's
+source (local, `gs://` or `s3://`, through `plumbing.storage`), one input shard per file
+(per run of row groups for Parquet), the text field named per source, and a validation split by a hash of each document's
 (file, row) key, so no pass over the corpus is needed before training. Bad input is a
 `DataError` naming the file and the fix.
 """

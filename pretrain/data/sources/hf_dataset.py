@@ -11,7 +11,7 @@ import pyarrow as pa
 
 from plumbing import storage
 from pretrain.data.errors import DataError
-from pretrain.data.sources.sharded import (Shard, ShardedTextSource, list_shards,
+from pretrain.data.sources.sharded import (Piece, Shard, ShardedTextSource, list_shards,
                                            missing_field, open_binary)
 
 
@@ -47,14 +47,15 @@ class HfDatasetDataSource(ShardedTextSource):
                       "missing; copy the whole directory again")
     return [shards[name] for name in names]
 
-  def _check(self, shard: Shard) -> None:
+  def _pieces(self, shard: Shard) -> List[Piece]:
     with open_binary(shard.path) as f:
       names = pa.ipc.open_stream(f).schema.names
     if self.text_field not in names:
       raise missing_field(shard.path, self.text_field, names, self._flag.split(".")[0])
+    return [Piece(shard)]   # an Arrow stream has no footer to find its batches by
 
-  def _texts(self, shard: Shard) -> Iterator[Optional[str]]:
-    with open_binary(shard.path) as f:
+  def _texts(self, piece: Piece) -> Iterator[Optional[str]]:
+    with open_binary(piece.shard.path) as f:
       reader = pa.ipc.open_stream(f)
       column = reader.schema.get_field_index(self.text_field)
       for batch in reader:

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import gzip
 import io
-from typing import Iterator, Optional
+from typing import Iterator, List, Optional
 
 import zstandard
 
 from pretrain.data.corpus_files import jsonl_texts
-from pretrain.data.sources.sharded import Shard, ShardedTextSource, open_binary
+from pretrain.data.sources.sharded import Piece, Shard, ShardedTextSource, open_binary
 
 _CHUNK = 1 << 20
 
@@ -23,7 +23,10 @@ class TruncatedError(IOError):
 
 
 class _ZstdReader(io.RawIOBase):
-  """The decompressed bytes of a (multi-frame) `.zst` file, read in chunks."""
+  """The decompressed bytes of a (multi-frame) `.zst` file, read in chunks. Each chunk
+  is decompressed once and handed out from an offset: slicing the rest of a chunk off
+  after every read copied it again and again (at a zstd ratio of 16, a 1 MiB chunk is
+  16 MiB), 12 times slower than zstandard's own reader."""
 
   def __init__(self, raw):
     super().__init__()
@@ -31,30 +34,33 @@ class _ZstdReader(io.RawIOBase):
     self._decompressor = zstandard.ZstdDecompressor()
     self._frame = self._decompressor.decompressobj()
     self._buffer = b""
+    self._offset = 0
     self._in_frame = False
 
   def readable(self):
     return True
 
   def readinto(self, target):
-    while not self._buffer:
+    while self._offset == len(self._buffer):
       chunk = self._raw.read(_CHUNK)
       if not chunk:
         if self._in_frame:
           raise TruncatedError("the file ends inside a zstd frame (it is truncated)")
         return 0
+      parts = []
       while chunk:
         self._in_frame = True
-        self._buffer += self._frame.decompress(chunk)
+        parts.append(self._frame.decompress(chunk))
         if self._frame.eof:
           chunk = self._frame.unused_data
           self._frame = self._decompressor.decompressobj()
           self._in_frame = False
         else:
           chunk = b""
-    n = min(len(target), len(self._buffer))
-    target[:n] = self._buffer[:n]
-    self._buffer = self._buffer[n:]
+      self._buffer, self._offset = b"".join(parts), 0
+    n = min(len(target), len(self._buffer) - self._offset)
+    target[:n] = memoryview(self._buffer)[self._offset:self._offset + n]
+    self._offset += n
     return n
 
   def close(self):
@@ -77,12 +83,15 @@ class JsonlDataSource(ShardedTextSource):
   FORMAT = "JSONL"
   SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".json.zst")
 
-  def _check(self, shard: Shard) -> None:
+  def _pieces(self, shard: Shard) -> List[Piece]:
+    """The whole file: a compressed stream cannot be split (gzip and zstd frames carry
+    no index of where lines start), so a file is read by one worker, start to end."""
     with open_binary(shard.path) as f:  # exists and is readable; the rest streams
       f.read(1)
+    return [Piece(shard)]
 
-  def _texts(self, shard: Shard) -> Iterator[Optional[str]]:
+  def _texts(self, piece: Piece) -> Iterator[Optional[str]]:
     task = self._flag.split(".")[0]
-    with open_text_lines(shard.path) as lines:
-      yield from jsonl_texts(lines, shard.path, self.text_field,
+    with open_text_lines(piece.shard.path) as lines:
+      yield from jsonl_texts(lines, piece.shard.path, self.text_field,
                              f"set {task}.text_field to the field that holds the text")

@@ -1,10 +1,14 @@
 """What the Parquet, compressed-JSONL and `datasets`-directory sources share.
 
 A source is a glob, a directory (every file under it with the format's suffix) or one
-file, local or `gs://` / `s3://`. Every file is one input shard (`num_shards`, capped at
-`MAX_SHARDS`: then shard i reads files i, i+n, ...). A document's split is decided by a
-hash of `<file relative to the source root>:<row>`, so both splits stream without a first
-pass over the corpus and are the same on every machine.
+file, local or `gs://` / `s3://`. The files are cut into pieces, the units of work that
+are packed separately and in parallel by `pretrain.data.prepare`: a Parquet file into
+runs of whole row groups (`ParquetDataSource.shard_bytes` of text each), so one large file
+still keeps many Beam workers busy; a JSONL or Arrow file is one piece. Every piece is
+one input shard (`num_shards`, capped at `MAX_SHARDS`: then shard i reads pieces i, i+n,
+...). A document's split is decided by a hash of `<file relative to the source root>:<row
+in the file>`, so both splits stream without a first pass over the corpus, are the same
+on every machine and do not depend on how files are cut into pieces.
 
 A shard that cannot be read (a corrupt Parquet footer, a truncated `.zst`) stops the
 build with one line naming it: the store is not committed, so a run never starts on
@@ -19,7 +23,7 @@ import glob
 import hashlib
 import json
 import os
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import fsspec
 import seqio
@@ -45,10 +49,21 @@ FORMATS = {
 
 @dataclasses.dataclass(frozen=True)
 class Shard:
+  """One file of a source."""
   path: str   # local path or URL
   key: str    # relative to the source's root: the stable part of document keys
   size: int
   stamp: str  # mtime (local) or the object's generation / update time
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+  """A unit of work: a whole file, or (Parquet) its row groups [first_group, end_group),
+  whose first row is row `first_row` of the file."""
+  shard: Shard
+  first_group: int = 0
+  end_group: Optional[int] = None   # None: to the end of the file
+  first_row: int = 0
 
 
 def detect_format(location: str) -> str:
@@ -154,8 +169,9 @@ class FileListSource(seqio.DataSource):
 
 class ShardedTextSource(FileListSource):
   """Documents (`{"text": tf.string}`) from the files of one source. Subclasses define
-  `_check(shard)` (cheap: a footer or schema; raises on an unusable shard) and
-  `_texts(shard)` (yields each row's text or None for a row without text)."""
+  `_pieces(shard)` (cheap: a footer or schema; raises on an unusable shard; returns the
+  file's pieces) and `_texts(piece)` (yields each row's text or None for a row without
+  text)."""
   FORMAT = ""
   SUFFIXES: Tuple[str, ...] = ()
 
@@ -170,19 +186,23 @@ class ShardedTextSource(FileListSource):
     self._fraction = float(validation_fraction)
     self.skip_bad_shards = bool(skip_bad_shards)
     self._flag = flag
-    shards = self._list(location, flag)
-    usable = []
-    for shard in shards:
-      problem = self._problem(shard, self._check)
-      if problem is None:
-        usable.append(shard)
-      elif self.skip_bad_shards:
+    usable, pieces = [], []
+    for shard in self._list(location, flag):
+      try:
+        pieces += self._pieces(shard)
+      except DataError:
+        raise
+      except Exception as error:  # pylint: disable=broad-except
+        problem = self._problem(shard, error)
+        if not self.skip_bad_shards:
+          raise DataError(self._bad_shard_message(problem)) from None
         warn(f"skipping {problem}")
-      else:
-        raise DataError(self._bad_shard_message(problem))
+        continue
+      usable.append(shard)
     if not usable:
       raise DataError(f"{flag}='{location}': no readable shard is left")
     self._shards = tuple(usable)
+    self._work = tuple(pieces)
     super().__init__(splits=(TRAIN, VALIDATION) if self._fraction > 0 else (TRAIN,))
 
   def _list(self, location: str, flag: str) -> List[Shard]:
@@ -192,23 +212,17 @@ class ShardedTextSource(FileListSource):
     return (f"{problem}; replace or delete that shard, or set "
             f"{self._flag.split('.')[0]}.skip_bad_shards=True to train without it")
 
-  def _problem(self, shard: Shard, action: Callable[[Shard], object]) -> Optional[str]:
-    """None if `action(shard)` works, else one line naming the shard and the cause."""
-    try:
-      action(shard)
-    except DataError:
-      raise
-    except Exception as error:  # pylint: disable=broad-except
-      detail = str(error).strip().splitlines()[0] if str(error).strip() else ""
-      return (f"shard {shard.path} is not a readable {self.FORMAT} file "
-              f"({type(error).__name__}{': ' + detail if detail else ''})")
-    return None
+  def _problem(self, shard: Shard, error: Exception) -> str:
+    """One line naming the shard and what reading it raised."""
+    detail = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return (f"shard {shard.path} is not a readable {self.FORMAT} file "
+            f"({type(error).__name__}{': ' + detail if detail else ''})")
 
   # --- to define in subclasses
-  def _check(self, shard: Shard) -> None:
+  def _pieces(self, shard: Shard) -> List[Piece]:
     raise NotImplementedError
 
-  def _texts(self, shard: Shard) -> Iterator[Optional[str]]:
+  def _texts(self, piece: Piece) -> Iterator[Optional[str]]:
     raise NotImplementedError
 
   # --- seqio.DataSource
@@ -218,22 +232,27 @@ class ShardedTextSource(FileListSource):
 
   @property
   def num_shards(self) -> int:
-    return max(1, min(len(self._shards), MAX_SHARDS))
+    return max(1, min(len(self._work), MAX_SHARDS))
 
   @property
   def fingerprint(self) -> str:
-    """Changes when the files, a file's size or stamp, the field or the split change."""
+    """Changes when the files, a file's size or stamp, the pieces, the field or the
+    split change."""
     h = hashlib.sha256()
     h.update(json.dumps([self.FORMAT, self.text_field, self._fraction,
                          self.skip_bad_shards]).encode())
     for s in self._shards:
       h.update(f"{s.key}\0{s.size}\0{s.stamp}\n".encode())
+    for p in self._work:
+      h.update(f"{p.shard.key}\0{p.first_group}\0{p.end_group}\n".encode())
     return h.hexdigest()
 
-  def shard_texts(self, shard: Shard) -> Iterator[str]:
-    """The non-empty texts of one file; a DataError (or, with `skip_bad_shards`, a
-    warning and the end of the shard) when it turns out unreadable part way."""
-    iterator = self._texts(shard)
+  def piece_texts(self, piece: Piece) -> Iterator[Tuple[int, str]]:
+    """(row in the file, text) of the piece's rows that have a text; a DataError (or,
+    with `skip_bad_shards`, a warning and the end of the piece) when the file turns out
+    unreadable part way."""
+    iterator = self._texts(piece)
+    row = piece.first_row
     while True:
       try:
         text = next(iterator)
@@ -242,24 +261,26 @@ class ShardedTextSource(FileListSource):
       except DataError:
         raise
       except Exception as error:  # pylint: disable=broad-except
-        problem = self._problem(shard, lambda _: (_ for _ in ()).throw(error))
+        problem = self._problem(piece.shard, error)
         if self.skip_bad_shards:
           warn(f"skipping the rest of {problem}")
           return
         raise DataError(self._bad_shard_message(problem)) from None
       if text is not None:
-        yield text
+        yield row, text
+      row += 1
 
   def split_texts(self, split: str, shard_info: Optional[seqio.ShardInfo] = None
                   ) -> Iterator[str]:
-    """The split's documents in file and row order (with `shard_info`, only the files
-    of that shard); empty documents are kept out."""
-    shards = self._shards
+    """The split's documents in file and row order (with `shard_info`, only the pieces
+    of that shard)."""
+    pieces = self._work
     if shard_info is not None:
-      shards = shards[shard_info.index::shard_info.num_shards]
-    for shard in shards:
-      for row, text in enumerate(self.shard_texts(shard)):
-        if _in_validation(f"{shard.key}:{row}", self._fraction) == (split == VALIDATION):
+      pieces = pieces[shard_info.index::shard_info.num_shards]
+    for piece in pieces:
+      for row, text in self.piece_texts(piece):
+        if _in_validation(f"{piece.shard.key}:{row}", self._fraction) == (
+            split == VALIDATION):
           yield text
 
   def get_dataset(self, split: str = TRAIN, shuffle: bool = True,

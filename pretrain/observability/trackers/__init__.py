@@ -20,12 +20,17 @@ import difflib
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Protocol, Sequence
 
 from pretrain.checkpoints.outage import Uploads
+from pretrain.data.mixing import RECORD_KIND as MIXTURE
 
 # The kinds of rows: a step's metrics (`metrics.jsonl` rows without a `kind`) ...
 TRAIN, EVAL, DOWNSTREAM = "train", "eval", "downstream"
 STEP_KINDS = (TRAIN, EVAL, DOWNSTREAM)
 # ... and session records (rows with a `kind`: `pretrain.observability.goodput`, `.stragglers`).
 RECORD_KINDS = ("goodput", "restart", "straggler")
+# Records that belong to one step (a mixture's token shares over the batches since the
+# last one): a restart that trains their step again drops and rewrites them, as it does a
+# step's metrics, and trackers get each step's once.
+STEP_RECORD_KINDS = (MIXTURE,)
 
 
 class Row(NamedTuple):

@@ -9,8 +9,8 @@ missed, and one more line says so. Nothing waits for a tracker but `close`, and 
 for one that answers.
 
 `workdir/trackers.json` keeps, per tracker, its run's id and how far it has been sent:
-the newest step of each step kind (train, eval, downstream) and how many records
-(goodput, restart, straggler rows, in file order). A new session reopens the same run
+the newest step of each step kind (train, eval, downstream, and the per-step `mixture`
+records) and how many records (goodput, restart, straggler rows, in file order). A new session reopens the same run
 and starts by offering the rows of `metrics.jsonl` (`start`): those a tracker has
 already got are skipped, so rows a dead tracker missed reach it in a later session, and
 a step that a restart trains again (after the newest checkpoint) is not sent twice: the
@@ -27,8 +27,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from plumbing import storage
 from plumbing.errors import UserError, warn
 from pretrain.observability import trackers as trackers_lib
-from pretrain.observability.trackers import (STEP_KINDS, Row, RunInfo, Tracker,
-                                             TrackerContext)
+from pretrain.observability.trackers import (STEP_KINDS, STEP_RECORD_KINDS, Row, RunInfo,
+                                             Tracker, TrackerContext)
 from pretrain.observability.trackers import rows as rows_lib
 from pretrain.observability.trackers.mlflow_tracker import MlflowTracker
 from pretrain.observability.trackers.run_info import Finals
@@ -246,7 +246,7 @@ class Trackers:
 
   def _item(self, row: Row) -> tuple[Row, Optional[int]]:
     self._finals.add(row)
-    if row.kind in STEP_KINDS:
+    if row.kind in STEP_KINDS or row.kind in STEP_RECORD_KINDS:
       return row, None
     self._records += 1
     return row, self._records - 1
