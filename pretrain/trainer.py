@@ -249,7 +249,7 @@ class Trainer:
                optimizer_config: OptimizerConfig, pipeline: Pipeline,
                checkpointer: Checkpointer, writer: MetricsWriter,
                clock: Optional[goodput.GoodputClock] = None):
-    self.run = run
+    self.run_directory = run
     self.config = config
     self._added_hooks: list[hooks_lib.Hook] = []
     self.clock = clock or goodput.GoodputClock()
@@ -294,12 +294,13 @@ class Trainer:
         warn(f"{unreadable}: " + (f"resuming from {restored.step}" if restored
                                   else "set aside"))
     if restored is None and skipped:
-      raise UserError(f"No readable checkpoint is left in {self.run.checkpoints} "
-                      "(the unreadable ones are kept as <step>.corrupt-<problem>); run "
-                      "the same command again to start afresh")
+      raise UserError(f"No readable checkpoint is left in "
+                      f"{self.run_directory.checkpoints} (the unreadable ones are kept as "
+                      "<step>.corrupt-<problem>); run the same command again to start "
+                      "afresh")
     if restored is None:
       params = self.runtime.init_params(self.config.seed)
-      self.writer.info(f"Starting a new run in {self.run.root}")
+      self.writer.info(f"Starting a new run in {self.run_directory.root}")
       return (self._state(0, params, init_opt(params)), jax.random.key(self.config.seed),
               None)
     opt_state = restored.opt_state
@@ -319,7 +320,8 @@ class Trainer:
     which tier it was restored from)."""
     cfg = self.config
     metadata = RunMetadata(self.runtime.config,
-                           vocabulary_spec(self.pipeline.vocabulary, self.run.root),
+                           vocabulary_spec(self.pipeline.vocabulary,
+                                           self.run_directory.root),
                            cfg.sequence_length)
     hooks = [
         hooks_lib.DivergenceCheck(self.checkpointer),
@@ -343,7 +345,7 @@ class Trainer:
     if cfg.sample_prompt:
       hooks.append(hooks_lib.SampleHook(self.sample, cfg.sample_prompt, self.writer))
     if cfg.profile_steps and (cfg.profile_all_processes or jax.process_index() == 0):
-      hooks.append(hooks_lib.ProfileHook(self.run.profile, *cfg.profile_steps,
+      hooks.append(hooks_lib.ProfileHook(self.run_directory.profile, *cfg.profile_steps,
                                          start_step=start_step))
     return hooks
 
@@ -482,8 +484,9 @@ class Trainer:
     eval_loss = results.get("eval_loss")
     if not preempted:
       self.writer.info(end_summary(
-          self.run.root, step, self.config.batch_size * self.config.sequence_length,
-          seconds, results.get("train_loss"), eval_loss, str(self.run.checkpoints)))
+          self.run_directory.root, step,
+          self.config.batch_size * self.config.sequence_length, seconds,
+          results.get("train_loss"), eval_loss, str(self.run_directory.checkpoints)))
     return RunResult(step, preempted, None if preempted else eval_loss,
                      results.get("sample"), results)
 
