@@ -171,7 +171,7 @@ class PersistentTier:
     Orbax's manager, which holds copies of that failure to raise at later calls, is
     closed and replaced by a fresh one (which lists the steps on disk anew). With
     several processes a new manager would wait at a barrier for the others, which are
-    not there: the run stops (CheckpointHook) with the closed one."""
+    not there: the run stops (`policies.Essential`) with the closed one."""
     try:
       with integrity.save_failures(step, str(self.directory)):
         yield
