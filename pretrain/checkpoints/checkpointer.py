@@ -13,9 +13,9 @@ save turns off), and
             steps an essential tier takes (a step is not saved twice), and the last
             step goes to the essential tiers (`save_final`);
   restores  the newest step of any tier that passes its integrity check and reads
-            (`restore_newest`); a best-effort tier offers only the steps every process
-            holds, and of two tiers holding the same step the earlier in the list is
-            read; each unreadable step is set aside by its tier (`<step>.corrupt-<kind>`);
+            (`restore_newest`; each tier offers the steps every process can restore),
+            and of two tiers holding the same step the earlier in the list is read;
+            each unreadable step is set aside by its tier (`<step>.corrupt-<kind>`);
   prunes    through each tier's own keep policy, and `resuming_from`: a tier may drop
             the steps newer than the one the run resumes from.
 
