@@ -222,7 +222,7 @@ def _plan_runs(options: StudyOptions, budgets: Sequence[float], vocab_size: int,
     raise usage_error("--design=wsd plans its runs from --sizes and "
                       "--cooldown_tokens_per_param; drop --flop_budgets")
   try:
-    options = wsd_design.WsdOptions(
+    wsd = wsd_design.WsdOptions(
         tuple(float(t) for t in options.cooldown_tokens_per_param), options.cooldown_fraction,
         options.cooldown_shape)
   except ValueError as error:
@@ -232,16 +232,16 @@ def _plan_runs(options: StudyOptions, budgets: Sequence[float], vocab_size: int,
   runs = wsd_design.plan_wsd(
       plan(options.families, options.sizes, tokens_per_param=1.0,
            peak_learning_rate=options.peak_learning_rate, **shared),
-      options, workdir=workdir, warmup_fraction=options.warmup_fraction)
+      wsd, workdir=workdir, warmup_fraction=options.warmup_fraction)
   if options.dry_run:
     print(wsd_design.cost_markdown(wsd_design.study_cost(runs)))
   else:
     storage.makedirs(workdir)
     storage.write_text(storage.join(workdir, "design.json"),
-                       wsd_design.design_json(runs, options))
+                       wsd_design.design_json(runs, wsd))
   return runs, ("OptimizerConfig.schedule = 'wsd'",
-                f"OptimizerConfig.cooldown_shape = {options.cooldown_shape!r}",
-                f"OptimizerConfig.cooldown_fraction = {options.cooldown_fraction!r}")
+                f"OptimizerConfig.cooldown_shape = {wsd.cooldown_shape!r}",
+                f"OptimizerConfig.cooldown_fraction = {wsd.cooldown_fraction!r}")
 
 
 def _all_finished(states: Dict[str, str]) -> bool:
