@@ -18,12 +18,19 @@ Training FLOPs per token (docs/model.md#training-flops), with the usual "6N" con
                                            4·D FLOPs per attended key forward
   + 3 · F_rec · state per recurrent layer  element-wise recurrence work
 
-Each block type states its own terms (matmul and vector parameters, the attention or
-recurrence FLOPs) in its registry entry (`model.block_registry`, built-ins in
-`model.blocks`); this module adds them up.
+Each block type states its own terms in its registry entry (`model.block_registry`,
+built-ins in `model/blocks/<name>/spec.py`): its parameter count, and, as its optional
+`counting` capability, which of those parameters are matmul weights and its attention
+or recurrence FLOPs; this module adds them up. A block that declares no `counting`
+(a research block with only its layer and parameter count) counts every parameter as a
+weight that multiplies each token once, so its FLOPs are 6 · param_count per token,
+exact for a block of bias-free dense kernels and an upper bound of its weights' work
+otherwise; work beyond the weights (attention scores, element-wise recurrences) it
+counts as none until it declares `mixing_flops`. `undeclared_counting` names such
+blocks.
 
-S̄(T) is the mean number of keys a query attends to in a row of T tokens, counted
-exactly for the causal mask: min(t + 1, W + 1) keys at position t for a local window W
+S̄(T) (`model.blocks.attention.spec.mean_attended_keys`) is the mean number of keys a
+query attends to in a row of T tokens, counted exactly for the causal mask: min(t + 1, W + 1) keys at position t for a local window W
 (keys t-W..t, as in the reference), t + 1 for global attention, so global attention
 costs (T + 1)/2 keys per query: the "halved for causality" count. It measures the work
 the maths needs; a kernel that evaluates the masked-out half (dense T x T scores) does
@@ -35,7 +42,8 @@ input i ⊙ x · sqrt(·) (2), the document reset of a and of the normaliser (2)
 scan's multiply-add (2); transcendentals (σ, exp, sqrt) count as zero, as in MFU
 conventions. The gating of the recurrent branch's output by GeLU(W_y x) adds 1 more per
 RG-LRU channel. GateLoop counts its complex multiply-add (8) and the real readout q·Re(h)
-(2) per state element. These terms are below 0.1% of the total at paper sizes.
+(2) per state element. These terms are below 0.1% of the total at paper sizes; their
+constants live with the blocks (`model.blocks.recurrent.spec`, `model.blocks.gateloop.spec`).
 
 Decode state (bytes per sequence): what `model.decoding.init_cache` allocates for one
 sequence: the RG-LRU state (float32), the Conv1D's last conv_width - 1 inputs (compute
@@ -56,11 +64,6 @@ from model import block_registry
 from model.config import ModelConfig
 from model import lm
 from model import residual_block
-
-# The conventions above, used by the blocks' registry entries (`model.blocks`).
-RECURRENCE_FORWARD_FLOPS = 10     # per RG-LRU state element and token, see above
-RECURRENT_OUTPUT_GATE_FLOPS = 1   # x-branch ⊙ y-branch, per RG-LRU channel and token
-GATELOOP_FORWARD_FLOPS = 10       # complex multiply-add (8) + real readout (2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,13 +101,19 @@ def count_params(config: ModelConfig) -> ParamCounts:
 
 # -- the architecture restated by hand -------------------------------------------------
 def block_matmul_params(config: ModelConfig, block: str) -> int:
-  """Weights of one temporal-mixing block that multiply each token once."""
-  return block_registry.get(block).matmul_params(config)
+  """Weights of one temporal-mixing block that multiply each token once: its declared
+  `counting.matmul_params`, else all its parameters (module docstring)."""
+  declared = block_registry.get(block).counting
+  if declared is None:
+    return block_registry.get(block).param_count(config)
+  return declared.matmul_params(config)
 
 
-def _block_vector_params(config: ModelConfig, block: str) -> int:
-  """Biases, norm scales and per-channel parameters of one temporal-mixing block."""
-  return block_registry.get(block).vector_params(config)
+def undeclared_counting(config: ModelConfig) -> list[str]:
+  """The block types of `config` whose FLOPs are 6 · param_count by default, having
+  declared no `counting` (no attention or recurrence term is counted for them)."""
+  return [block for block in dict.fromkeys(config.block_pattern)
+          if block_registry.get(block).counting is None]
 
 
 def mlp_matmul_params(config: ModelConfig) -> int:
@@ -123,22 +132,15 @@ def analytic_matmul_params(config: ModelConfig) -> int:
 
 def analytic_param_counts(config: ModelConfig) -> ParamCounts:
   """The parameter count by hand: matmul weights, vectors, norms and the embedding."""
-  vectors = sum(_block_vector_params(config, block) + _mlp_vector_params(config)
-                + 2 * config.width                         # the block's two RMSNorms
-                for block in config.block_types)
+  blocks = sum(block_registry.get(block).param_count(config) + mlp_matmul_params(config)
+               + _mlp_vector_params(config) + 2 * config.width   # the block's two RMSNorms
+               for block in config.block_types)
   embedding = embedding_param_count(config)
-  total = analytic_matmul_params(config) + vectors + config.width + embedding  # final norm
+  total = blocks + config.width + embedding                       # final norm
   return ParamCounts(total=total, embedding=embedding)
 
 
 # -- FLOPs -------------------------------------------------------------------------------
-def mean_attended_keys(window: Optional[int], seq_len: int) -> float:
-  """Mean keys per query under the causal (and local-window) mask, T tokens per row."""
-  t = np.arange(seq_len, dtype=np.float64)
-  keys = t + 1 if window is None else np.minimum(t + 1, window + 1)
-  return float(keys.mean())
-
-
 @dataclasses.dataclass(frozen=True)
 class FlopsBreakdown:
   """Training FLOPs per token, by term (see the module docstring)."""
@@ -158,7 +160,9 @@ def training_flops_breakdown(config: ModelConfig, seq_len: int) -> FlopsBreakdow
     raise ValueError(f"seq_len must be >= 1, got {seq_len}")
   mixing = dict.fromkeys(block_registry.FLOP_TERMS, 0.0)
   for block, layers in block_registry.count_by_type(config.block_types).items():
-    for term, flops in block_registry.get(block).mixing_flops(config, seq_len).items():
+    declared = block_registry.get(block).counting
+    terms = {} if declared is None else declared.mixing_flops(config, seq_len)
+    for term, flops in terms.items():
       if term not in mixing:
         raise ValueError(f"block type {block!r} counts FLOPs as {term!r}; the terms are "
                          f"{block_registry.FLOP_TERMS}")

@@ -42,8 +42,10 @@ Where the two models' conventions differ, the export adapts the config, never th
   `gate_blocks_need_remote_code` asks for (`pretrain/interchange/hf_remote/`). Hawk has no
   attention, so its head count is set to the gate blocks; MQA has no gates.
 
-CG-LRU and GateLoop have no transformers counterpart: `check_exportable` says so. What
-each block type maps to is its registry entry's `hf_export` (`model.blocks`).
+CG-LRU and GateLoop have no transformers counterpart: `check_exportable` says so, in one
+line naming the block, for every block type whose registry entry declares no `hf_export`
+(the optional capability of `model.block_registry`; the built-ins' are in
+`model/blocks/<name>/spec.py`).
 Everything here is numpy on the host.
 """
 from __future__ import annotations
@@ -67,12 +69,12 @@ RMS_NORM_EPS = 1e-6
 def check_exportable(config: ModelConfig) -> None:
   """Raises ValueError naming why `config` has no transformers counterpart: a block type
   whose registry entry has no `hf_export`, or a configuration of one it rejects."""
-  for block in dict.fromkeys(config.block_pattern):
-    spec = block_registry.get(block)
-    if spec.hf_export is None:
-      raise ValueError(f"{spec.title} blocks have no transformers implementation; only "
+  for name in dict.fromkeys(config.block_pattern):
+    block = block_registry.get(name)
+    if block.hf_export is None:
+      raise ValueError(f"{block.title} blocks have no transformers implementation; only "
                        "Griffin, Hawk and MQA (recurrent and attention blocks) export")
-    spec.hf_export.check(config)
+    block.hf_export.check(config)
 
 
 def _has(config: ModelConfig, block_type: BlockType) -> bool:
@@ -247,7 +249,9 @@ def hf_to_ours(state: Mapping[str, np.ndarray], config: ModelConfig) -> dict:
     biases = [take(prefix + f"mlp_block.{n}.bias") for n in ("gate_proj", "up_proj")]
     rg.set_path(block, ("mlp_block", "ffw_up", "w"), np.stack([gate, up]))
     rg.set_path(block, ("mlp_block", "ffw_up", "b"), np.stack(biases)[:, None, None, :])
-    block_registry.get(block_type).hf_export.from_hf(lambda n, p=prefix: take(p + n), block)
+    mapped = block_registry.get(block_type).hf_export.from_hf(lambda n, p=prefix: take(p + n))
+    for path, value in mapped.items():
+      rg.set_path(block, path, value)
     tree[f"blocks.{layer}"] = block
   return rg.recurrentgemma_to_ours(tree, config)
 

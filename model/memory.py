@@ -25,8 +25,17 @@ token, in buffers of that width (c: compute dtype, f: float32):
   recurrent           3·R/t c + 10·R/t f  (branch outputs; gates, decay, normaliser, h)
   attention           (2·D/t + 2·d) c + 2·S f   (q, k, v; masked scores, probabilities)
   GateLoop            3·D/t c + 12·D/t f
-(each temporal block states its row, and what "save_matmuls" keeps of it, in its
-registry entry: `model.block_registry`, built-ins in `model.blocks`)
+(each temporal block states its row, and what "save_matmuls" keeps of it, as the
+`memory` capability of its registry entry: `model.block_registry`, built-ins in
+`model/blocks/<name>/spec.py`). A block that declares no `memory` (a research block
+with only its layer and parameter count) is estimated, and the plan says so
+(`plan["estimated"]`, a line of `format_plan`): with W = its matmul weights / D, the
+summed output widths of its weight matrices (all its parameters when it declares no
+counting), it keeps ESTIMATE_KEPT = (1, 4) x W per token (compute dtype, float32), not
+split over `tensor`, and "save_matmuls" keeps W in the compute dtype. That covers the
+declared recurrences with room (the RG-LRU keeps 3 + 10 buffers of R per token against
+W ≈ 3R, GateLoop 3 + 12 of D against W = 6D), but not attention-like scores that grow
+with the sequence: such a block declares its terms.
 S = (N/t)·K is the score matrix's entries per query: K = 2·window on the blocked local
 path (T > window), else T. The output's backward holds one float32 V/t copy (the
 logits' gradient). Then, per token:
@@ -96,11 +105,11 @@ UPDATE_WORKSPACE = 2     # temporaries of the optimizer update, in parameter sha
 # Activation buffers per token, in units of one channel of the named width (compute-dtype
 # elements, float32 elements); see the module docstring for what they stand for and how
 # they were calibrated against libtpu's compiled peaks.
+# The temporal blocks' own buffers are their registry entries' `memory` terms.
 KEEP_RESIDUAL = 4            # x D, compute dtype: block input, mid residual, both norms
 KEEP_MLP = 2                 # x M/t, compute dtype: gate and up projections
-KEEP_RNN = (3, 10)           # x R/t: branch outputs; gates, decay, normaliser, scan, h
-KEEP_SCORES = 2              # x score, float32: masked scores and probabilities
 SCORE_UNITS = 2              # unrolled units whose scores are live together, at most
+ESTIMATE_KEPT = (1, 4)       # x W (see above): a block that declares no memory terms
 OUTPUT_LOGITS = 1            # x V/t, float32: the logits' gradient
 _KEYS = ("params", "optimizer", "gradients", "activations", "workspace", "total")
 
@@ -159,13 +168,45 @@ def param_bytes_per_device(config: ModelConfig, mesh: Mapping[str, int],
   return total
 
 
+class _Estimate:
+  """The memory terms of a block that declares none (module docstring): buffers of its
+  weights' summed output widths, unsplit."""
+
+  def __init__(self, block_type: str):
+    self.block_type = block_type
+
+  def _widths(self, config: ModelConfig) -> float:
+    return counting.block_matmul_params(config, self.block_type) / config.width
+
+  def kept_activations(self, config: ModelConfig, seq: int, tensor: int
+                       ) -> tuple[float, float, float]:
+    del seq, tensor
+    widths = self._widths(config)
+    return ESTIMATE_KEPT[0] * widths, ESTIMATE_KEPT[1] * widths, 0.0
+
+  def saved_matmul_outputs(self, config: ModelConfig, seq: int, tensor: int
+                           ) -> tuple[float, float]:
+    del seq, tensor
+    return self._widths(config), 0.0
+
+
+def _memory_terms(block_type: str) -> block_registry.BlockMemory:
+  return block_registry.get(block_type).memory or _Estimate(block_type)
+
+
+def estimated_blocks(config: ModelConfig) -> list[str]:
+  """The block types of `config` planned by the estimate, having declared no `memory`."""
+  return [block for block in dict.fromkeys(config.block_pattern)
+          if block_registry.get(block).memory is None]
+
+
 def _block_kept(config: ModelConfig, block_type: str, seq: int, tensor: int
                 ) -> tuple[float, float, float]:
   """What one residual block keeps for its backward pass, per token on one device:
   (compute-dtype elements, float32 elements, of which float32 attention scores); the
-  temporal block's part comes from its registry entry."""
+  temporal block's part comes from its registry entry, or the estimate."""
   compute = KEEP_RESIDUAL * config.width + KEEP_MLP * config.mlp_width / tensor
-  temporal = block_registry.get(block_type).kept_activations(config, seq, tensor)
+  temporal = _memory_terms(block_type).kept_activations(config, seq, tensor)
   return compute + temporal[0], temporal[1], temporal[2]
 
 
@@ -173,7 +214,7 @@ def _saved_matmul_outputs(config: ModelConfig, block_type: str, seq: int, tensor
                           ) -> tuple[float, float]:
   """What remat "save_matmuls" keeps of one block per token: its weight matmuls' outputs
   (and the Conv1D's) in the compute dtype, and the attention's float32 scores."""
-  temporal = block_registry.get(block_type).saved_matmul_outputs(config, seq, tensor)
+  temporal = _memory_terms(block_type).saved_matmul_outputs(config, seq, tensor)
   return temporal[0] + 2 * config.mlp_width / tensor + config.width, temporal[1]
 
 
@@ -269,7 +310,8 @@ def plan_memory(config: ModelConfig, mesh: Mapping[str, int], batch_size: int, s
     per device (total = params + optimizer + gradients + the larger of activations and
     the optimizer update's workspace, which are never live together), plus "fits"
     (bool, or None without `device_memory_gb`), "device_memory_bytes", "method"
-    ("analytic") and "mesh" (all five axes).
+    ("analytic"), "mesh" (all five axes) and "estimated" (the block types planned by
+    the estimate for blocks that declare no memory terms; empty for the built-ins).
   """
   if batch_size < 1 or seq_len < 1:
     raise ValueError(f"batch_size and seq_len must be positive, got {batch_size}, {seq_len}")
@@ -281,6 +323,7 @@ def plan_memory(config: ModelConfig, mesh: Mapping[str, int], batch_size: int, s
                    + max(plan["activations"], plan["workspace"]))
   plan["method"] = "analytic"
   plan["mesh"] = sizes
+  plan["estimated"] = estimated_blocks(config)
   plan["device_memory_bytes"] = (None if device_memory_gb is None
                                  else int(device_memory_gb * 1e9))
   plan["fits"] = None if device_memory_gb is None else plan["total"] <= device_memory_gb * 1e9
@@ -296,4 +339,12 @@ def format_plan(plan: Mapping[str, Any]) -> str:
   if plan["fits"] is not None:
     lines.append(f"  fits in {plan['device_memory_bytes'] / 1e9:g} GB: "
                  f"{'yes' if plan['fits'] else 'NO'}")
+  lines += [estimate_line(plan["estimated"])] if plan.get("estimated") else []
   return "\n".join(lines)
+
+
+def estimate_line(blocks: Sequence[str]) -> str:
+  """The one line that says which blocks' activations are estimated, not calibrated."""
+  return (f"  estimated: block types {', '.join(map(repr, blocks))} declare no memory "
+          "terms (BlockSpec.memory); their activations are a conservative estimate from "
+          "their weights' widths (model.memory)")

@@ -1,8 +1,9 @@
 """Logical axis names for parameters and activations, and a dense layer that carries them.
 
-Every parameter is declared with logical axis names (docs/INTERNALS.md) so the sharding
-rules in `sharding/` can map them to mesh axes; every key activation is constrained with
-logical names, which is a no-op until a mesh and rules are in scope.
+Every parameter is declared with logical axis names (`sharding.axes`, which this module
+passes on as `P.EMBED`, ...; docs/INTERNALS.md) so the sharding rules in `sharding/` can
+map them to mesh axes; every key activation is constrained with logical names, which is
+a no-op until a mesh and rules are in scope.
 
 `sequence_sharding` tells a temporal layer whether the mesh in scope splits time, so the
 layer can switch to a shard-local algorithm (the RG-LRU's scan over shards) instead of
@@ -18,27 +19,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-# Parameter axes.
-VOCAB = "vocab"
-EMBED = "embed"
-MLP = "mlp"
-RNN = "rnn"
-RNN_HEADS = "rnn_heads"
-RNN_HEAD_DIM = "rnn_head_dim"
-Q_HEADS = "q_heads"
-KV = "kv"
-CONV = "conv"
-LAYERS = "layers"
-NORM = "norm"
-
-# Activation axes.
-BATCH = "batch"
-LENGTH = "length"
-ACT_EMBED = "act_embed"
-ACT_MLP = "act_mlp"
-ACT_RNN = "act_rnn"
-ACT_HEADS = "act_heads"
-ACT_VOCAB = "act_vocab"
+# The logical axis names, defined once in `sharding.axes` (the rules table names them
+# too); layers read them as `P.EMBED`, `P.BATCH`, ... beside `P.Dense` and `P.constrain`.
+from sharding.axes import (ACT_EMBED, ACT_HEADS, ACT_MLP, ACT_RNN, ACT_VOCAB, BATCH, CONV,  # pylint: disable=unused-import
+                           EMBED, KV, LAYERS, LENGTH, MLP, NORM, Q_HEADS, RNN, RNN_HEAD_DIM,
+                           RNN_HEADS, VOCAB)
 
 Initializer = Callable[..., jax.Array]
 Axes = Sequence[Optional[str]]

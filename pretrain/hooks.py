@@ -31,6 +31,7 @@ import time
 from typing import Any, Callable, Mapping, Optional
 
 import jax
+from jax.experimental import multihost_utils
 
 from plumbing import storage
 from plumbing.errors import CheckpointSaveError, TrainingDivergedError
@@ -240,15 +241,22 @@ class PreemptionHook(Hook):
   With one process Python handlers set a flag. With several, each host gets its own
   notice at its own moment, and a host that stopped alone would leave the others
   blocked in the next step's collectives; so the decision goes through JAX's preemption
-  sync service (via Orbax's `reached_preemption`), which catches SIGTERM itself and lets
-  every process agree on the first step all of them can still reach. There, Ctrl-C is
-  turned into a SIGTERM to this process, so it takes the same agreed path.
+  sync service, which catches SIGTERM itself (from `jax.distributed.initialize` on) and
+  lets every process agree on the first step all of them can still reach. There, Ctrl-C
+  is turned into a SIGTERM to this process, so it takes the same agreed path.
+
+  The service agrees on "the largest number any process last asked about, plus one",
+  and a process that has not asked yet counts as 0. So it is asked with the number of
+  steps this session has trained, never the global step: a notice that arrives while a
+  resumed run restores or compiles then agrees on the session's first step, where the
+  global step would agree on step 1, which a run resumed at step 5 never reaches. This
+  hook is its only caller (`pretrain.checkpoints.orbax_manager`).
   """
   every = 1
   drains_metrics = False
 
-  def __init__(self, checkpointer: Checkpointer):
-    self._checkpointer = checkpointer
+  def __init__(self, start_step: int):
+    self._start_step = start_step
     self._multi_process = jax.process_count() > 1
     self._previous_handlers: dict[int, Any] = {}
     watched = (signal.SIGINT,) if self._multi_process else (signal.SIGINT, signal.SIGTERM)
@@ -273,7 +281,8 @@ class PreemptionHook(Hook):
 
   def on_step(self, step: int, state: TrainState) -> None:
     del state
-    if self._multi_process and self._checkpointer.reached_preemption(step):
+    if (self._multi_process and
+        multihost_utils.reached_preemption_sync_point(step - self._start_step)):
       logging.warning("Preemption notice: all processes save step %d and stop", step)
       self.stop_requested = True
 

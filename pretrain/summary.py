@@ -9,12 +9,14 @@ sequence length T (`model.counting`, docs/model.md) and the decoding state per s
 With `--mesh`, also the per-device memory of training with a global batch of B rows of T
 tokens (`pretrain.compilation.memory_plan.plan_memory`). With `--json` it prints one JSON object instead:
 `params_total`, `params_non_embedding`, `params_embedding`, `flops_per_token`,
-`flops_breakdown`, `seq`, `decode_state_bytes`, `model` (the resolved ModelConfig as
-checkpoints record it, `model.config.model_config_to_dict`) and, with a mesh,
+`flops_breakdown`, `seq`, `decode_state_bytes`, `flops_estimated` (block types that
+declare no FLOP terms, counted as 6 x their parameters), `model` (the resolved
+ModelConfig as checkpoints record it, `model.config.model_config_to_dict`) and, with a mesh,
 `per_device_bytes: {params, optimizer, gradients, activations, workspace, total}` (total
 counts the larger of activations and the optimizer update's workspace, never live
 together; `model.memory`), `memory_fits` (null without
-`--device_memory_gb`), `memory_method`, `mesh` and `batch`.
+`--device_memory_gb`), `memory_method`, `memory_estimated` (block types that declare no
+memory terms, estimated), `mesh` and `batch`. Either estimate adds a line to the text.
 
 Everything is computed from shapes (`jax.eval_shape`), so the 14B presets take seconds.
 The Gin files are read by `pretrain.gin_config` like the trainer's, so a full training

@@ -329,7 +329,7 @@ class Trainer:
             self.writer, log_every=cfg.log_every, start_step=start_step,
             tokens_per_step=cfg.batch_size * cfg.sequence_length,
             flops_per_token=self.flops_per_token, log_z_loss=bool(cfg.z_loss_weight)),
-        hooks_lib.PreemptionHook(self.checkpointer),
+        hooks_lib.PreemptionHook(start_step),
         CheckpointHook(self.checkpointer, rng=rng, metadata=metadata.to_json(),
                        writer=self.writer),
         hooks_lib.EvalHook(self.evaluate, self.writer, every=cfg.eval_every,

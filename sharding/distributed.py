@@ -15,12 +15,17 @@ within `heartbeat_timeout_s` instead of blocking in a collective forever.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
+import threading
+from typing import Iterator
 
 import jax
 from jax._src import cache_key  # private: the persistent cache's key (see share_cpu_compilation_cache)
 from jax._src import clusters  # private: cluster auto-detection has no public API
+from jax._src import distributed as jax_distributed  # private: whether the notifier runs
 
 ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
@@ -81,19 +86,42 @@ def initialize_from_environment(heartbeat_timeout_s: int = 15,
     jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
     logging.info("Joining %d-process run as process %d via %s", num_processes, process_id,
                  os.environ[ENV_COORDINATOR])
-    jax.distributed.initialize(
-        coordinator_address=os.environ[ENV_COORDINATOR], num_processes=num_processes,
-        process_id=process_id, cluster_detection_method="deactivate", **timeouts)
+    with _sigterm_held():
+      jax.distributed.initialize(
+          coordinator_address=os.environ[ENV_COORDINATOR], num_processes=num_processes,
+          process_id=process_id, cluster_detection_method="deactivate", **timeouts)
     if os.environ.get("JAX_PLATFORMS") == "cpu":
       share_cpu_compilation_cache()
     return True
   if _cluster_detected():
     jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
-    jax.distributed.initialize(**timeouts)
+    with _sigterm_held():
+      jax.distributed.initialize(**timeouts)
     if os.environ.get("JAX_PLATFORMS") == "cpu":
       share_cpu_compilation_cache()
     return jax.process_count() > 1
   return False
+
+
+@contextlib.contextmanager
+def _sigterm_held() -> Iterator[None]:
+  """Keeps a SIGTERM that arrives while `jax.distributed.initialize` waits for the other
+  processes (up to `initialization_timeout_s`) and delivers it once JAX's preemption
+  notifier, which initialize installs, can take it: without this the default action
+  would kill the process, and its peers with it, instead of saving at an agreed step."""
+  if threading.current_thread() is not threading.main_thread():
+    yield   # only the main thread may set handlers
+    return
+  received = []
+  previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+  try:
+    yield
+  finally:
+    if jax_distributed.global_state.preemption_sync_manager is None:
+      signal.signal(signal.SIGTERM, previous)   # no notifier took over (failed, disabled)
+    if received:
+      logging.warning("SIGTERM during start-up: passing it to the preemption notifier")
+      os.kill(os.getpid(), signal.SIGTERM)
 
 
 def share_cpu_compilation_cache() -> None:

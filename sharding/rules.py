@@ -1,7 +1,7 @@
 """Logical axis names -> mesh axes: the one table that decides every layout.
 
 Parameters and key activations name their dimensions logically (`embed`, `mlp`,
-`batch`, ...; see docs/INTERNALS.md). This table maps each name to the mesh axes
+`batch`, ...; the names are `sharding.axes`, docs/INTERNALS.md). This table maps each name to the mesh axes
 (sharding/mesh.py) its dimension is split over, or to None for replication, so a run
 changes its parallelism plan in Gin without touching model code:
 
@@ -19,6 +19,7 @@ from typing import Iterator, Mapping, Optional, Sequence, Union
 import flax.linen as nn
 import jax
 
+from sharding import axes as A
 from sharding.mesh import MESH_AXES
 
 MeshAxes = Optional[Union[str, tuple[str, ...]]]
@@ -28,25 +29,25 @@ BATCH_AXES = ("replica", "data", "fsdp")
 
 DEFAULT_RULES: Rules = (
     # Parameters (docs/sharding.md#logical-axis-rules).
-    ("vocab", "tensor"),
-    ("embed", "fsdp"),
-    ("mlp", "tensor"),
-    ("rnn", "tensor"),
-    ("rnn_heads", "tensor"),      # block-diagonal RG-LRU gates: whole blocks per shard
-    ("rnn_head_dim", None),       # FSDP added where it divides (partition.param_shardings)
-    ("q_heads", "tensor"),
-    ("kv", None),                 # the single MQA key/value head, replicated
-    ("conv", None),
-    ("layers", None),
-    ("norm", None),
+    (A.VOCAB, "tensor"),
+    (A.EMBED, "fsdp"),
+    (A.MLP, "tensor"),
+    (A.RNN, "tensor"),
+    (A.RNN_HEADS, "tensor"),      # block-diagonal RG-LRU gates: whole blocks per shard
+    (A.RNN_HEAD_DIM, None),       # FSDP added where it divides (partition.param_shardings)
+    (A.Q_HEADS, "tensor"),
+    (A.KV, None),                 # the single MQA key/value head, replicated
+    (A.CONV, None),
+    (A.LAYERS, None),
+    (A.NORM, None),
     # Activations.
-    ("batch", BATCH_AXES),
-    ("length", "sequence"),
-    ("act_embed", None),
-    ("act_mlp", "tensor"),
-    ("act_rnn", "tensor"),
-    ("act_heads", "tensor"),
-    ("act_vocab", "tensor"),
+    (A.BATCH, BATCH_AXES),
+    (A.LENGTH, "sequence"),
+    (A.ACT_EMBED, None),
+    (A.ACT_MLP, "tensor"),
+    (A.ACT_RNN, "tensor"),
+    (A.ACT_HEADS, "tensor"),
+    (A.ACT_VOCAB, "tensor"),
 )
 
 

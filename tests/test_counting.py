@@ -8,6 +8,7 @@ import pytest
 
 from model import counting
 from model import lm
+from model.blocks.attention.spec import mean_attended_keys
 from model.config import ModelConfig
 
 TINY = dict(vocab_size=256, width=64, rnn_width=96, num_heads=4, attention_window=8)
@@ -61,7 +62,7 @@ def test_mean_attended_keys_counts_the_causal_window_mask(window, length):
   mask = k <= q
   if window is not None:
     mask &= q - k <= window  # keys t - window .. t, as the reference's mask
-  assert counting.mean_attended_keys(window, length) == pytest.approx(mask.sum() / length)
+  assert mean_attended_keys(window, length) == pytest.approx(mask.sum() / length)
 
 
 def test_flops_terms_by_hand():

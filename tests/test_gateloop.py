@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from model.config import ModelConfig
-from model.gateloop import GateLoopBlock
+from model.blocks.gateloop.layer import GateLoopBlock
 from pretrain import gin_config
 
 

@@ -1,6 +1,6 @@
 """The layering holds: plumbing -> sharding -> model -> pretrain -> launch, each package
-importing only from its own layer and those below; inside `pretrain` and `launch` the
-wings keep their order too (docs/INTERNALS.md draws both); no import cycle anywhere,
+importing only from its own layer and those below; inside `model`, `pretrain` and
+`launch` the wings keep their order too (docs/INTERNALS.md draws both); no import cycle anywhere,
 imports inside functions included; imports inside functions only for optional
 dependencies; the `python -m` commands are thin modules that no library imports;
 `plumbing.quiet` set up by each package's `__init__`, never by importing it."""
@@ -145,8 +145,26 @@ LAUNCH_WINGS = (
 LAUNCH_COMMANDS = ("launch.local", "launch.slurm", "launch.gke", "launch.tpu_vm",
                    "launch.sweep", "launch.sweep_job", "launch.fork", "launch.scaling_fit",
                    "launch.chaos", "launch.gcs_emulator")
+# The wings of `model`, in the same way. The centre holds what every block shares (the
+# config and registry, the logical axes, the scan engine and the pieces two blocks use,
+# the residual block, the language model, decoding); each built-in block is one package
+# on the row above, a peer of the others and of the tools that count, plan and export
+# through the registry's optional capabilities without knowing any block (nor any block
+# them). The package's `__init__` and `model.blocks`, which register the built-ins, top it.
+MODEL_WINGS = (
+    {"centre": ("model.config", "model.block_registry", "model.partitioning", "model.scan",
+                "model.recurrence", "model.time_shift", "model.rope", "model.norms",
+                "model.mlp", "model.embedder", "model.residual_block", "model.lm",
+                "model.decoding")},
+    {"recurrent": ("model.blocks.recurrent",), "attention": ("model.blocks.attention",),
+     "gateloop": ("model.blocks.gateloop",),
+     "tools": ("model.counting", "model.memory", "model.hf_params",
+               "model.recurrentgemma_params")},
+    {"registration": ("model", "model.blocks")},
+)
 WINGS = {"pretrain": (PRETRAIN_WINGS, PRETRAIN_COMMANDS),
-         "launch": (LAUNCH_WINGS, LAUNCH_COMMANDS)}
+         "launch": (LAUNCH_WINGS, LAUNCH_COMMANDS),
+         "model": (MODEL_WINGS, ())}
 
 
 def _is_command(module):
@@ -192,7 +210,11 @@ def _launch_wing(module):
   return _wing(module) if module.split(".")[0] == "launch" else None
 
 
-@pytest.mark.parametrize("wing_of", [_pretrain_wing, _launch_wing])
+def _model_wing(module):
+  return _wing(module) if module.split(".")[0] == "model" else None
+
+
+@pytest.mark.parametrize("wing_of", [_pretrain_wing, _launch_wing, _model_wing])
 def test_wings_keep_their_order(wing_of):
   bad = _across_wings(_graph(), wing_of)
   assert not bad, "imports against the order of the wings: " + ", ".join(bad)
@@ -228,6 +250,13 @@ def test_the_wing_check_finds_what_it_looks_for():
                         "launch.sweeps.sweep_execute": {"launch.clusters.slurm"}},
                        _launch_wing) == ["launch.clusters.slurm -> launch.sweeps.sweep_execute",
                                          "launch.sweeps.sweep_dispatch -> launch.clusters.gke"]
+  assert _across_wings({"model.blocks.attention.spec": {"model.memory",
+                                                        "model.blocks.recurrent.layer"},
+                        "model.lm": {"model.blocks.recurrent.layer"},
+                        "model.memory": {"model.counting", "model.block_registry"}},
+                       _model_wing) == ["model.blocks.attention.spec -> model.blocks.recurrent.layer",
+                                        "model.blocks.attention.spec -> model.memory",
+                                        "model.lm -> model.blocks.recurrent.layer"]
 
 
 def test_no_import_runs_up_a_layer():

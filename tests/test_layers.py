@@ -11,13 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model.attention import AttentionBlock
+from model.blocks.attention.layer import AttentionBlock
 from model.config import ModelConfig
-from model.conv1d import Conv1D
+from model.blocks.recurrent.conv1d import Conv1D
 from model.embedder import Embedder, embedding_scale
 from model.mlp import GatedMLP
 from model.norms import RMSNorm
-from model.rg_lru import BlockDiagonalLinear, RGLRU, sqrt_bounded_gradient
+from model.blocks.recurrent.rg_lru import BlockDiagonalLinear, RGLRU, sqrt_bounded_gradient
 from model.rope import apply_rope
 
 TOL = {"float32": 2e-5, "bfloat16": 3e-2}

@@ -12,6 +12,12 @@ One tiny Griffin run of 16 steps (global batch 8, mesh data 2 x fsdp 2), trained
      devices (mesh data 2 x fsdp 4, so every sharded array is re-laid out): A's losses
      from the resumed step on.
 
+  F  by 2 processes x 2 devices in four sessions under extra CPU load, each ended by a
+     SIGTERM at another moment: while process 1 waits for process 0 in
+     `jax.distributed.initialize`, while a resumed session restores and compiles, mid-run,
+     and in the last step; every session saves one agreed step (or
+     finishes), and the run ends with A's losses.
+
   E  by launch.chaos under `launch.local --max_restarts`, with a SIGKILL and a SIGTERM to
      random processes at seeded steps: it ends by itself with A's losses.
   E' by launch.chaos into a bucket (a GCS emulator behind a proxy it cuts) under a
@@ -30,6 +36,7 @@ import time
 
 import pytest
 
+from launch.clusters import common
 from launch.faults import chaos
 from pretrain.observability import goodput
 from pretrain.checkpoints.persistent import complete_steps
@@ -147,15 +154,15 @@ def test_two_processes_reproduce_one_process(trainer_env, two_process_run, tmp_p
   assert {"ocdbt.process_0", "ocdbt.process_1"} <= set(os.listdir(params))
 
 
-def _agreed_saved_step(code, output):
+def _agreed_saved_step(code, output, first=3):
   """The one step both processes agreed to save after a signal, checking the launch
-  exited 0 and each process announced that same step."""
+  exited 0 and each process announced that same step (at least `first`)."""
   assert code == 0, output[-3000:]
   saved = set(re.findall(r"^\[(\d)\] .*all processes save step (\d+)", output, re.M))
   assert {index for index, _ in saved} == {"0", "1"}, output[-3000:]
   assert len({step for _, step in saved}) == 1, saved
   step = int(saved.pop()[1])
-  assert 3 <= step < STEPS
+  assert first <= step < STEPS
   return step
 
 
@@ -344,3 +351,100 @@ def test_a_process_stuck_in_its_data_loader_is_restarted_with_equal_losses(
   assert second - first > 2.0 and slow[0]["deviation_s"] > 1.0, slow
   calm = [row for row in rows if row.get("kind") == "straggler" and row["step"] > 12]
   assert calm and all(row["deviation_s"] < 1.0 for row in calm), calm
+
+
+def _sigterm_caught(pid):
+  """Whether process `pid` has a handler for SIGTERM (its SigCgt mask, /proc)."""
+  with open(f"/proc/{pid}/status", encoding="ascii") as f:
+    caught = next(line for line in f if line.startswith("SigCgt:")).split()[1]
+  return bool(int(caught, 16) & (1 << (signal.SIGTERM - 1)))
+
+
+def _by_hand(env, workdir):
+  """Process 1, then (once it waits in `jax.distributed.initialize` for the coordinator
+  that process 0 serves) SIGTERM to it, then process 0: how a signal meets a job whose
+  hosts start seconds apart. Returns both processes' (exit code, output)."""
+  coordinator = f"127.0.0.1:{common.free_port()}"
+  command = _launch_command(env, workdir, 2, 2, *MESH_2X2)
+  command = command[command.index("--") + 1:]
+  processes = {}
+  for index in (1, 0):
+    process_env = dict(env.env)
+    process_env.update(common.local_process_env(coordinator, 2, index, 2))
+    processes[index] = subprocess.Popen(command, env=process_env, cwd=REPO,
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True)
+    if index == 1:
+      deadline = time.monotonic() + 120
+      while not _sigterm_caught(processes[1].pid):   # the start-up handler, not XLA's yet
+        assert processes[1].poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+      os.kill(processes[1].pid, signal.SIGTERM)
+  return {i: (p.communicate(timeout=300)[0], p.returncode) for i, p in processes.items()}
+
+
+def _signal_when(env, workdir, ready, process):
+  """One launch.local session; SIGTERM to `process` once `ready(rows of this session)`
+  holds. Returns (launcher exit code, output)."""
+  before = len(read_metrics(workdir))
+  launcher = subprocess.Popen(_launch_command(env, workdir, 2, 2, *MESH_2X2), env=env.env,
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
+  try:
+    deadline = time.monotonic() + 240
+    while not ready(read_metrics(workdir)[before:]):
+      assert launcher.poll() is None and time.monotonic() < deadline, (
+          launcher.communicate()[0][-3000:] if launcher.poll() is not None else "timeout")
+      time.sleep(0.01)
+    os.kill(_child_pid(launcher.pid, process), signal.SIGTERM)
+    output, _ = launcher.communicate(timeout=240)
+    return launcher.returncode, output
+  finally:
+    if launcher.poll() is None:
+      launcher.kill()
+      launcher.wait()
+
+
+def _steps(rows):
+  return [row["step"] for row in rows if "loss" in row]
+
+
+@pytest.mark.slow
+def test_a_sigterm_at_any_moment_under_load_is_agreed_and_saved(trainer_env, two_process_run,
+                                                                 tmp_path):
+  """The preemption sync asks JAX's service with the session's step count (a resumed
+  session asked with the global step agreed on step 1 when the notice beat its first
+  step, and trained on to the end) and Orbax no longer asks it behind the trainer's
+  back (its save threads reported older steps); a SIGTERM during start-up waits for
+  the notifier instead of killing the process."""
+  workdir = str(tmp_path / "run")
+  burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])]
+  try:
+    by_hand = _by_hand(trainer_env, workdir)
+    for index, (output, code) in by_hand.items():
+      assert code == 0, output[-3000:]
+      assert "all processes save step 1 and stop" in output, output[-3000:]
+    assert "SIGTERM during start-up" in by_hand[1][0]
+    saved = [1]
+    sessions = [
+        (lambda rows: any(row.get("kind") == "restart" for row in rows), 0),  # restoring
+        (lambda rows: len(_steps(rows)) >= 2, 1),                            # mid-run
+    ]
+    for ready, process in sessions:
+      code, output = _signal_when(trainer_env, workdir, ready, process)
+      step = _agreed_saved_step(code, output, first=saved[-1] + 1)
+      saved.append(step)
+    # In the last step: the agreed step would be past the end, so the run just ends.
+    code, output = _signal_when(trainer_env, workdir,
+                                lambda rows: STEPS - 1 in _steps(rows), 1)
+    assert code == 0, output[-3000:]
+  finally:
+    for burner in burners:
+      burner.kill()
+      burner.wait()
+  print(f"sessions saved steps {saved}, then ran to {STEPS}")
+  assert complete_steps(os.path.join(workdir, "checkpoints"))[-1] == STEPS
+  reference, losses = train_losses(two_process_run[0]), train_losses(workdir)
+  assert sorted(losses) == list(range(1, STEPS + 1))
+  for s in range(1, STEPS + 1):
+    assert abs(losses[s] - reference[s]) <= LOSS_TOLERANCE, (s, losses[s], reference[s])

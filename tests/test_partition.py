@@ -8,6 +8,7 @@ import optax
 import pytest
 
 from pretrain import gin_config
+from sharding import axes
 from sharding import mesh as mesh_lib
 from sharding import partition
 from sharding import rules as rules_lib
@@ -58,6 +59,15 @@ def make_params():
 @pytest.fixture(scope="module")
 def mesh():
   return mesh_lib.create_mesh(mesh_lib.MeshConfig(data=2, fsdp=2, tensor=2))
+
+
+def test_every_logical_axis_name_has_exactly_one_rule():
+  """The names are spelled once (`sharding.axes`); the table refers to them, one rule
+  each, and names nothing else."""
+  ruled = [logical for logical, _ in rules_lib.DEFAULT_RULES]
+  assert sorted(ruled) == sorted(axes.ALL) and len(set(axes.ALL)) == len(axes.ALL)
+  spelled = {value for name, value in vars(axes).items() if name.isupper() and name != "ALL"}
+  assert spelled == set(axes.ALL)
 
 
 def test_default_rules_match_design():

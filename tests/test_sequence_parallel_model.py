@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model.attention import AttentionBlock
+from model.blocks.attention.layer import AttentionBlock
 from model.config import ModelConfig
-from model.gateloop import GateLoopBlock
-from model.recurrent_block import RecurrentBlock
+from model.blocks.gateloop.layer import GateLoopBlock
+from model.blocks.recurrent.layer import RecurrentBlock
 from sharding import mesh as mesh_lib
 from sharding import partition
 from sharding import rules as rules_lib

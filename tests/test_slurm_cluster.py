@@ -262,8 +262,9 @@ def _wait_until_queue_empty(cluster, timeout_s=300):
 def test_sweep_runs_a_forked_study_as_slurm_jobs_retries_a_killed_run_and_fits(
     cluster, trainer_env, tmp_path):
   """`launch.sweep --backend=slurm`: each call submits what can run (the forks only once
-  their stable run has finished), a fork killed mid-way is submitted again and resumes,
-  and the last call collects every run and fits them."""
+  their stable run has finished), a run whose job was cancelled while queued counts as
+  failed (squeue) and is submitted again, a fork killed mid-way is submitted again and
+  resumes, and the last call collects every run and fits them."""
   study = tmp_path / "study"
   env = cluster.env(trainer_env.env)
   env.pop("XLA_FLAGS", None)   # each run is one single-device process
@@ -277,7 +278,18 @@ def test_sweep_runs_a_forked_study_as_slurm_jobs_retries_a_killed_run_and_fits(
     assert_ok(result)
     return result.stdout
 
+  nodes = f"NodeName=node[1-{NODES}]"
+  cluster.client("scontrol", "update", nodes, "State=DRAIN", "Reason=held-by-test")
+  try:
+    queued = sweep()
+    array_id = re.search(r"Submitted batch job (\d+)", queued).group(1)
+    cluster.client("scancel", array_id)   # cancelled before launch.sweep_job ever ran
+    _wait_until_queue_empty(cluster)
+  finally:
+    cluster.client("scontrol", "update", nodes, "State=RESUME")
   first = sweep()
+  assert (f"[sweep] hawk_20k_stable: failed (slurm job {array_id}_0 ended without "
+          "recording how it ended") in first, first
   assert "[sweep] submitted 1 run(s) to slurm" in first, first
   assert "fork(s) wait for their stable runs" in first, first
   _wait_until_queue_empty(cluster)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import subprocess
 from typing import Optional, Sequence
 
 from absl import flags
@@ -64,6 +65,11 @@ def _recovery_lines(max_restarts: int) -> list[str]:
       "trap 'on_signal USR1' USR1",
       "trap 'on_signal TERM' TERM",
   ]
+
+
+# squeue's states of a job that will not run again (a sweep's array is never requeued).
+_ENDED_STATES = frozenset({"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL",
+                           "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"})
 
 
 def batch_script(command: Sequence[str], *, job_name: str, nodes: int, gpus_per_node: int,
@@ -180,5 +186,22 @@ class SweepBackend(sweep_dispatch.ClusterBackend):
         time_limit=self.time_limit, partition=self.partition, account=self.account,
         output=os.path.join(logs, "slurm-%A_%a.out"), chdir=None,
         setup=self.setup, env=self.env, array=f"0-{len(jobs) - 1}")
-    return [sweep_dispatch.Submission(["sbatch"], script, script,
-                                      directories=(logs,) if logs != "." else ())]
+    def job_ids(printed: str) -> dict[str, str]:   # `sbatch --parsable`: "ID[;cluster]"
+      array_id = printed.strip().split(";")[0]
+      print(f"Submitted batch job {array_id}", flush=True)
+      return {job.run_dir: f"{array_id}_{i}" for i, job in enumerate(jobs)}
+    return [sweep_dispatch.Submission(["sbatch", "--parsable"], script, script,
+                                      directories=(logs,) if logs != "." else (),
+                                      job_ids=job_ids)]
+
+  def job_alive(self, job_id: str) -> Optional[bool]:
+    """Whether array task `job_id` ("ID_i") is queued or running (squeue); False once
+    it has ended or SLURM has forgotten it, None when squeue cannot answer."""
+    result = subprocess.run(["squeue", "--noheader", "--array", "--format=%i %T",
+                             f"--jobs={job_id}"], capture_output=True, text=True,
+                            check=False)
+    if result.returncode != 0:
+      return False if "Invalid job id" in result.stderr else None
+    states = [line.split()[1] for line in result.stdout.splitlines()
+              if line.split() and line.split()[0] == job_id]
+    return any(state not in _ENDED_STATES for state in states)

@@ -37,7 +37,8 @@ from model.config import ModelConfig, model_config_to_dict
 from pretrain.observability import flops as flops_lib
 
 # Griffin mixes two block types; every other family is one registered block type alone
-# (its registry entry's `family`: hawk, mqa, gateloop, ...), read live from the registry.
+# (its registry entry's `family`: hawk, mqa, gateloop, ...; a block that declares none is
+# a family of its own name), read live from the registry.
 FAMILY_PATTERNS = collections.ChainMap({"griffin": ("recurrent", "recurrent", "attention")},
                                        block_registry.FAMILIES)
 ASPECT_RATIO = 64

@@ -14,7 +14,8 @@ study can be stopped and resumed, or submitted twice, without redoing work:
   finished     its metrics hold the final evaluation (launch.sweeps.sweep_results.final_eval);
   running      `sweep_status.json` (launch.sweep_job) says running, or submitted to a
                cluster; on this host a running status whose process is gone counts as
-               interrupted instead;
+               interrupted instead, and on a cluster whose backend can ask the
+               scheduler (SLURM) one whose job has ended counts as failed;
   interrupted  stopped from outside (SIGTERM/SIGKILL, a preemption): resumed, free;
   failed       exited with an error `failures` times: retried while failures <=
                --max_retries;
@@ -77,16 +78,38 @@ def run_state(run_dir: str, finished: bool) -> tuple[str, int]:
   state = status.get("state")
   if state is None:
     return PENDING, failures
-  if state == "submitted":
-    return RUNNING, failures
-  if state == "running":
-    local = status.get("host") == socket.gethostname()
-    if local and not _process_alive(int(status.get("pid", -1))):
+  if state == "running" and status.get("host") == socket.gethostname():
+    if not _process_alive(int(status.get("pid", -1))):
       return INTERRUPTED, failures
+    return RUNNING, failures
+  if state in ("submitted", "running"):
+    if _record_lost_job(run_dir, status):
+      return FAILED, failures + 1
     return RUNNING, failures
   if status.get("exit_code") in sweep_job.INTERRUPTED_CODES:
     return INTERRUPTED, failures
   return FAILED, failures
+
+
+def _record_lost_job(run_dir: str, status: dict) -> bool:
+  """Whether the cluster job of a run that is `submitted` (or `running` on another
+  host) has ended without launch.sweep_job recording how: cancelled while queued, its
+  node lost, or a `--setup` that failed before the run started. Then the run is
+  recorded as failed (so `--max_retries` bounds the resubmissions), with the reason,
+  while the scheduler still remembers the job. A backend that cannot tell
+  (no `job_alive`) leaves the run `running`."""
+  backend = _BACKENDS.get(status.get("backend", ""))
+  job_alive = getattr(backend, "job_alive", None)
+  job_id = status.get("job_id")
+  if job_alive is None or job_id is None or job_alive(job_id) is not False:
+    return False
+  if sweep_job.read_status(run_dir) != status:   # it recorded its end meanwhile
+    return False
+  sweep_job.write_status(run_dir, {
+      "state": "exited", "exit_code": None, "failures": int(status.get("failures", 0)) + 1,
+      "why": f"{backend.name} job {job_id} ended without recording how it ended "
+             "(cancelled, a lost node, or a --setup that failed; see its log)"})
+  return True
 
 
 def running_here(run_dir: str) -> bool:
@@ -257,12 +280,15 @@ class ClusterBackend:
 @dataclasses.dataclass(frozen=True)
 class Submission:
   """One command that submits jobs to a cluster (its `stdin`, if any, is the spec), the
-  spec a dry run prints for it, and the local directories the jobs write into that
-  must exist before they start (a scheduler does not create its output's directory)."""
+  spec a dry run prints for it, the local directories the jobs write into that must
+  exist before they start (a scheduler does not create its output's directory), and,
+  for a backend with `job_alive`, how to read each run's job id (by run directory)
+  from what the command printed."""
   argv: List[str]
   stdin: Optional[str]
   spec: str
   directories: tuple[str, ...] = ()
+  job_ids: Optional[Callable[[str], Dict[str, str]]] = None
 
 
 def submit_when_ready(backend: str, jobs: Sequence[Job], study: Study,
@@ -295,16 +321,21 @@ def _submit(backend: str, jobs: Sequence[Job], study: Study,
   if study.dry_run:
     sys.stdout.write("".join(submission.spec for submission in batch))
     return
+  job_ids: Dict[str, str] = {}
   for submission in batch:
     for directory in submission.directories:
       os.makedirs(directory, exist_ok=True)
-    code = subprocess.run(submission.argv, input=submission.stdin, text=True,
-                          check=False).returncode
-    if code != 0:
-      raise RuntimeError(f"{submission.argv[0]} exited with code {code}")
+    result = subprocess.run(submission.argv, input=submission.stdin, text=True, check=False,
+                            stdout=subprocess.PIPE if submission.job_ids else None)
+    if result.returncode != 0:
+      raise RuntimeError(f"{submission.argv[0]} exited with code {result.returncode}")
+    if submission.job_ids:
+      job_ids.update(submission.job_ids(result.stdout))
   for job in jobs:
-    sweep_job.write_status(job.run_dir, {
-        "state": "submitted", "backend": backend,
-        "failures": run_state(job.run_dir, False)[1]})
+    status = {"state": "submitted", "backend": backend,
+              "failures": run_state(job.run_dir, False)[1]}
+    if job.run_dir in job_ids:
+      status["job_id"] = job_ids[job.run_dir]
+    sweep_job.write_status(job.run_dir, status)
   study.log(f"[sweep] submitted {len(jobs)} run(s) to {backend}; run the same command "
             "again to see progress, resubmit failures and collect the results")

@@ -17,6 +17,7 @@ from typing import Callable, Dict, Sequence
 from launch.clusters import gke
 from launch.clusters import slurm
 from launch.sweeps import sweep_dispatch
+from launch.sweeps import sweep_job
 from launch.sweeps import sweep_local
 from launch.clusters import tpu_vm
 from launch.sweeps.sweep_design import Run, command, non_embedding_params
@@ -64,7 +65,9 @@ def execute(runs: Sequence[Run], gin_files: Sequence[str], gin_params: Sequence[
       # again once that has ended.
       log(f"[sweep] {run.name}: waits for {run.source}, which is still running")
       continue
-    log(f"[sweep] {run.name}: {state}; {non_embedding_params(run.config):,} non-embedding "
+    why = (sweep_job.read_status(run.workdir) or {}).get("why")
+    log(f"[sweep] {run.name}: {state}{f' ({why})' if why else ''}; "
+        f"{non_embedding_params(run.config):,} non-embedding "
         f"params, {run.train_steps} steps, {run.tokens:,} tokens, {run.flops:.3g} FLOPs")
     # Here, this interpreter; on a cluster, the nodes' `python` (after --setup).
     python = sys.executable if backend.here else "python"

@@ -47,11 +47,14 @@ def is_process_zero() -> bool:
 def run(command: Sequence[str], run_dir: str) -> int:
   """Runs `command`, recording its start and exit in `run_dir`; returns its exit code."""
   writer = is_process_zero()
-  failures = int((read_status(run_dir) or {}).get("failures", 0))
+  submitted = read_status(run_dir) or {}
+  failures = int(submitted.get("failures", 0))
   process = subprocess.Popen(list(command))
   if writer:
+    # The cluster job stays named, so a sweep can ask the scheduler whether it lives.
+    job = {key: submitted[key] for key in ("backend", "job_id") if key in submitted}
     write_status(run_dir, {"state": "running", "host": socket.gethostname(),
-                           "pid": os.getpid(), "failures": failures})
+                           "pid": os.getpid(), "failures": failures, **job})
 
   def forward(signum, _frame):
     if process.poll() is None:

@@ -3,9 +3,10 @@
   checkpointer.py  `Checkpointer`: the run's tiers as peers (save, restore, prune), and
                    `CheckpointConfig`, the tiers a run has (`Checkpointer.for_run`)
   tier.py          the `CheckpointTier` interface every tier implements, and the
-                   capabilities a tier may declare (`PreemptionSync`, `ModelCheck`)
+                   capability a tier may declare (`ModelCheck`)
   persistent.py    the persistent tier: Orbax in `workdir/checkpoints`, bucket-capable
   local.py         the local tier: each host's own disk, saved between persistent saves
+  orbax_manager.py the Orbax manager every tier opens, kept from the preemption sync
   policies.py      what a tier's failed save means: retried and waited for (`Essential`)
                    or the tier turned off (`BestEffort`)
   integrity.py     the checksum manifest written with every step and checked on read

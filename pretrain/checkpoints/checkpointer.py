@@ -19,8 +19,8 @@ save turns off), and
   prunes    through each tier's own keep policy, and `resuming_from`: a tier may drop
             the steps newer than the one the run resumes from.
 
-The capabilities only some tiers have are asked of whichever tier declares them
-(`pretrain.checkpoints.tier.PreemptionSync`, `ModelCheck`).
+A capability only some tiers have is asked of whichever tier declares it
+(`pretrain.checkpoints.tier.ModelCheck`).
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from pretrain.checkpoints.local import MAX_LOCAL_KEEP, LocalTier
 from pretrain.checkpoints.outage import StorageConfig
 from pretrain.checkpoints.persistent import PersistentTier
 from pretrain.checkpoints.policies import BestEffort, Essential, Snapshot
-from pretrain.checkpoints.tier import CheckpointTier, ModelCheck, PreemptionSync, Restored
+from pretrain.checkpoints.tier import CheckpointTier, ModelCheck, Restored
 from pretrain.run_directory import RunDirectory
 
 Policy = Union[Essential, BestEffort]
@@ -205,14 +205,6 @@ class Checkpointer:
             if (where := policy.save_now(step, snapshot)) is not None]
 
   # -- the run's end and its messages --------------------------------------------
-  def reached_preemption(self, step: int) -> bool:
-    """Whether every process agreed to stop at `step` (JAX's preemption sync, through
-    the tier that declares `PreemptionSync`); False when no tier does."""
-    for tier in self.tiers:
-      if isinstance(tier, PreemptionSync):
-        return tier.reached_preemption(step)
-    return False
-
   def newest_good(self) -> Optional[tuple[int, str]]:
     """The newest complete step of the essential tiers and where it is (the tier's
     directory), for the line of a run that stops; None when there is none."""

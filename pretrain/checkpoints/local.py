@@ -40,7 +40,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from plumbing.errors import CheckpointSaveError, UnreadableCheckpointError
-from pretrain.checkpoints import integrity
+from pretrain.checkpoints import integrity, orbax_manager
 from pretrain.checkpoints.tier import Restored, checked_read
 from pretrain.checkpoints.integrity import COMMIT_MARKER, TMP_SUFFIX
 
@@ -123,8 +123,8 @@ class LocalTier:
                                            multiprocessing_options=alone,
                                            type_handler_registry=registry),
         layout=ocp.JsonCheckpointHandler(multiprocessing_options=alone))
-    self._manager = ocp.CheckpointManager(self.directory, options=options,
-                                          item_handlers=handlers)
+    self._manager = orbax_manager.CheckpointManager(self.directory, options=options,
+                                                    item_handlers=handlers)
 
   def all_steps(self) -> list[int]:
     """Complete local steps, ascending."""

@@ -24,10 +24,10 @@ cannot be read raises `UnreadableCheckpointError` (the `Checkpointer` then sets 
 as `<step>.corrupt-<kind>` and takes the next). A save that fails in the background is
 reported by `poll`, `wait` and the next `save` as a `CheckpointSaveError`.
 
-Besides the `CheckpointTier` protocol it has both optional capabilities of
-`pretrain.checkpoints.tier` (its Orbax manager spans the processes: `reached_preemption`;
-its steps record the model: `check_newest_matches`) and what the essential policy asks
-of a tier whose storage may go away (`unreachable`, `saving`, `latest_step`).
+Besides the `CheckpointTier` protocol it has the optional capability of
+`pretrain.checkpoints.tier` (its steps record the model: `check_newest_matches`) and
+what the essential policy asks of a tier whose storage may go away (`unreachable`,
+`saving`, `latest_step`).
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ from jax.experimental import multihost_utils
 from plumbing import storage
 from plumbing.errors import (CheckpointMismatchError, CheckpointSaveError,
                              UnreadableCheckpointError, UserError, warn)
-from pretrain.checkpoints import integrity
+from pretrain.checkpoints import integrity, orbax_manager
 from pretrain.checkpoints.integrity import COMMIT_MARKER
 from pretrain.checkpoints.tier import Restored, checked_read
 from pretrain.run_directory import RunDirectory
@@ -162,8 +162,9 @@ class PersistentTier:
                     opt_state=ocp.StandardCheckpointHandler(),
                     train=ocp.JsonCheckpointHandler(),
                     metadata=ocp.JsonCheckpointHandler())
-    return ocp.CheckpointManager(self.directory, options=options or self._options,
-                                 item_handlers=handlers)
+    return orbax_manager.CheckpointManager(self.directory,
+                                           options=options or self._options,
+                                           item_handlers=handlers)
 
   @contextlib.contextmanager
   def _reporting(self, step: int) -> Iterator[None]:
@@ -195,11 +196,6 @@ class PersistentTier:
   def latest_step(self) -> Optional[int]:
     steps = self.all_steps()
     return steps[-1] if steps else None
-
-  def reached_preemption(self, step: int) -> bool:
-    """Whether every process agreed to stop at `step` (JAX's preemption sync, through
-    Orbax); False on a single-process run, which has no sync service."""
-    return self._manager.reached_preemption(step)
 
   def has_item(self, step: int, item: str) -> bool:
     return (self.directory / str(step) / item).exists()

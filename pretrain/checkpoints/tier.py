@@ -11,11 +11,11 @@ good step of any on restore, and treats a failed save by the tier's policy
 its `name`, so a third tier (say, a copy held in a peer host's memory) is one class
 implementing this protocol, handed to `Checkpointer.add_tier`.
 
-Beyond the protocol a tier may declare two capabilities, each a protocol of its own
-here, that the `Checkpointer` asks for wherever a tier has them: `PreemptionSync` (the
-agreement of every process on the step to stop at, which JAX provides through an Orbax
-manager that spans the processes) and `ModelCheck` (a checkpoint of another model is an
-error before anything is written).
+Beyond the protocol a tier may declare a capability, a protocol of its own here, that
+the `Checkpointer` asks for wherever a tier has it: `ModelCheck` (a checkpoint of
+another model is an error before anything is written). A tier's Orbax manager comes
+from `pretrain.checkpoints.orbax_manager`, which keeps Orbax away from the preemption
+sync service (the trainer's `PreemptionHook` asks it alone).
 
 Reading a step is checked (`pretrain.checkpoints.integrity`) and agreed by every process
 (`checked_read`): a step is restored by all processes or by none.
@@ -103,15 +103,6 @@ class CheckpointTier(Protocol):
 
   def close(self) -> None:
     """Waits for the save in flight and releases the tier."""
-
-
-@runtime_checkable
-class PreemptionSync(Protocol):
-  """A tier that can tell when every process has agreed to stop (JAX's preemption sync
-  service, reached through an Orbax manager spanning the processes)."""
-
-  def reached_preemption(self, step: int) -> bool:
-    """Whether every process agreed to stop at `step`; False with one process."""
 
 
 @runtime_checkable

@@ -98,6 +98,7 @@ def plan_memory(config: ModelConfig, mesh: Mapping[str, int], batch_size: int, s
     plan["activations"] = max(0, compiled["peak"] - state)
     plan["total"] = compiled["peak"]
     plan["compiled"] = compiled
+    plan["estimated"] = []   # XLA's figures cover every block, declared terms or not
     if device_memory_gb is not None:
       plan["fits"] = plan["total"] <= device_memory_gb * 1e9
   plan["method"] = method

@@ -7,6 +7,7 @@ import dataclasses
 from typing import Any, Optional, Sequence
 
 from model import counting
+from model import memory
 from model.config import ModelConfig, model_config_to_dict
 from plumbing.errors import usage_error
 from pretrain import gin_config
@@ -40,6 +41,7 @@ def summarize(config: ModelConfig, seq: int, mesh: Optional[str] = None, batch: 
       "flops_breakdown": dataclasses.asdict(flops),
       "seq": seq,
       "decode_state_bytes": counting.decode_state_bytes(config, max_length=seq),
+      "flops_estimated": counting.undeclared_counting(config),
       "model": model_config_to_dict(config),
   }
   if mesh is not None:
@@ -60,7 +62,8 @@ def _memory_plan(config: ModelConfig, mesh: str, batch: Optional[int], seq: int,
   keys = ("params", "optimizer", "gradients", "activations", "workspace", "total")
   return {"per_device_bytes": {key: int(plan[key]) for key in keys if key in plan},
           "memory_fits": plan.get("fits"), "memory_method": plan.get("method"),
-          "mesh": plan.get("mesh"), "batch": batch}
+          "memory_estimated": plan.get("estimated", []), "mesh": plan.get("mesh"),
+          "batch": batch}
 
 
 def _human(n: float) -> str:
@@ -98,4 +101,10 @@ def format_text(summary: dict[str, Any]) -> str:
         f"{summary['mesh']} ({summary['memory_method']}): " + ", ".join(
             f"{key} {_human_bytes(value)}" for key, value in summary["per_device_bytes"].items())
         + fits)
+  if summary["flops_estimated"]:
+    lines.append(f"  estimated: block types {', '.join(map(repr, summary['flops_estimated']))}"
+                 " declare no counting (BlockSpec.counting); their FLOPs are 6 x their "
+                 "parameters, no attention or recurrence term (model.counting)")
+  if summary.get("memory_estimated"):
+    lines.append(memory.estimate_line(summary["memory_estimated"]))
   return "\n".join(lines)

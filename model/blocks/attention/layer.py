@@ -12,7 +12,7 @@ Training calls (no cache) of local attention longer than the window are computed
 blocks of w queries, each attending to its own and the previous block's keys
 (`_blocked_local_attention`): 2·w·T scores instead of T² (less work from T = 4w on).
 When the mesh splits time into shards of whole blocks, the previous block is a one-block
-halo sent to the right neighbour with a ppermute (`model.conv1d.delayed`). Global
+halo sent to the right neighbour with a ppermute (`model.time_shift.delayed`). Global
 attention (and any call of at most w tokens, or with a cache) uses the full masked score
 matrix; under a sequence-split mesh the partitioner then gathers the keys and values over
 the time shards, which is affordable because the single K/V head is 1/N of the query
@@ -37,9 +37,9 @@ import jax.numpy as jnp
 
 from model import partitioning as P
 from model.config import ModelConfig
-from model.conv1d import delayed
-from model.conv1d import document_starts
 from model.rope import apply_rope
+from model.time_shift import delayed
+from model.time_shift import document_starts
 
 MASKED_LOGIT = -2.3819763e38
 

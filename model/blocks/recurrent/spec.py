@@ -1,9 +1,11 @@
-"""The recurrent block (Conv1D + RG-LRU, or the complex CG-LRU): its registry entry.
+"""The recurrent block's registry entry (Conv1D + RG-LRU, or the complex CG-LRU).
 
 Hawk is made of it alone, Griffin mixes it with local attention. The layer is
-`model.recurrent_block.RecurrentBlock`; `ModelConfig.lru_variant` picks the real RG-LRU
-or the complex CG-LRU (Griffin appendix B), which differ in the gates' output width,
-the parameters of the recurrence and the transformers export (the RG-LRU only).
+`model.blocks.recurrent.layer.RecurrentBlock`; `ModelConfig.lru_variant` picks the real
+RG-LRU or the complex CG-LRU (Griffin appendix B), which differ in the gates' output
+width, the parameters of the recurrence and the transformers export (the RG-LRU only).
+It declares every capability of `model.block_registry`: counting, memory terms
+(calibrated against compiled peaks, see `model.memory`) and the transformers mapping.
 """
 from __future__ import annotations
 
@@ -11,13 +13,47 @@ from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 
-from model import counting
-from model import memory
 from model import partitioning as P
-from model import recurrentgemma_params as rg
 from model.block_registry import HFLeaf
+from model.blocks.recurrent.layer import RecurrentBlock, RecurrentCache
 from model.config import BlockType, ModelConfig
-from model.recurrent_block import RecurrentBlock, RecurrentCache
+
+# Training FLOP conventions of the recurrence (docs/model.md#training-flops).
+RECURRENCE_FORWARD_FLOPS = 10     # per RG-LRU state element and token (model.counting)
+RECURRENT_OUTPUT_GATE_FLOPS = 1   # x-branch ⊙ y-branch, per RG-LRU channel and token
+# Activation buffers kept for the backward pass per token, x R/t (compute dtype, float32):
+# branch outputs; gates, decay, normaliser, scan, h (calibration: `model.memory`).
+KEEP_RNN = (3, 10)
+
+
+class _RecurrentCounting:
+  """The 6N weights and the element-wise recurrence work."""
+
+  def matmul_params(self, config: ModelConfig) -> int:
+    d, r = config.width, config.rnn_width
+    gate_out = r // 2 if config.lru_variant == "complex" else r
+    gates = 2 * r * gate_out // config.gate_blocks         # block-diagonal W_a, W_x
+    return 3 * d * r + config.conv_width * r + gates       # W_x, W_y, W_out, Conv1D
+
+  def mixing_flops(self, config: ModelConfig, seq_len: int) -> dict[str, float]:
+    del seq_len
+    forward = (RECURRENCE_FORWARD_FLOPS + RECURRENT_OUTPUT_GATE_FLOPS) * config.rnn_width
+    return {"recurrence": 3.0 * forward}
+
+
+class _RecurrentMemory:
+  """Per-token terms of the analytic planner."""
+
+  def kept_activations(self, config: ModelConfig, seq: int, tensor: int
+                       ) -> tuple[float, float, float]:
+    del seq
+    r = config.rnn_width
+    return KEEP_RNN[0] * r / tensor, KEEP_RNN[1] * r / tensor, 0.0
+
+  def saved_matmul_outputs(self, config: ModelConfig, seq: int, tensor: int
+                           ) -> tuple[float, float]:
+    del seq
+    return 3 * config.rnn_width / tensor + config.width, 0.0
 
 
 class _RecurrentHFExport:
@@ -46,9 +82,9 @@ class _RecurrentHFExport:
     conv = np.asarray(layer["recurrent_block"]["conv_1d"]["w"])   # [W, R], oldest tap first
     return {"temporal_block.conv_1d.weight": conv.T[:, None, :]}
 
-  def from_hf(self, take: Callable[[str], np.ndarray], layer: dict) -> None:
+  def from_hf(self, take: Callable[[str], np.ndarray]) -> dict[tuple[str, ...], np.ndarray]:
     conv = take("temporal_block.conv_1d.weight")   # [R, 1, W]
-    rg.set_path(layer, ("recurrent_block", "conv_1d", "w"), conv[:, 0, :].T)
+    return {("recurrent_block", "conv_1d", "w"): conv[:, 0, :].T}
 
 
 class RecurrentSpec:
@@ -59,6 +95,8 @@ class RecurrentSpec:
   family = "hawk"
   logical_axes = (P.EMBED, P.RNN, P.RNN_HEADS, P.RNN_HEAD_DIM, P.CONV, P.BATCH, P.LENGTH,
                   P.ACT_RNN)
+  counting = _RecurrentCounting()
+  memory = _RecurrentMemory()
   hf_export = _RecurrentHFExport()
 
   def validate(self, config: ModelConfig) -> None:
@@ -69,33 +107,11 @@ class RecurrentSpec:
     del max_length  # constant-size state
     return RecurrentBlock.init_cache(config, batch_size, dtype)
 
-  def matmul_params(self, config: ModelConfig) -> int:
-    d, r = config.width, config.rnn_width
-    gate_out = r // 2 if config.lru_variant == "complex" else r
-    gates = 2 * r * gate_out // config.gate_blocks         # block-diagonal W_a, W_x
-    return 3 * d * r + config.conv_width * r + gates       # W_x, W_y, W_out, Conv1D
-
-  def vector_params(self, config: ModelConfig) -> int:
+  def param_count(self, config: ModelConfig) -> int:
     d, r = config.width, config.rnn_width
     if config.lru_variant == "complex":
       lru = 2 * (r // 2) + r // 2 + r // 2                 # gate biases, a_param, θ
     else:
       lru = 2 * r + r                                      # gate biases, a_param
-    return 2 * r + d + r + lru                             # W_x, W_y, W_out, conv biases
-
-  def mixing_flops(self, config: ModelConfig, seq_len: int) -> dict[str, float]:
-    del seq_len
-    forward = (counting.RECURRENCE_FORWARD_FLOPS
-               + counting.RECURRENT_OUTPUT_GATE_FLOPS) * config.rnn_width
-    return {"recurrence": 3.0 * forward}
-
-  def kept_activations(self, config: ModelConfig, seq: int, tensor: int
-                       ) -> tuple[float, float, float]:
-    del seq
-    r = config.rnn_width
-    return memory.KEEP_RNN[0] * r / tensor, memory.KEEP_RNN[1] * r / tensor, 0.0
-
-  def saved_matmul_outputs(self, config: ModelConfig, seq: int, tensor: int
-                           ) -> tuple[float, float]:
-    del seq
-    return 3 * config.rnn_width / tensor + config.width, 0.0
+    vectors = 2 * r + d + r + lru                          # W_x, W_y, W_out, conv biases
+    return self.counting.matmul_params(config) + vectors

@@ -16,8 +16,8 @@ import jax
 
 from model import partitioning as P
 from model.config import ModelConfig
-from model.conv1d import Conv1D
-from model.rg_lru import RGLRU
+from model.blocks.recurrent.conv1d import Conv1D
+from model.blocks.recurrent.rg_lru import RGLRU
 
 
 class RecurrentCache(NamedTuple):
