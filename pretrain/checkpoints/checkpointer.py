@@ -51,7 +51,8 @@ class CheckpointConfig:
       (long-term snapshots); None keeps only the newest ones.
     async_save: write in a background thread while training continues.
     local_dir: the local tier's directory on each host (a local SSD or `/dev/shm`);
-      None: no local tier. Each run and process gets its own subdirectory.
+      None: no local tier. Each run and process gets its own subdirectory (the run's
+      `RunDirectory` is built with it and owns that layout).
     local_every: save to the local tier every this many steps (steps that are also
       persistent saves are not saved twice).
     local_keep: local checkpoints kept per process. 2: when a process dies in the middle
@@ -93,8 +94,9 @@ class Checkpointer:
               every: int, outage_s: float = StorageConfig.outage_s) -> "Checkpointer":
     """The tiers of a training run in `run`: the persistent one, essential, every
     `every` steps (`TrainConfig.checkpoint_every`); the local one, best effort, every
-    `config.local_every` steps when `run.local_dir` is set (`config.local_dir`). The
-    one place a new tier is wired to a Gin setting."""
+    `config.local_every` steps in `run.local_tier` when the run directory has a local
+    directory (`RunDirectory(workdir, config.local_dir)`). The one place a new tier is
+    wired to a Gin setting."""
     checkpointer = cls()
     checkpointer.add_tier(PersistentTier(run, keep_last=config.keep_last,
                                          keep_every=config.keep_every,
