@@ -2,8 +2,8 @@
 
 Saves a preset's parameters (randomly initialised: as incompressible as trained ones)
 and, with --optimizer_state, two more trees of their shapes standing for AdamW's
-moments, with `pretrain.checkpoints.checkpointer.Checkpointer`, which writes `integrity.json` from
-Orbax's background thread before the commit, and with the same Checkpointer whose
+moments, with `pretrain.checkpoints.persistent.PersistentTier`, which writes
+`integrity.json` from Orbax's background thread before the commit, and with the same tier whose
 manifest step (`integrity.seal`) is switched off; each time is until the step is
 committed, the fastest of --rounds alternating saves. Then it times `integrity.verify`
 of the step with its files in the page cache (right after a save) and out of it (as
@@ -33,8 +33,10 @@ from absl import flags
 import jax
 
 from plumbing import cli, storage
-from pretrain.checkpoints import checkpointer as checkpointing, integrity
+from pretrain.checkpoints import integrity
+from pretrain.checkpoints.persistent import PersistentTier
 from pretrain import gin_config
+from pretrain.run_directory import RunDirectory
 from pretrain.runtime import Runtime
 
 flags.DEFINE_string("preset", "griffin_1_3b", "Model preset under configs/models/.")
@@ -54,7 +56,7 @@ def timed(action: Callable[[], Any]) -> tuple[float, Any]:
 
 @contextlib.contextmanager
 def switched_off(name: str, replacement: Callable[..., Any]) -> Iterator[None]:
-  """`integrity.<name>` replaced for the block: the Checkpointer without that step."""
+  """`integrity.<name>` replaced for the block: the tier without that step."""
   original = getattr(integrity, name)
   setattr(integrity, name, replacement)
   try:
@@ -79,8 +81,8 @@ def drop_from_page_cache(directory: str) -> None:
 def save_times(params: Any, opt_state: Any) -> tuple[dict[str, float], str]:
   """Save times without and with the manifest, and the last step saved (with it).
   Keeping one step, each save also deletes the one before, alike for both kinds."""
-  checkpointer = checkpointing.Checkpointer(os.path.join(FLAGS.workdir, "run"),
-                                            checkpointing.CheckpointConfig(keep_last=1))
+  checkpointer = PersistentTier(RunDirectory(os.path.join(FLAGS.workdir, "run")),
+                                keep_last=1)
 
   def save(step):
     checkpointer.save(step, params=params, opt_state=opt_state, rng=jax.random.key(0),
@@ -99,8 +101,8 @@ def save_times(params: Any, opt_state: Any) -> tuple[dict[str, float], str]:
 def restore_cold(runtime: Runtime, step_dir: str) -> float:
   """Seconds to restore the parameters of `step_dir`, its files read from the disk."""
   drop_from_page_cache(step_dir)
-  checkpointer = checkpointing.Checkpointer(os.path.join(FLAGS.workdir, "run"),
-                                            read_only=True)
+  checkpointer = PersistentTier(RunDirectory(os.path.join(FLAGS.workdir, "run")),
+                                read_only=True)
   seconds = timed(lambda: checkpointer.restore(
       int(os.path.basename(step_dir)), abstract_params=runtime.abstract_params))[0]
   checkpointer.close()

@@ -43,55 +43,25 @@ Every run warms its learning rate up over `warmup_fraction` of its steps (the
 optimizer's fixed default would make a short run all warm-up) and may get a common
 `--peak_learning_rate`.
 
-This module is the command line; the study's parts live apart: the size rule and the
-designs in `launch.sweeps.sweep_design`, running the runs in `launch.sweeps.sweep_execute` (through
+This module is the command line (flags and main); the study is `launch.sweeps.study`
+(`StudyOptions`, `run_study`), whose parts live apart: the size rule and the designs in
+`launch.sweeps.sweep_design`, running the runs in `launch.sweeps.sweep_execute` (through
 the backends of `launch.sweeps.sweep_dispatch`), the results and plots in
 `launch.sweeps.sweep_results`.
 """
 from __future__ import annotations
 
-import os
-from typing import Dict, List, Sequence, Tuple
+import dataclasses
+from typing import Sequence
 
 from absl import flags
-import gin
 
-from launch.clusters import common
-from launch.sweeps import ladder
 from launch.scaling import scaling_fit
-from launch.sweeps import size_rule
+from launch.sweeps import study
 from launch.sweeps import sweep_design
 from launch.sweeps import sweep_dispatch
-from launch.sweeps import sweep_execute
-from launch.sweeps import wsd_design
-from launch.sweeps.sweep_design import (FAMILY_PATTERNS, Run, budget_label,
-                                        non_embedding_params, parse_size, plan,
-                                        plan_isoflop, run_gin)
-from launch.sweeps.sweep_results import runs_table_markdown, write_results
+from launch.sweeps.sweep_design import FAMILY_PATTERNS
 from plumbing import cli
-from plumbing import storage
-from plumbing.errors import usage_error
-from pretrain import gin_config
-
-
-def vocab_size_from_gin(gin_files: Sequence[str], gin_params: Sequence[str]) -> int:
-  """VOCAB_SIZE as the run's Gin config defines it (ModelConfig.vocab_size otherwise).
-
-  Raises:
-    UserError (exit code 2): a bad Gin file or binding, or neither value bound.
-  """
-  gin_config.parse(gin_files, gin_params)
-  try:
-    for query in ("%VOCAB_SIZE", "ModelConfig.vocab_size"):
-      try:
-        return int(gin.query_parameter(query))
-      except ValueError:
-        continue
-  finally:
-    gin.clear_config()
-  raise usage_error("the Gin files define neither VOCAB_SIZE nor ModelConfig.vocab_size; "
-                    "pass --vocab_size")
-
 
 FLAGS = flags.FLAGS
 
@@ -170,178 +140,12 @@ def define_flags() -> None:
                            message="--workdir must name a directory")
 
 
-def _budgets(texts: Sequence[str]) -> List[float]:
-  try:
-    return common.positive_numbers(texts, "--flop_budgets", "number of FLOPs",
-                                   "1e15,3e15,1e16")
-  except ValueError as error:
-    raise usage_error(str(error)) from None
-
-
 def main(argv: Sequence[str]) -> None:
   cli.reject_extra_arguments(argv)
-  unknown = sorted(set(FLAGS.families) - set(FAMILY_PATTERNS))
-  if unknown:
-    raise usage_error(f"unknown families {unknown}; expected some of "
-                      f"{sorted(FAMILY_PATTERNS)}")
-  for size in FLAGS.sizes:
-    try:
-      parse_size(size)
-    except ValueError as error:
-      raise usage_error(f"--sizes: {error}") from None
-  budgets = _budgets(FLAGS.flop_budgets)
-  backend = sweep_dispatch.get(FLAGS.backend).from_flags(FLAGS)
-  workdir = FLAGS.workdir if FLAGS.workdir.startswith("gs://") else os.path.abspath(
-      os.path.expanduser(FLAGS.workdir))
-  vocab_size = FLAGS.vocab_size or vocab_size_from_gin(FLAGS.gin_file, FLAGS.gin_param)
-  if FLAGS.train_optimum is not None:
-    _train_optimum(workdir, vocab_size, backend)
-    return
-  runs, probe_gin = _plan_runs(budgets, vocab_size, workdir)
-  if FLAGS.lr_sweep:
-    probes = size_rule.plan_probes(
-        plan(FLAGS.families, FLAGS.sizes, tokens_per_param=FLAGS.lr_sweep_tokens_per_param,
-             batch_size=FLAGS.batch_size, sequence_length=FLAGS.sequence_length,
-             vocab_size=vocab_size, workdir=workdir, warmup_fraction=FLAGS.warmup_fraction,
-             aspect_tolerance=FLAGS.aspect_tolerance),
-        _rates(), count=FLAGS.lr_sweep_sizes, workdir=workdir, extra_gin=probe_gin)
-    if FLAGS.dry_run:
-      print("# The learning-rate probes (launch.sweeps.size_rule); the study's runs follow at the "
-            "rates of the rule fitted to them:")
-      print(runs_table_markdown(probes))
-    states = _run_all(probes, storage.join(workdir, "lr_sweep"), backend)
-    if FLAGS.dry_run or not _all_finished(states):
-      return
-    rules = size_rule.fit_rules(probes)
-    for line in size_rule.warnings(rules):
-      print(line)
-    storage.write_text(storage.join(workdir, "size_rule.json"), size_rule.rules_json(
-        rules, _rates(), FLAGS.lr_sweep_sizes, FLAGS.lr_sweep_tokens_per_param))
-    for run in runs:
-      run.peak_learning_rate = rules[run.family](non_embedding_params(run.config))
-  if FLAGS.dry_run:
-    print(runs_table_markdown(runs))
-    if backend.here:
-      for run in runs:
-        print(f"# {run.name}: the run's bindings (--gin_param):")
-        print("\n".join("#   " + line for line in run_gin(run).splitlines()))
-  states = _run_all(runs, workdir, backend)
-  if not FLAGS.dry_run and _all_finished(states):
-    write_results(runs, workdir)
-
-
-def _train_optimum(workdir: str, vocab_size: int, backend: sweep_dispatch.Backend) -> None:
-  """The ladder (launch.sweeps.ladder): each family's compute-optimal model at the budget,
-  forecast written first, trained, then scored."""
-  budget = FLAGS.train_optimum
-  runs, forecasts = [], {}
-  for family in FLAGS.families:
-    name = f"{family}_optimum_C{budget_label(budget)}"
-    n_opt, forecast, fit = ladder.optimum_size(workdir, name, family, budget,
-                                               metric=FLAGS.metric,
-                                               replicates=FLAGS.replicates)
-    # One isoFLOP point puts N* = sqrt(C / (6·tokens_per_param)) on N_opt.
-    (base,) = plan_isoflop([family], [budget], points_per_budget=1, spread=1.0,
-                           tokens_per_param=budget / (6 * n_opt.value ** 2),
-                           batch_size=FLAGS.batch_size,
-                           sequence_length=FLAGS.sequence_length, vocab_size=vocab_size,
-                           workdir=workdir, warmup_fraction=FLAGS.warmup_fraction,
-                           aspect_tolerance=FLAGS.aspect_tolerance)
-    run = ladder.ladder_run(base, workdir, name, FLAGS.peak_learning_rate)
-    forecasts[run.name] = forecast or ladder.make_forecast(run, fit, n_opt, FLAGS.metric,
-                                                           record=not FLAGS.dry_run)
-    runs.append(run)
-    p = forecasts[run.name]["predicted"]
-    print(f"[ladder] {run.name}: {non_embedding_params(run.config):,} non-embedding params, "
-          f"{run.tokens:,} tokens; forecast {FLAGS.metric} {p['value']:.4f} "
-          f"[{p['low']:.4f}, {p['high']:.4f}]")
-  if FLAGS.dry_run:
-    print(runs_table_markdown(runs))
-  states = _run_all(runs, storage.join(workdir, "ladder"), backend)
-  if FLAGS.dry_run or not _all_finished(states):
-    return
-  for run in runs:
-    print(ladder.report_line(run.name, ladder.score(run, forecasts[run.name], FLAGS.metric)))
-
-
-def _rates() -> List[float]:
-  try:
-    return size_rule.parse_rates(FLAGS.lr_sweep)
-  except ValueError as error:
-    raise usage_error(str(error)) from None
-
-
-def _plan_runs(budgets: Sequence[float], vocab_size: int, workdir: str
-               ) -> Tuple[List[Run], Tuple[str, ...]]:
-  """The study's runs by the chosen design, and the schedule bindings its LR probes
-  share with them (launch.sweeps.size_rule)."""
-  shared = dict(batch_size=FLAGS.batch_size, sequence_length=FLAGS.sequence_length,
-                vocab_size=vocab_size, workdir=workdir, warmup_fraction=FLAGS.warmup_fraction,
-                aspect_tolerance=FLAGS.aspect_tolerance)
-  if FLAGS.design != "wsd":
-    if budgets:
-      return plan_isoflop(FLAGS.families, budgets, points_per_budget=FLAGS.points_per_budget,
-                          spread=FLAGS.isoflop_spread,
-                          tokens_per_param=FLAGS.tokens_per_param,
-                          peak_learning_rate=FLAGS.peak_learning_rate, **shared), ()
-    return plan(FLAGS.families, FLAGS.sizes, tokens_per_param=FLAGS.tokens_per_param,
-                max_steps=FLAGS.max_steps, peak_learning_rate=FLAGS.peak_learning_rate,
-                **shared), ()
-  if budgets:
-    raise usage_error("--design=wsd plans its runs from --sizes and "
-                      "--cooldown_tokens_per_param; drop --flop_budgets")
-  try:
-    options = wsd_design.WsdOptions(
-        tuple(float(t) for t in FLAGS.cooldown_tokens_per_param), FLAGS.cooldown_fraction,
-        FLAGS.cooldown_shape)
-  except ValueError as error:
-    raise usage_error(str(error).replace("could not convert string to float",
-                                         "--cooldown_tokens_per_param: not a number")
-                      ) from None
-  runs = wsd_design.plan_wsd(
-      plan(FLAGS.families, FLAGS.sizes, tokens_per_param=1.0,
-           peak_learning_rate=FLAGS.peak_learning_rate, **shared),
-      options, workdir=workdir, warmup_fraction=FLAGS.warmup_fraction)
-  if FLAGS.dry_run:
-    print(wsd_design.cost_markdown(wsd_design.study_cost(runs)))
-  else:
-    storage.makedirs(workdir)
-    storage.write_text(storage.join(workdir, "design.json"),
-                       wsd_design.design_json(runs, options))
-  return runs, ("OptimizerConfig.schedule = 'wsd'",
-                f"OptimizerConfig.cooldown_shape = {options.cooldown_shape!r}",
-                f"OptimizerConfig.cooldown_fraction = {options.cooldown_fraction!r}")
-
-
-def _all_finished(states: Dict[str, str]) -> bool:
-  """Whether every run finished; otherwise one line naming those that did not."""
-  waiting = sorted(name for name, state in states.items()
-                   if state != sweep_dispatch.FINISHED)
-  if waiting:
-    print(f"[sweep] {len(waiting)} run(s) not finished yet ({', '.join(waiting[:5])}"
-          f"{', ...' if len(waiting) > 5 else ''}); run the same command again later")
-  return not waiting
-
-
-def tracker_group(workdir: str, study_dir: str) -> str:
-  """The experiment trackers' group of a study's runs (`TrainConfig.tracker_group`: a
-  W&B group, an MLflow experiment), so that a study is one view there: the sweep
-  directory's name, then the part's (`lr_sweep`, `ladder`) when it has its own."""
-  name = os.path.basename(workdir.rstrip("/"))
-  part = os.path.basename(study_dir.rstrip("/"))
-  return name if study_dir.rstrip("/") == workdir.rstrip("/") else f"{name}-{part}"
-
-
-def _run_all(runs: Sequence[Run], study_dir: str,
-             backend: sweep_dispatch.Backend) -> Dict[str, str]:
-  """`sweep_execute.run_all` with the command line's files, bindings (after the
-  trackers' group, which they may override) and retries."""
-  workdir = FLAGS.workdir if FLAGS.workdir.startswith("gs://") else os.path.abspath(
-      os.path.expanduser(FLAGS.workdir))
-  group = f"TrainConfig.tracker_group = {tracker_group(workdir, study_dir)!r}"
-  return sweep_execute.run_all(runs, FLAGS.gin_file, [group, *FLAGS.gin_param], backend,
-                               max_retries=FLAGS.max_retries, study_dir=study_dir,
-                               dry_run=FLAGS.dry_run)
+  options = study.StudyOptions(**{field.name: FLAGS[field.name].value
+                                  for field in dataclasses.fields(study.StudyOptions)})
+  study.check(options)
+  study.run_study(options, sweep_dispatch.get(FLAGS.backend).from_flags(FLAGS))
 
 
 if __name__ == "__main__":

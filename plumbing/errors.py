@@ -99,7 +99,7 @@ class StorageOutageError(UserError):
 
 class StorageOutageStop(UserError):
   """The run stopped because its object storage did not answer for longer than
-  `StorageConfig.outage_s` (after saving its secondary tiers).
+  `StorageConfig.outage_s` (after saving its best-effort tiers, the local one).
 
   Writes to that storage may still be in flight in threads nothing can cancel: the
   persistent tier's async save (Orbax's thread pools, the storage client retrying for

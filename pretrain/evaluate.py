@@ -37,6 +37,7 @@ from pretrain.data import synthetic
 from pretrain.data.vocabularies import token_byte_lengths
 from pretrain.checkpoints.loading import LoadedModel, load
 from pretrain.trainer import TrainConfig
+from pretrain.run_directory import RunDirectory
 
 # SeqIO and TensorFlow load on first use (about 6 s): commands that only parse
 # configs, print help or plan memory never touch them.
@@ -91,7 +92,7 @@ def validation_metrics(model: LoadedModel, workdir: str) -> dict[str, float]:
   no text, "accuracy" at the task's answer positions instead of bits per byte: that is
   what those tasks are about.
   """
-  config_path = storage.join(workdir, "config.gin")
+  config_path = RunDirectory(workdir).config
   if not storage.exists(config_path):
     raise UserError(f"{config_path} does not exist, so the run's validation data is "
                     "unknown (a converted checkpoint has none); pass --text_file=PATH")

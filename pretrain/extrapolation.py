@@ -31,13 +31,14 @@ from pretrain import gin_config
 from pretrain.checkpoints.loading import load
 from pretrain.data import synthetic
 from pretrain.evaluation.extrapolation import evaluate_multiples, format_table
+from pretrain.run_directory import RunDirectory
 
 FLAGS = flags.FLAGS
 
 
 def training_task(workdir: str) -> Optional[str]:
   """Registers and names the synthetic task DIR/config.gin trained on (None if none)."""
-  path = storage.join(workdir, "config.gin")
+  path = RunDirectory(workdir).config
   if not storage.exists(path):
     return None
   gin_config.parse([storage.local_copy(path)], [], skip_unknown=True)

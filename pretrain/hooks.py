@@ -78,10 +78,9 @@ class DivergenceCheck(Hook):
       self._checkpointer.wait()
     except CheckpointSaveError:
       pass  # that step is not among the good checkpoints named below
-    good = self._checkpointer.latest_step()
-    where = (f"the newest good checkpoint (step {good}) is intact in "
-             f"{self._checkpointer.directory}" if good is not None
-             else "no checkpoint was written")
+    good = self._checkpointer.newest_good()
+    where = (f"the newest good checkpoint (step {good[0]}) is intact in {good[1]}"
+             if good is not None else "no checkpoint was written")
     raise TrainingDivergedError(
         f"Training diverged at step {step}: loss={values['loss']}, "
         f"grad_norm={values['grad_norm']}, param_norm={values['param_norm']}; stopped "

@@ -24,6 +24,7 @@ from pretrain import trainer
 from pretrain.checkpoints.checkpointer import CheckpointConfig, Checkpointer
 from pretrain.optimizer import OptimizerConfig
 from pretrain.checkpoints.outage import StorageConfig
+from pretrain.run_directory import RunDirectory
 from sharding.distributed import initialize_from_environment
 
 FLAGS = flags.FLAGS
@@ -68,12 +69,12 @@ def use_compilation_cache(directory: str) -> None:
     jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_MAX_BYTES)
 
 
-def write_config(workdir: str) -> None:
+def write_config(run: RunDirectory) -> None:
   """Checks that every binding was used, then writes the operative Gin config (only
   process 0)."""
   gin_config.check_bindings_used()
   if jax.process_index() == 0:
-    storage.write_text(storage.join(workdir, "config.gin"), gin_config.operative_config())
+    storage.write_text(run.config, gin_config.operative_config())
 
 
 def train_from_gin(workdir: str, gin_files: Sequence[str],
@@ -86,11 +87,14 @@ def train_from_gin(workdir: str, gin_files: Sequence[str],
   train_config = gin_config.build(trainer.TrainConfig)
   runtime = gin_config.build_runtime(gin_config.build_model_config())
   storage_config = gin_config.build(StorageConfig)
-  checkpointer = Checkpointer(workdir, gin_config.build(CheckpointConfig),
-                              outage_s=storage_config.outage_s)
-  return trainer.train(workdir, train_config, runtime,
+  checkpoint_config = gin_config.build(CheckpointConfig)
+  run = RunDirectory(workdir, checkpoint_config.local_dir)
+  checkpointer = Checkpointer.for_run(run, checkpoint_config,
+                                      every=train_config.checkpoint_every,
+                                      outage_s=storage_config.outage_s)
+  return trainer.train(run, train_config, runtime,
                        gin_config.build(OptimizerConfig), checkpointer,
-                       gin_config.build_pipeline, on_ready=lambda: write_config(workdir),
+                       gin_config.build_pipeline, on_ready=lambda: write_config(run),
                        storage_config=storage_config)
 
 

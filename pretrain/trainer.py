@@ -20,7 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from model import counting
-from plumbing import storage
 from plumbing.errors import (StorageOutageError, StorageOutageStop, UserError, usage_error,
                              warn)
 from pretrain.evaluation import downstream
@@ -33,14 +32,16 @@ from pretrain.observability import stragglers
 from pretrain.observability import watchdog as watchdog_lib
 from pretrain.checkpoints.tier import CheckpointTier
 from pretrain.checkpoints.checkpointer import Checkpointer
+from pretrain.checkpoints.policies import Snapshot
 from pretrain.checkpoints.saving import CheckpointHook
 from pretrain.data.vocabularies import token_byte_lengths
 from pretrain.checkpoints.metadata import RunMetadata, vocabulary_spec
-from pretrain.observability.metrics import UNSENT_METRICS, MetricsWriter, format_duration
+from pretrain.observability.metrics import MetricsWriter, format_duration
 from pretrain.observability import trackers as trackers_lib
 from pretrain.observability.trackers import run_info as tracker_run_info
 from pretrain.optimizer import OptimizerConfig, learning_rate_schedule, make_optimizer
 from pretrain.checkpoints.outage import FLUSH_TIMEOUT_S, StorageConfig
+from pretrain.run_directory import RunDirectory
 from pretrain.runtime import Runtime, host_scalar
 from pretrain.steps import TrainState, jit_train_step
 from sharding import partition
@@ -234,6 +235,7 @@ class Trainer:
   """Runs the training loop of one run from its parts.
 
   Args:
+    run: the run directory (where each part of the run goes).
     config: the TrainConfig.
     runtime: model, mesh and shardings.
     optimizer_config: AdamW and schedule settings.
@@ -243,10 +245,11 @@ class Trainer:
     clock: books the session's wall time (`pretrain.observability.goodput`); a new one by default.
   """
 
-  def __init__(self, config: TrainConfig, runtime: Runtime,
+  def __init__(self, run: RunDirectory, config: TrainConfig, runtime: Runtime,
                optimizer_config: OptimizerConfig, pipeline: Pipeline,
                checkpointer: Checkpointer, writer: MetricsWriter,
                clock: Optional[goodput.GoodputClock] = None):
+    self.run_directory = run
     self.config = config
     self._added_hooks: list[hooks_lib.Hook] = []
     self.clock = clock or goodput.GoodputClock()
@@ -274,7 +277,7 @@ class Trainer:
         limit=config.downstream_limit) if config.downstream_tasks else None
     self.watchdog = watchdog_lib.Watchdog(
         config.hang_timeout_s, long_s=config.hang_long_s,
-        stacks_dir=watchdog_lib.stacks_dir(str(checkpointer.directory.parent)),
+        stacks_dir=run.hangs,
         process_index=jax.process_index(), multi_process=jax.process_count() > 1)
 
   def initial_state(self) -> tuple[TrainState, jax.Array, Optional[CheckpointTier]]:
@@ -291,12 +294,13 @@ class Trainer:
         warn(f"{unreadable}: " + (f"resuming from {restored.step}" if restored
                                   else "set aside"))
     if restored is None and skipped:
-      raise UserError(f"No readable checkpoint is left in {self.checkpointer.directory} "
-                      "(the unreadable ones are kept as <step>.corrupt-<problem>); run "
-                      "the same command again to start afresh")
+      raise UserError(f"No readable checkpoint is left in "
+                      f"{self.run_directory.checkpoints} (the unreadable ones are kept as "
+                      "<step>.corrupt-<problem>); run the same command again to start "
+                      "afresh")
     if restored is None:
       params = self.runtime.init_params(self.config.seed)
-      self.writer.info(f"Starting a new run in {self.checkpointer.directory.parent}")
+      self.writer.info(f"Starting a new run in {self.run_directory.root}")
       return (self._state(0, params, init_opt(params)), jax.random.key(self.config.seed),
               None)
     opt_state = restored.opt_state
@@ -310,15 +314,14 @@ class Trainer:
     return TrainState(jax.device_put(jnp.int32(step), self.runtime.replicated), params,
                       opt_state)
 
-  def default_hooks(self, start_step: int, rng: jax.Array,
-                    start_tier: Optional[CheckpointTier] = None) -> list[hooks_lib.Hook]:
+  def default_hooks(self, start_step: int, rng: jax.Array) -> list[hooks_lib.Hook]:
     """Divergence check, logging, preemption, checkpoints, evaluation, downstream
-    tasks and sampling, for a run starting at `start_step`, restored from `start_tier`
-    (None: a fresh start)."""
+    tasks and sampling, for a run starting at `start_step` (the Checkpointer knows
+    which tier it was restored from)."""
     cfg = self.config
-    workdir = str(self.checkpointer.directory.parent)
     metadata = RunMetadata(self.runtime.config,
-                           vocabulary_spec(self.pipeline.vocabulary, workdir),
+                           vocabulary_spec(self.pipeline.vocabulary,
+                                           self.run_directory.root),
                            cfg.sequence_length)
     hooks = [
         hooks_lib.DivergenceCheck(self.checkpointer),
@@ -327,12 +330,8 @@ class Trainer:
             tokens_per_step=cfg.batch_size * cfg.sequence_length,
             flops_per_token=self.flops_per_token, log_z_loss=bool(cfg.z_loss_weight)),
         hooks_lib.PreemptionHook(start_step),
-        CheckpointHook(self.checkpointer, cfg.checkpoint_every,
-                                 persisted_step=(start_step if start_tier in
-                                                 (None, self.checkpointer) else None),
-                                 rng=rng,
-                                 metadata=metadata.to_json(), writer=self.writer,
-                                 tier_every=self.checkpointer.secondary_intervals()),
+        CheckpointHook(self.checkpointer, rng=rng, metadata=metadata.to_json(),
+                       writer=self.writer),
         hooks_lib.EvalHook(self.evaluate, self.writer, every=cfg.eval_every,
                            final_eval=cfg.final_eval, train_steps=cfg.train_steps),
     ]
@@ -346,8 +345,8 @@ class Trainer:
     if cfg.sample_prompt:
       hooks.append(hooks_lib.SampleHook(self.sample, cfg.sample_prompt, self.writer))
     if cfg.profile_steps and (cfg.profile_all_processes or jax.process_index() == 0):
-      logdir = storage.join(str(self.checkpointer.directory.parent), "profile")
-      hooks.append(hooks_lib.ProfileHook(logdir, *cfg.profile_steps, start_step=start_step))
+      hooks.append(hooks_lib.ProfileHook(self.run_directory.profile, *cfg.profile_steps,
+                                         start_step=start_step))
     return hooks
 
   def add_hook(self, hook: Union[hooks_lib.Hook, hooks_lib.StepCallback],
@@ -429,7 +428,7 @@ class Trainer:
     step = start_step = int(host_scalar(state.step))
     self._resume_accounting(start_step, tier)
     self._recount_mixture_batches(start_step)
-    hooks = self.default_hooks(start_step, rng, tier) + self._added_hooks
+    hooks = self.default_hooks(start_step, rng) + self._added_hooks
     pending = _PendingMetrics(hooks)
     started = time.perf_counter()
     try:
@@ -482,11 +481,11 @@ class Trainer:
   def _stop_for_outage(self, outage: StorageOutageError, step: int, state: TrainState,
                        rng: jax.Array) -> StorageOutageStop:
     """The error that stops a run whose bucket has been unreachable for longer than
-    `StorageConfig.outage_s`, once `step` is saved to the secondary tiers (the local
-    one, when configured): a rerun resumes from it."""
+    `StorageConfig.outage_s`, once `step` is saved to the best-effort tiers (the
+    local one, when configured): a rerun resumes from it."""
     with self.watchdog.phase("checkpoint"):
-      saved = self.checkpointer.save_secondary_now(step, params=state.params,
-                                                   opt_state=state.opt_state, rng=rng)
+      saved = self.checkpointer.save_best_effort_now(
+          step, Snapshot(state.params, state.opt_state, rng, metadata={}))
     where = (f"saved the {' and the '.join(saved)}" if saved else
              "no local tier to save to (CheckpointConfig.local_dir): the steps after the "
              "newest persistent checkpoint are lost")
@@ -501,9 +500,9 @@ class Trainer:
     eval_loss = results.get("eval_loss")
     if not preempted:
       self.writer.info(end_summary(
-          str(self.checkpointer.directory.parent), step,
+          self.run_directory.root, step,
           self.config.batch_size * self.config.sequence_length, seconds,
-          results.get("train_loss"), eval_loss, str(self.checkpointer.directory)))
+          results.get("train_loss"), eval_loss, str(self.run_directory.checkpoints)))
     return RunResult(step, preempted, None if preempted else eval_loss,
                      results.get("sample"), results)
 
@@ -534,16 +533,17 @@ def end_summary(workdir: str, step: int, tokens_per_step: int, seconds: float,
           f"--workdir={quoted} --prompt='...'")
 
 
-def train(workdir: str, config: TrainConfig, runtime: Runtime,
+def train(run: RunDirectory, config: TrainConfig, runtime: Runtime,
           optimizer_config: OptimizerConfig, checkpointer: Checkpointer,
           pipeline_factory: Callable[[TrainConfig, Runtime], Pipeline],
           on_ready: Optional[Callable[[], None]] = None,
           hooks: Sequence[Union[hooks_lib.Hook, hooks_lib.StepCallback]] = (),
           storage_config: StorageConfig = StorageConfig()) -> RunResult:
-  """Trains (or resumes) a run in `workdir` from explicit configs.
+  """Trains (or resumes) the run in `run` from explicit configs.
 
   Args:
-    workdir: run directory (metrics and TensorBoard; checkpoints via `checkpointer`).
+    run: the run directory (metrics, trackers, hang dumps, profiles; the checkpoints
+      are the tiers of `checkpointer`).
     config, runtime, optimizer_config: the run's settings.
     checkpointer: the run's Checkpointer (closed when the run ends).
     pipeline_factory: builds the input pipeline for (config, runtime).
@@ -554,21 +554,19 @@ def train(workdir: str, config: TrainConfig, runtime: Runtime,
     storage_config: how long a bucket workdir may be unreachable (`pretrain.checkpoints.outage`).
   """
   clock = goodput.GoodputClock()
-  local = checkpointer.local_directory
-  writer = MetricsWriter(workdir, config.train_steps, trackers=config.trackers,
-                         storage_config=storage_config,
-                         unsent_path=str(local.parent / UNSENT_METRICS) if local else None)
+  writer = MetricsWriter(run.root, config.train_steps, trackers=config.trackers,
+                         storage_config=storage_config, unsent_path=run.unsent_metrics)
   flush_timeout_s, failed = FLUSH_TIMEOUT_S, True
   try:
     with clock.timed("startup"):
-      trainer = _build_trainer(workdir, config, runtime, optimizer_config, checkpointer,
+      trainer = _build_trainer(run, config, runtime, optimizer_config, checkpointer,
                                pipeline_factory, writer, clock)
     for hook in hooks:
       trainer.add_hook(hook)
     if on_ready is not None:
       on_ready()
     writer.start_trackers(tracker_run_info.describe_run(
-        workdir, config.tracker_group, (config, runtime.config, optimizer_config),
+        run.root, config.tracker_group, (config, runtime.config, optimizer_config),
         tracker_run_info.model_facts(
             runtime.config, sequence_length=config.sequence_length,
             batch_size=config.batch_size, train_steps=config.train_steps,
@@ -584,7 +582,7 @@ def train(workdir: str, config: TrainConfig, runtime: Runtime,
     writer.close(flush_timeout_s, failed)
 
 
-def _build_trainer(workdir: str, config: TrainConfig, runtime: Runtime,
+def _build_trainer(run: RunDirectory, config: TrainConfig, runtime: Runtime,
                    optimizer_config: OptimizerConfig, checkpointer: Checkpointer,
                    pipeline_factory: Callable[[TrainConfig, Runtime], Pipeline],
                    writer: MetricsWriter, clock: goodput.GoodputClock) -> Trainer:
@@ -595,9 +593,9 @@ def _build_trainer(workdir: str, config: TrainConfig, runtime: Runtime,
         f"ModelConfig.vocab_size={runtime.config.vocab_size} is smaller than the data's "
         f"vocabulary ({pipeline.vocab_size} ids); set ModelConfig.vocab_size >= "
         f"{pipeline.vocab_size}")
-  trainer = Trainer(config, runtime, optimizer_config, pipeline, checkpointer, writer,
+  trainer = Trainer(run, config, runtime, optimizer_config, pipeline, checkpointer, writer,
                     clock)
-  writer.info(start_summary(workdir, config, runtime))
+  writer.info(start_summary(run.root, config, runtime))
   writer.info(pipeline.describe())
   writer.info(f"model: {counting.count_params(runtime.config).total:,} parameters, "
               f"{trainer.flops_per_token:,.0f} training FLOPs/token")

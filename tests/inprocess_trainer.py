@@ -11,6 +11,7 @@ from pretrain.data.vocabularies import get_vocabulary
 from pretrain.observability.goodput import GoodputClock
 from pretrain.observability.metrics import MetricsWriter
 from pretrain.optimizer import OptimizerConfig
+from pretrain.run_directory import RunDirectory
 from pretrain.runtime import Runtime
 from pretrain.trainer import TrainConfig, Trainer, train
 from sharding.mesh import MeshConfig
@@ -53,9 +54,11 @@ def make_trainer(workdir: str, model: ModelConfig, *, train_steps: int,
   config = TrainConfig(train_steps=train_steps, batch_size=batch_size,
                        sequence_length=sequence_length, checkpoint_every=checkpoint_every,
                        eval_every=0, log_every=1, final_eval=False, seed=1)
-  checkpointer = Checkpointer(workdir, CheckpointConfig(async_save=False))
+  run = RunDirectory(workdir)
+  checkpointer = Checkpointer.for_run(run, CheckpointConfig(async_save=False),
+                                      every=checkpoint_every)
   writer = MetricsWriter(workdir, train_steps, trackers=())
-  trainer = Trainer(config, Runtime.create(model, mesh),
+  trainer = Trainer(run, config, Runtime.create(model, mesh),
                     OptimizerConfig(peak_learning_rate=1e-2, warmup_steps=2),
                     ToyPipeline(batch_size, sequence_length), checkpointer, writer,
                     GoodputClock())
@@ -67,8 +70,10 @@ def train_in_process(workdir: str, model: ModelConfig, config: TrainConfig, *,
   """`pretrain.trainer.train` of `model` on the toy pipeline, as the CLI runs it
   (synchronous saves; the optimizer of `make_trainer`): the whole session, its writer
   and trackers included."""
-  return train(workdir, config, Runtime.create(model, mesh),
+  run = RunDirectory(workdir)
+  return train(run, config, Runtime.create(model, mesh),
                OptimizerConfig(peak_learning_rate=1e-2, warmup_steps=2),
-               Checkpointer(workdir, CheckpointConfig(async_save=False)),
+               Checkpointer.for_run(run, CheckpointConfig(async_save=False),
+                                    every=config.checkpoint_every),
                lambda cfg, runtime: ToyPipeline(cfg.batch_size, cfg.sequence_length),
                hooks=hooks)

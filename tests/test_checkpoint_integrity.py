@@ -9,9 +9,10 @@ import time
 import pytest
 
 from plumbing.errors import CheckpointSaveError, StorageOutageError, UserError
+from pretrain.checkpoints import policies
 from pretrain.checkpoints import saving
+from pretrain.checkpoints.checkpointer import Checkpointer
 from pretrain.checkpoints import integrity
-from pretrain.checkpoints import outage
 
 FILES = {"params/_METADATA": b"{}" * 10, "params/ocdbt.process_0/d/abc": bytes(range(256)) * 8,
          "params/ocdbt.process_0/d/def": b"\1" * 300, "opt_state/d/xyz": b"\2" * 500,
@@ -130,17 +131,18 @@ def test_failed_save_leftovers_go_and_unreadable_steps_are_kept_aside(tmp_path):
 
 
 class _FailingCheckpointer:
-  """What CheckpointHook sees of a Checkpointer whose saves fail: `failing` lists the
+  """What the essential policy sees of a tier whose saves fail: `failing` lists the
   steps whose (first) save fails in the background, reported by `poll`, `wait` and the
   next `save`, as Orbax reports it."""
   directory = "/w/checkpoints"
+  name = "persistent"
 
   def __init__(self, failing, clock=time.monotonic):
     self.failing = list(failing)
     self.saved, self.discarded, self.committed = [], [], [2]
     self._in_flight = None
     self.down = None   # why the storage does not answer; None: it does
-    self.outage = outage.Outage(300, clock=clock)
+    self.clock = clock
 
   def unreachable(self):
     return self.down
@@ -185,9 +187,15 @@ class _Writer:
     self.lines.append(line)
 
 
-def _hook(checkpointer):
-  return saving.CheckpointHook(checkpointer, 4, persisted_step=0, rng=None, metadata={},
-                                  writer=_Writer())
+def _hook(tier):
+  """The CheckpointHook of a run whose one tier, essential, is `tier`, every 4 steps;
+  `hook.policy` is the tier's policy."""
+  policy = policies.Essential(tier, every=4, outage_s=300, clock=tier.clock)
+  policy.started(0, None)   # a fresh start
+  hook = saving.CheckpointHook(Checkpointer([policy]), rng=None, metadata={},
+                               writer=_Writer())
+  hook.policy = policy
+  return hook
 
 
 class _State:
@@ -241,7 +249,7 @@ def test_a_failed_final_save_is_retried_before_the_run_ends():
 def test_a_save_while_the_bucket_is_down_is_deferred_then_made_once_it_answers(
     capsys, monkeypatch):
   now = [1000.0]
-  monkeypatch.setattr(saving.time, "monotonic", lambda: now[0])
+  monkeypatch.setattr(policies.time, "monotonic", lambda: now[0])
   checkpointer = _FailingCheckpointer(failing=[], clock=lambda: now[0])
   hook = _hook(checkpointer)
   checkpointer.down = "cannot reach the storage of gs://b/w/checkpoints (refused)"
@@ -275,14 +283,14 @@ def test_a_save_failing_because_the_bucket_went_away_is_deferred(capsys):
   assert "warning: checkpoint 5 deferred: cannot reach the storage" in capsys.readouterr().err
   assert checkpointer.discarded == []     # its leftovers are in the unreachable bucket
   checkpointer.down = None
-  hook._retry_at = 0                       # pylint: disable=protected-access
+  hook.policy._retry_at = 0                # pylint: disable=protected-access
   hook.on_step(6, _State())
   assert checkpointer.discarded == [4] and checkpointer.saved == [4, 6]
 
 
 def test_an_outage_longer_than_outage_s_stops_the_run(monkeypatch):
   now = [0.0]
-  monkeypatch.setattr(saving.time, "monotonic", lambda: now[0])
+  monkeypatch.setattr(policies.time, "monotonic", lambda: now[0])
   checkpointer = _FailingCheckpointer(failing=[], clock=lambda: now[0])
   checkpointer.down = "cannot reach the storage"
   hook = _hook(checkpointer)

@@ -1,4 +1,4 @@
-"""Checkpointer: real Orbax round trips, resharding, keep policy, partial saves, mismatches,
+"""The persistent tier and the Checkpointer over it: real Orbax round trips, resharding, keep policy, partial saves, mismatches,
 and damaged steps skipped for the previous one."""
 import os
 
@@ -10,11 +10,13 @@ import pytest
 from model.config import ModelConfig
 from plumbing import storage
 from plumbing.errors import CheckpointSaveError, UnreadableCheckpointError
-from pretrain.checkpoints import checkpointer as ckpt
+from pretrain.checkpoints import persistent as ckpt
+from pretrain.checkpoints.checkpointer import Checkpointer
 from pretrain.checkpoints import integrity
 from pretrain.checkpoints.loading import load
 from pretrain.checkpoints.metadata import RunMetadata
 from pretrain.optimizer import OptimizerConfig, make_optimizer
+from pretrain.run_directory import RunDirectory
 from pretrain.runtime import Runtime
 from sharding.mesh import MeshConfig
 from trainer_helpers import fill_disk, small_disk
@@ -39,6 +41,15 @@ def data_parallel():
   return setup, params, tx, opt_state
 
 
+def _tier(workdir, **options):
+  return ckpt.PersistentTier(RunDirectory(str(workdir)), **options)
+
+
+def _checkpointer(workdir):
+  """The persistent tier alone, as a run has it."""
+  return Checkpointer.for_run(RunDirectory(str(workdir)), every=1)
+
+
 def _assert_trees_equal(a, b):
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
@@ -47,14 +58,14 @@ def _assert_trees_equal(a, b):
 @pytest.mark.slow
 def test_round_trip_restores_exact_state_and_reshards(tmp_path, data_parallel):
   setup, params, tx, opt_state = data_parallel
-  saver = ckpt.Checkpointer(str(tmp_path))
+  saver = _tier(str(tmp_path))
   saver.save(5, params=params, opt_state=opt_state, rng=jax.random.key(7), metadata=METADATA)
   saver.close()
 
   # Restore onto a different mesh: parameters sharded over fsdp=2 (embed axis).
   other = Runtime.create(CONFIG, MeshConfig(data=4, fsdp=2))
   abstract_opt, _ = other.opt_state_layout(tx)
-  restorer = ckpt.Checkpointer(str(tmp_path))
+  restorer = _tier(str(tmp_path))
   assert restorer.latest_step() == 5
   restored = restorer.restore(5, abstract_params=other.abstract_params,
                               abstract_opt_state=abstract_opt)
@@ -72,7 +83,7 @@ def test_round_trip_restores_exact_state_and_reshards(tmp_path, data_parallel):
 
 def test_partial_saves_are_never_picked_and_are_cleaned(tmp_path, data_parallel):
   setup, params, _, opt_state = data_parallel
-  saver = ckpt.Checkpointer(str(tmp_path))
+  saver = _tier(str(tmp_path))
   saver.save(2, params=params, opt_state=opt_state, rng=jax.random.key(0), metadata=METADATA)
   saver.close()
   directory = tmp_path / "checkpoints"
@@ -87,7 +98,7 @@ def test_partial_saves_are_never_picked_and_are_cleaned(tmp_path, data_parallel)
   assert ckpt.complete_steps(directory) == [2]
   assert [p.name for p in ckpt.unmarked_step_dirs(directory)] == ["6"]
 
-  resumer = ckpt.Checkpointer(str(tmp_path))
+  resumer = _tier(str(tmp_path))
   assert resumer.latest_step() == 2
   assert not unmarked.exists()
   restored = resumer.restore(2, abstract_params=setup.abstract_params)
@@ -104,7 +115,7 @@ def test_partial_saves_are_never_picked_and_are_cleaned(tmp_path, data_parallel)
 def test_keep_policy_last_k_plus_every_m(tmp_path, data_parallel):
   _, params, _, _ = data_parallel
   small = {"w": params["final_norm"]["scale"]}
-  saver = ckpt.Checkpointer(str(tmp_path), ckpt.CheckpointConfig(keep_last=2, keep_every=4))
+  saver = _tier(tmp_path, keep_last=2, keep_every=4)
   for step in range(1, 10):
     saver.save(step, params=small, opt_state=None, rng=jax.random.key(0), metadata=METADATA)
   saver.close()
@@ -113,11 +124,11 @@ def test_keep_policy_last_k_plus_every_m(tmp_path, data_parallel):
 
 def test_mismatching_model_names_parameters(tmp_path, data_parallel):
   _, params, _, _ = data_parallel
-  saver = ckpt.Checkpointer(str(tmp_path))
+  saver = _tier(str(tmp_path))
   saver.save(1, params=params, opt_state=None, rng=jax.random.key(0), metadata=METADATA)
   saver.close()
   wider = Runtime.create(CONFIG.replace(width=48, num_heads=2), MeshConfig(data=8))
-  restorer = ckpt.Checkpointer(str(tmp_path))
+  restorer = _tier(str(tmp_path))
   with pytest.raises(ckpt.CheckpointMismatchError) as info:
     restorer.restore(1, abstract_params=wider.abstract_params)
   restorer.close()
@@ -136,11 +147,11 @@ def test_describe_mismatch_reports_missing_and_extra():
 
 def test_converted_checkpoint_without_optimizer_state(tmp_path, data_parallel):
   setup, params, tx, _ = data_parallel
-  saver = ckpt.Checkpointer(str(tmp_path))
+  saver = _tier(str(tmp_path))
   saver.save(0, params=params, opt_state=None, rng=jax.random.key(0), metadata=METADATA)
   saver.close()
   opt_shapes = jax.eval_shape(tx.init, setup.abstract_params)
-  restorer = ckpt.Checkpointer(str(tmp_path))
+  restorer = _tier(str(tmp_path))
   restored = restorer.restore(0, abstract_params=setup.abstract_params,
                               abstract_opt_state=opt_shapes)
   restorer.close()
@@ -149,7 +160,7 @@ def test_converted_checkpoint_without_optimizer_state(tmp_path, data_parallel):
 
 def test_read_only_on_missing_directory_is_a_clear_error(tmp_path):
   with pytest.raises(ckpt.UserError, match="No checkpoints in"):
-    ckpt.Checkpointer(str(tmp_path / "nothing"), read_only=True)
+    _tier(tmp_path / "nothing", read_only=True)
   assert not os.path.exists(tmp_path / "nothing")
 
 
@@ -174,7 +185,7 @@ def _flip_a_byte(path):
 def test_damaged_newest_step_is_set_aside_and_the_previous_one_restored(
     tmp_path, data_parallel, damage, kind):
   setup, params, tx, opt_state = data_parallel
-  saver = ckpt.Checkpointer(str(tmp_path))
+  saver = _tier(str(tmp_path))
   for step in (2, 4):
     saver.save(step, params=params, opt_state=opt_state, rng=jax.random.key(step),
                metadata=METADATA)
@@ -183,7 +194,7 @@ def test_damaged_newest_step_is_set_aside_and_the_previous_one_restored(
   assert (directory / "4" / integrity.MANIFEST).exists()
   damage(_largest_data_file(directory / "4"))
 
-  resumer = ckpt.Checkpointer(str(tmp_path))
+  resumer = _checkpointer(tmp_path)
   restored, skipped = resumer.restore_newest(
       abstract_params=setup.abstract_params,
       abstract_opt_state=setup.opt_state_layout(tx)[0])
@@ -192,14 +203,14 @@ def test_damaged_newest_step_is_set_aside_and_the_previous_one_restored(
   ((step, found),) = [(error.step, error.kind) for error in skipped]
   assert (step, found) == (4, kind)
   assert str(skipped[0]).startswith("checkpoint 4 is unreadable (params/")
-  assert resumer.all_steps() == [2]
+  assert resumer.tiers[0].all_steps() == [2]
   assert sorted(os.listdir(directory)) == ["2", f"4.corrupt-{kind}"]
   resumer.close()
 
 
 def test_steps_without_manifest_restore_and_a_torn_one_is_skipped(tmp_path, data_parallel):
   setup, params, _, _ = data_parallel
-  saver = ckpt.Checkpointer(str(tmp_path))
+  saver = _tier(str(tmp_path))
   for step in (2, 4):
     saver.save(step, params=params, opt_state=None, rng=jax.random.key(0),
                metadata=METADATA)
@@ -207,7 +218,7 @@ def test_steps_without_manifest_restore_and_a_torn_one_is_skipped(tmp_path, data
   directory = tmp_path / "checkpoints"
   for step in ("2", "4"):   # as written before manifests existed
     os.remove(directory / step / integrity.MANIFEST)
-  reader = ckpt.Checkpointer(str(tmp_path))
+  reader = _checkpointer(tmp_path)
   restored, skipped = reader.restore_newest(abstract_params=setup.abstract_params,
                                             abstract_opt_state=None)
   assert (restored.step, skipped) == (4, [])
@@ -223,7 +234,7 @@ def test_load_skips_an_unreadable_newest_step_without_renaming(tmp_path, data_pa
                                                                capsys):
   setup, params, _, _ = data_parallel
   metadata = RunMetadata(CONFIG, "byte", 16).to_json()
-  saver = ckpt.Checkpointer(str(tmp_path))
+  saver = _tier(str(tmp_path))
   for step in (2, 4):
     saver.save(step, params=params, opt_state=None, rng=jax.random.key(0),
                metadata=metadata)
@@ -245,7 +256,7 @@ def test_a_save_that_failed_for_space_succeeds_once_space_is_back(tmp_path, data
   setup, params, _, _ = data_parallel
   directory = tmp_path / "run" / "checkpoints"
   with small_disk(directory, 4 << 20):
-    saver = ckpt.Checkpointer(str(tmp_path / "run"))
+    saver = _tier(str(tmp_path / "run"))
     saver.save(2, params=params, opt_state=None, rng=jax.random.key(0), metadata=METADATA)
     saver.wait()
     fill_disk(directory)
@@ -258,10 +269,12 @@ def test_a_save_that_failed_for_space_succeeds_once_space_is_back(tmp_path, data
     saver.save(6, params=params, opt_state=None, rng=jax.random.key(0), metadata=METADATA)
     saver.wait()
     assert saver.all_steps() == [2, 6] and sorted(os.listdir(directory)) == ["2", "6"]
-    restored, skipped = saver.restore_newest(abstract_params=setup.abstract_params,
-                                             abstract_opt_state=None)
-    assert (restored.step, skipped) == (6, [])
     saver.close()
+    resumer = _checkpointer(tmp_path / "run")
+    restored, skipped = resumer.restore_newest(abstract_params=setup.abstract_params,
+                                               abstract_opt_state=None)
+    assert (restored.step, skipped) == (6, [])
+    resumer.close()
 
 
 @pytest.mark.slow  # starts a storage server
@@ -271,12 +284,12 @@ def test_damaged_step_in_a_bucket_is_moved_aside(request, bucket, data_parallel)
   on s3:// the downloaded bytes."""
   setup, params, _, _ = data_parallel
   workdir = f"{request.getfixturevalue(bucket)}/integrity/{request.node.callspec.id}"
-  saver = ckpt.Checkpointer(workdir)
+  saver = _tier(workdir)
   for step in (2, 4):
     saver.save(step, params=params, opt_state=None, rng=jax.random.key(0),
                metadata=METADATA)
   saver.close()
-  directory = str(ckpt.checkpoint_dir(workdir))
+  directory = str(RunDirectory(workdir).checkpoints)
   step_dir = storage.join(directory, "4")
   files = storage.list_files(step_dir)
   assert integrity.MANIFEST in files
@@ -286,7 +299,7 @@ def test_damaged_step_in_a_bucket_is_moved_aside(request, bucket, data_parallel)
   data[len(data) // 2] ^= 0x10
   storage.write_bytes(storage.join(step_dir, damaged), bytes(data))
 
-  resumer = ckpt.Checkpointer(workdir)
+  resumer = _checkpointer(workdir)
   restored, skipped = resumer.restore_newest(abstract_params=setup.abstract_params,
                                              abstract_opt_state=None)
   resumer.close()

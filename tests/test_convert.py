@@ -13,7 +13,7 @@ from recurrentgemma.jax import utils as rg_utils
 
 import pretrain
 from pretrain.interchange import conversion as convert
-from pretrain.checkpoints.checkpointer import complete_steps
+from pretrain.checkpoints.persistent import complete_steps
 from trainer_helpers import assert_ok, train_losses, trainer_env  # pylint: disable=unused-import
 from recurrentgemma_helpers import perturbed
 

@@ -15,7 +15,7 @@ from model.config import ModelConfig
 from plumbing.errors import EXIT_FAILED, EXIT_USAGE, UserError
 from pretrain import gin_config
 from pretrain.checkpoints import integrity
-from pretrain.checkpoints.checkpointer import complete_steps
+from pretrain.checkpoints.persistent import complete_steps
 from pretrain.data import DataError
 from pretrain.data.pipeline import DataPipeline
 from pretrain.data.tasks import text_files_task

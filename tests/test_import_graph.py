@@ -116,7 +116,8 @@ def _cycle(graph):
 PRETRAIN_WINGS = (
     {"data": ("pretrain.data",)},
     {"centre: the step": ("pretrain", "pretrain.runtime", "pretrain.losses", "pretrain.steps",
-                          "pretrain.optimizer", "pretrain.extras", "pretrain.hook_interface")},
+                          "pretrain.optimizer", "pretrain.extras", "pretrain.hook_interface",
+                          "pretrain.run_directory")},
     {"checkpoints": ("pretrain.checkpoints",)},
     {"observability": ("pretrain.observability",)},
     {"evaluation": ("pretrain.evaluation",), "interchange": ("pretrain.interchange",)},

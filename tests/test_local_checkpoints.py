@@ -1,6 +1,7 @@
 """The two checkpoint tiers with real Orbax checkpoints: restore takes the newest
 complete step of either, never a half-written, damaged or foreign-layout local one; a
 failed local save turns the tier off."""
+import hashlib
 import os
 import pathlib
 import shutil
@@ -15,7 +16,11 @@ import pytest
 from model.config import ModelConfig
 from pretrain.checkpoints import checkpointer as ckpt
 from pretrain.checkpoints import local as local_checkpoints
+from pretrain.checkpoints.integrity import COMMIT_MARKER
+from pretrain.checkpoints.persistent import complete_steps
+from pretrain.checkpoints.policies import Snapshot
 from pretrain.optimizer import OptimizerConfig, make_optimizer
+from pretrain.run_directory import RunDirectory
 from pretrain.runtime import Runtime
 from sharding.mesh import MeshConfig
 from trainer_helpers import fill_disk, small_disk
@@ -61,22 +66,35 @@ def run_dir(saved, tmp_path):
   """A copy of `saved`; the local tier's per-run directory is keyed by the workdir's
   path, so it is renamed to the copy's key."""
   shutil.copytree(saved, tmp_path, dirs_exist_ok=True)
-  old = ckpt.process_directory(str(tmp_path / "local"), str(saved / "run")).parent
-  new = ckpt.process_directory(str(tmp_path / "local"), str(tmp_path / "run")).parent
+  old = RunDirectory(str(saved / "run"), str(tmp_path / "local")).local_run
+  new = _run_directory(tmp_path).local_run
   os.rename(old, new)
   return tmp_path
 
 
+def _run_directory(tmp_path, local=True):
+  return RunDirectory(str(tmp_path / "run"), str(tmp_path / "local") if local else None)
+
+
 def _checkpointer(tmp_path, local=True):
-  config = ckpt.CheckpointConfig(local_dir=str(tmp_path / "local") if local else None,
-                                 local_every=2, local_keep=2, async_save=False)
-  return ckpt.Checkpointer(str(tmp_path / "run"), config)
+  """The run's tiers; the persistent one saves only when told (its interval is far)."""
+  config = ckpt.CheckpointConfig(local_every=2, local_keep=2, async_save=False)
+  return ckpt.Checkpointer.for_run(_run_directory(tmp_path, local), config, every=1000)
+
+
+def _tier(checkpointer, name):
+  (tier,) = [tier for tier in checkpointer.tiers if tier.name == name]
+  return tier
 
 
 def _local(checkpointer):
   """The checkpointer's local tier."""
-  (local,) = [tier for tier in checkpointer.tiers if tier.name == "local"]
-  return local
+  return _tier(checkpointer, "local")
+
+
+def _save_due(checkpointer, step, params, opt_state, rng):
+  """What the loop's save of `step` does: the local tier saves at its interval."""
+  checkpointer.save(step, Snapshot(params, opt_state, rng, METADATA), info=print)
 
 
 def _scaled(tree, factor):
@@ -86,10 +104,10 @@ def _scaled(tree, factor):
 
 def _save_both(checkpointer, params, opt_state, persistent_step, local_step):
   rng = jax.random.key(7)
-  checkpointer.save(persistent_step, params=params, opt_state=opt_state, rng=rng,
-                    metadata=METADATA)
-  checkpointer.save_secondary(local_step, params=_scaled(params, 2.0),
-                          opt_state=_scaled(opt_state, 2.0), rng=jax.random.key(9))
+  _tier(checkpointer, "persistent").save(persistent_step, params=params,
+                                          opt_state=opt_state, rng=rng, metadata=METADATA)
+  _save_due(checkpointer, local_step, _scaled(params, 2.0), _scaled(opt_state, 2.0),
+            jax.random.key(9))
   checkpointer.wait()
 
 
@@ -129,11 +147,11 @@ def test_wiped_local_dir_falls_back_to_persistent(run_dir, state):
 
 def test_half_written_local_step_is_ignored_and_removed(run_dir, state):
   runtime, params, opt_state, abstract_opt = state
-  process_dir = ckpt.process_directory(str(run_dir / "local"), str(run_dir / "run"))
+  process_dir = _run_directory(run_dir).local_tier
   # A save cut short after the rename but before the commit marker (non-atomic storage),
   # and one cut short before the rename.
   shutil.copytree(process_dir / "6", process_dir / "8")
-  os.remove(process_dir / "8" / ckpt.COMMIT_MARKER)
+  os.remove(process_dir / "8" / COMMIT_MARKER)
   shutil.copytree(process_dir / "6", process_dir / "10.orbax-checkpoint-tmp-123")
 
   resumer = _checkpointer(run_dir)
@@ -146,8 +164,8 @@ def test_half_written_local_step_is_ignored_and_removed(run_dir, state):
 def test_persistent_step_newer_than_local_wins(run_dir, state):
   runtime, params, opt_state, abstract_opt = state
   saver = _checkpointer(run_dir)
-  saver.save(8, params=params, opt_state=opt_state, rng=jax.random.key(7),
-             metadata=METADATA)
+  _tier(saver, "persistent").save(8, params=params, opt_state=opt_state,
+                                  rng=jax.random.key(7), metadata=METADATA)
   saver.close()
   restored = _restore(_checkpointer(run_dir), runtime, abstract_opt)
   assert (restored.tier.name, restored.step) == ("persistent", 8)
@@ -168,13 +186,13 @@ def test_keep_policy_and_no_local_tier(run_dir, state):
   _, params, opt_state, _ = state
   saver = _checkpointer(run_dir / "fresh")
   for step in (2, 4, 6):
-    saver.save_secondary(step, params=params, opt_state=opt_state, rng=jax.random.key(0))
+    _save_due(saver, step, params, opt_state, jax.random.key(0))
   saver.wait()
   assert _local(saver).all_steps() == [4, 6]   # local_keep=2
   saver.close()
   plain = _checkpointer(run_dir / "plain", local=False)
-  assert plain.tiers == [plain]
-  plain.save_secondary(2, params=params, opt_state=opt_state, rng=jax.random.key(0))  # no-op
+  assert [tier.name for tier in plain.tiers] == ["persistent"]
+  _save_due(plain, 2, params, opt_state, jax.random.key(0))  # no-op
   plain.close()
 
 
@@ -194,7 +212,7 @@ def test_bad_local_settings_name_the_field(field, value):
 
 def test_unreadable_local_step_is_set_aside_for_the_persistent_one(run_dir, state):
   runtime, params, opt_state, abstract_opt = state
-  process_dir = ckpt.process_directory(str(run_dir / "local"), str(run_dir / "run"))
+  process_dir = _run_directory(run_dir).local_tier
   data = [os.path.join(parent, name) for parent, _, names in os.walk(process_dir / "6")
           for name in names if os.sep + "d" + os.sep in os.path.join(parent, name)]
   with open(max(data, key=os.path.getsize), "r+b") as f:   # bit rot: same size
@@ -216,23 +234,23 @@ def test_unreadable_local_step_is_set_aside_for_the_persistent_one(run_dir, stat
 
 def test_failed_local_save_turns_the_local_tier_off(tmp_path, state, capsys):
   _, params, opt_state, _ = state
-  config = ckpt.CheckpointConfig(local_dir=str(tmp_path / "local"), local_every=2)
+  config = ckpt.CheckpointConfig(local_every=2)
   with small_disk(tmp_path / "local", 1 << 20):
-    saver = ckpt.Checkpointer(str(tmp_path / "run"), config)
+    saver = ckpt.Checkpointer.for_run(_run_directory(tmp_path), config, every=1000)
     process_dir = _local(saver).directory
     fill_disk(tmp_path / "local")
-    saver.save_secondary(2, params=params, opt_state=opt_state, rng=jax.random.key(0))
+    _save_due(saver, 2, params, opt_state, jax.random.key(0))
     saver.wait()
-    assert saver.tiers == [saver]
+    assert [tier.name for tier in saver.tiers] == ["persistent"]
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line == (f"warning: local checkpoint 2 failed: no space left on device under "
                     f"{process_dir}; the local tier is off for the rest of this run")
     assert os.listdir(process_dir) == []   # the failed save's leftovers are gone
     # The persistent tier goes on.
-    saver.save(2, params=params, opt_state=opt_state, rng=jax.random.key(0),
-               metadata=METADATA)
+    saver.tiers[0].save(2, params=params, opt_state=opt_state, rng=jax.random.key(0),
+                        metadata=METADATA)
     saver.close()
-  assert ckpt.complete_steps(tmp_path / "run" / "checkpoints") == [2]
+  assert complete_steps(tmp_path / "run" / "checkpoints") == [2]
 
 
 # Each of 2 processes (1 CPU device each) saves local steps 1-3 of a replicated array;
@@ -243,18 +261,19 @@ from sharding import distributed
 distributed.initialize_from_environment()
 import jax, numpy as np
 from pretrain.checkpoints import checkpointer as ckpt
-from pretrain.checkpoints.local import process_directory
+from pretrain.checkpoints.policies import Snapshot
+from pretrain.run_directory import RunDirectory
 workdir, local = sys.argv[1:3]
+run = RunDirectory(workdir, local)
 mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
 replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 array = jax.make_array_from_callback((256,), replicated,
                                      lambda index: np.arange(256, dtype=np.float32)[index])
-saver = ckpt.Checkpointer(workdir, ckpt.CheckpointConfig(local_dir=local, local_every=1))
+saver = ckpt.Checkpointer.for_run(run, ckpt.CheckpointConfig(local_every=1), every=1000)
 for step in (1, 2, 3):
-  saver.save_secondary(step, params={"w": array}, opt_state={"m": array},
-                       rng=jax.random.key(0))
+  saver.save(step, Snapshot({"w": array}, {"m": array}, jax.random.key(0), {}), info=print)
 saver.close()
-steps = sorted(int(p) for p in os.listdir(process_directory(local, workdir)) if p.isdigit())
+steps = sorted(int(p) for p in os.listdir(run.local_tier) if p.isdigit())
 print("STEPS", jax.process_index(), *steps, flush=True)
 """
 
@@ -264,7 +283,7 @@ def test_a_local_save_failed_on_one_process_turns_the_tier_off_on_every_process(
   the next local save, so process 0 keeps the step 1 they could restart from rather
   than save steps 2 and 3 and prune it (each keeps 2)."""
   workdir, local = str(tmp_path / "run"), str(tmp_path / "local")
-  run_key = local_checkpoints.hashlib.sha1(workdir.encode()).hexdigest()[:12]
+  run_key = hashlib.sha1(workdir.encode()).hexdigest()[:12]
   full = os.path.join(local, run_key, "process_1_of_2")
   program = tmp_path / "saves.py"
   program.write_text(TWO_PROCESS_SAVES)

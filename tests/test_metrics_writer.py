@@ -4,7 +4,8 @@ import sys
 
 from plumbing import storage
 from pretrain import hooks
-from pretrain.observability.metrics import UNSENT_METRICS, MetricsWriter
+from pretrain.observability.metrics import MetricsWriter
+from pretrain.run_directory import UNSENT_METRICS
 from pretrain.steps import TrainState
 from storage_servers import gcs_bucket  # pylint: disable=unused-import
 

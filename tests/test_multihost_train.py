@@ -39,7 +39,7 @@ import pytest
 from launch.clusters import common
 from launch.faults import chaos
 from pretrain.observability import goodput
-from pretrain.checkpoints.checkpointer import complete_steps
+from pretrain.checkpoints.persistent import complete_steps
 from trainer_helpers import (REPO, assert_ok, read_metrics,  # pylint: disable=unused-import
                              train_losses, trainer_env)
 

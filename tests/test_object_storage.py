@@ -22,7 +22,8 @@ import pytest
 from plumbing import cli, storage
 from plumbing.errors import UserError
 import pretrain
-from pretrain.checkpoints.checkpointer import checkpoint_dir, complete_steps
+from pretrain.checkpoints.persistent import complete_steps
+from pretrain.run_directory import RunDirectory
 from pretrain.evaluate import text_file_metrics
 from pretrain.evaluation.generation import sample_text
 from storage_servers import environment, free_port, s3_environment, server
@@ -55,7 +56,7 @@ def bucket_run(request, trainer_env):
   os.kill(process.pid, signal.SIGKILL)
   process.wait(timeout=60)
   assert max(row["step"] for row in bucket_rows(workdir)) < STEPS
-  resumable = complete_steps(checkpoint_dir(workdir))
+  resumable = complete_steps(RunDirectory(workdir).checkpoints)
   result = run(trainer_env, command, env)
   assert_ok(result)
   return workdir, result.stdout, (resumable[-1] if resumable else 0)
@@ -70,7 +71,7 @@ def test_killed_bucket_run_reruns_to_the_uninterrupted_losses(bucket_run, traine
   assert [row["step"] for row in rows] == list(range(1, STEPS + 1))  # no duplicates
   for row in rows:
     assert abs(row["loss"] - reference[row["step"]]) <= 1e-6, (row, resumed)
-  assert complete_steps(checkpoint_dir(workdir))[-1] == STEPS
+  assert complete_steps(RunDirectory(workdir).checkpoints)[-1] == STEPS
   assert "TRAIN_STEPS = 24" in storage.read_text(storage.join(workdir, "config.gin"))
   events = storage.listdir(storage.join(workdir, "tensorboard"))
   assert events and all(name.startswith("events.out.tfevents") for name in events)
@@ -121,7 +122,7 @@ def _one_line_error(result, *fragments):
 def test_bad_storage_is_one_line_and_keeps_the_saved_run(bucket_run, trainer_env):
   workdir, _, _ = bucket_run
   bucket = workdir.split("/")[2]
-  saved = complete_steps(checkpoint_dir(workdir))
+  saved = complete_steps(RunDirectory(workdir).checkpoints)
   metrics = storage.read_text(storage.join(workdir, "metrics.jsonl"))
   command = trainer_env.train_command(workdir, "TRAIN_STEPS=30")
 
@@ -152,7 +153,7 @@ def test_bad_storage_is_one_line_and_keeps_the_saved_run(bucket_run, trainer_env
       _one_line_error(run(trainer_env, command, storage_env(
           trainer_env.env, **s3_environment(endpoint))), "permission denied", workdir)
 
-  assert complete_steps(checkpoint_dir(workdir)) == saved
+  assert complete_steps(RunDirectory(workdir).checkpoints) == saved
   assert storage.read_text(storage.join(workdir, "metrics.jsonl")) == metrics
 
 

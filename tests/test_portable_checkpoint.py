@@ -13,10 +13,11 @@ from plumbing import storage
 from plumbing.errors import UserError
 from pretrain.checkpoints import metadata
 import pretrain
-from pretrain.checkpoints.checkpointer import Checkpointer
+from pretrain.checkpoints.persistent import PersistentTier
 from pretrain.data.vocabularies import get_vocabulary
 from pretrain.evaluate import text_file_metrics
 from pretrain.evaluation.generation import sample_text
+from pretrain.run_directory import RunDirectory
 from pretrain.runtime import Runtime
 from pretrain.interchange.tokenizer import train_sentencepiece
 
@@ -50,7 +51,7 @@ def test_workdir_moved_or_in_a_bucket_keeps_its_sentencepiece_vocabulary(tmp_pat
   params = runtime.init_params(0)
   workdir = str(tmp_path / "run")
   spec = metadata.vocabulary_spec(vocabulary, workdir)  # what the trainer records
-  checkpointer = Checkpointer(workdir)
+  checkpointer = PersistentTier(RunDirectory(workdir))
   checkpointer.save(3, params=params, opt_state=None, rng=jax.random.key(0),
                     metadata=metadata.RunMetadata(config, spec, 64).to_json())
   checkpointer.close()

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from pretrain.observability import goodput
-from pretrain.checkpoints.checkpointer import complete_steps
+from pretrain.checkpoints.persistent import complete_steps
 from trainer_helpers import (assert_ok, kill_after_steps, read_metrics, train_losses,  # pylint: disable=unused-import
                              trained_workdir, trainer_env)
 

@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from pretrain.checkpoints.checkpointer import checkpoint_dir, complete_steps
+from pretrain.checkpoints.persistent import complete_steps
+from pretrain.run_directory import RunDirectory
 from storage_servers import stoppable_gcs  # pylint: disable=unused-import
 from trainer_helpers import (REPO, assert_ok, bucket_rows,  # pylint: disable=unused-import
                              storage_env, train_losses, trained_workdir, trainer_env)
@@ -76,7 +77,7 @@ def test_a_short_outage_is_ridden_out_with_equal_losses(trainer_env, trained_wor
   rows = bucket_rows(workdir)
   assert [row["step"] for row in rows] == list(range(1, 25))   # every row reached it
   assert {row["step"]: row["loss"] for row in rows} == reference
-  assert complete_steps(checkpoint_dir(workdir))[-1] == 24
+  assert complete_steps(RunDirectory(workdir).checkpoints)[-1] == 24
 
 
 def test_a_longer_outage_stops_after_a_local_save_and_resumes_from_it(
@@ -117,5 +118,5 @@ def test_a_longer_outage_stops_after_a_local_save_and_resumes_from_it(
   assert "the last run logged while the storage was down, kept in " in rerun.stdout
   assert {row["step"]: row["loss"] for row in bucket_rows(workdir)} == \
       train_losses(trained_workdir[0])
-  steps = complete_steps(checkpoint_dir(workdir))
+  steps = complete_steps(RunDirectory(workdir).checkpoints)
   assert steps and steps[-1] == 24, (steps, rerun.stdout[-3000:], rerun.stderr[-3000:])

@@ -281,7 +281,7 @@ def test_cli_trains_checkpoints_loads_and_evaluates_a_synthetic_task(trainer_env
   the pass-through vocabulary; `pretrain.evaluate` reports the answers' accuracy."""
   import pretrain
   from pretrain.evaluation import extrapolation
-  from pretrain.checkpoints.checkpointer import complete_steps
+  from pretrain.checkpoints.persistent import complete_steps
   config = tmp_path / "synthetic.gin"
   config.write_text(SYNTHETIC_RUN_GIN)
   workdir = tmp_path / "run"

@@ -18,6 +18,7 @@ from pretrain.observability.trackers import DOWNSTREAM, EVAL, TRAIN, Row
 from pretrain.observability.trackers import delivery
 from pretrain.observability.trackers import rows as rows_lib
 from pretrain.observability.trackers import run_info
+from pretrain.run_directory import RunDirectory
 from pretrain.trainer import TrainConfig
 from inprocess_trainer import train_in_process
 from storage_servers import free_port
@@ -60,7 +61,7 @@ def _losses(workdir):
 
 
 def _tracker_state(workdir):
-  with open(os.path.join(workdir, delivery.STATE_FILE), encoding="utf-8") as f:
+  with open(RunDirectory(workdir).trackers_state, encoding="utf-8") as f:
     return json.load(f)
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from pretrain.observability import goodput
 from pretrain.observability import report
-from pretrain.checkpoints.checkpointer import complete_steps
+from pretrain.checkpoints.persistent import complete_steps
 from trainer_helpers import (assert_ok, read_metrics,  # pylint: disable=unused-import
                              train_losses, trained_workdir, trainer_env)
 

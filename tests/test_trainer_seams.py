@@ -15,7 +15,9 @@ from model.config import ModelConfig
 from plumbing.errors import UnreadableCheckpointError
 from pretrain import hooks as hooks_lib
 from pretrain.checkpoints.tier import CheckpointTier, Restored
-from pretrain.checkpoints.checkpointer import CheckpointConfig, Checkpointer, complete_steps
+from pretrain.checkpoints.checkpointer import CheckpointConfig, Checkpointer
+from pretrain.checkpoints.persistent import complete_steps
+from pretrain.run_directory import RunDirectory
 from inprocess_trainer import make_trainer
 
 MODEL = ModelConfig(vocab_size=260, width=32, rnn_width=32, num_heads=2, depth=2,
@@ -157,7 +159,8 @@ def test_a_third_tier_is_one_class_and_a_restart_resumes_from_it(tmp_path):
 
 
 def test_every_tier_implements_the_protocol(tmp_path):
-  checkpointer = Checkpointer(str(tmp_path), CheckpointConfig(local_dir=str(tmp_path / "l")))
+  checkpointer = Checkpointer.for_run(RunDirectory(str(tmp_path), str(tmp_path / "l")),
+                                      CheckpointConfig(), every=1)
   try:
     assert all(isinstance(tier, CheckpointTier)
                for tier in checkpointer.tiers + [InMemoryTier({})])

@@ -26,8 +26,9 @@ from launch.faults.storage_faults import CuttableProxy, SmallDisk, start_gcs_emu
 from plumbing import storage
 from plumbing.errors import EXIT_FAILED, UserError, usage_error
 from pretrain.observability import goodput
-from pretrain.checkpoints.checkpointer import complete_steps
+from pretrain.checkpoints.persistent import complete_steps
 from pretrain.observability.metrics import format_duration
+from pretrain.run_directory import RunDirectory
 from sharding import distributed
 
 _POLL_S = 0.05
@@ -97,7 +98,8 @@ def corrupt_newest_checkpoint(workdir: str, local_dir: Optional[str]) -> Optiona
   either tier (every process's copy, for a local step), as a torn copy would; returns
   what it tore ("checkpoint 12", "local checkpoint 10"), None when there is no step.
   `workdir` may be a bucket URL (objects are rewritten at half their size)."""
-  persistent = complete_steps(storage.join(workdir, "checkpoints"))
+  checkpoints = RunDirectory(workdir).checkpoints
+  persistent = complete_steps(checkpoints)
   local = {}   # step -> its directories, one per process
   if local_dir and os.path.isdir(local_dir):
     for run in os.listdir(local_dir):
@@ -111,7 +113,7 @@ def corrupt_newest_checkpoint(workdir: str, local_dir: Optional[str]) -> Optiona
   if not persistent and newest_local < 0:
     return None
   if persistent and persistent[-1] >= newest_local:
-    targets = [storage.join(workdir, "checkpoints", str(persistent[-1]), "params")]
+    targets = [str(checkpoints / str(persistent[-1]) / "params")]
     name = f"checkpoint {persistent[-1]}"
   else:
     targets, name = local[newest_local], f"local checkpoint {newest_local}"
@@ -126,7 +128,7 @@ def corrupt_newest_checkpoint(workdir: str, local_dir: Optional[str]) -> Optiona
 def read_rows(workdir: str) -> list[dict]:
   """Complete rows of `workdir/metrics.jsonl` (a line being written is skipped); the
   workdir may be a bucket URL."""
-  path = storage.join(workdir, "metrics.jsonl")
+  path = RunDirectory(workdir).metrics
   if not storage.is_url(path):
     if not os.path.exists(path):
       return []
@@ -390,7 +392,7 @@ def launcher_command(command: Sequence[str], processes: int, devices: int,
 
 
 def _finished(workdir: str, steps: int) -> bool:
-  return steps in complete_steps(storage.join(workdir, "checkpoints"))
+  return steps in complete_steps(RunDirectory(workdir).checkpoints)
 
 
 def format_report(report: dict[str, Any]) -> str:

@@ -1,5 +1,6 @@
 """Sweeps: scaling studies, from their design to the runs' results.
 
+  study.py           a study from its options (`python -m launch.sweep`'s library)
   sweep_design.py    the fixed-ratio and isoFLOP designs: sizes, budgets, each run's Gin
   wsd_design.py      the forked (WSD) design: stable runs and their cooldown forks
   size_rule.py       the learning rate of each size, from probe runs

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from plumbing import storage
 from plumbing.errors import usage_error
-from pretrain.checkpoints import checkpointer as checkpointing
+from pretrain.checkpoints.persistent import complete_steps
+from pretrain.run_directory import RunDirectory
 
 STAGING = "fork_seed.partial"
 
@@ -24,11 +25,11 @@ def seed(source: str, step: int, workdir: str) -> bool:
   Raises:
     UserError (exit code 2): the source has no committed checkpoint `step`.
   """
-  target = str(checkpointing.checkpoint_dir(workdir))
-  if checkpointing.complete_steps(target):
+  target = str(RunDirectory(workdir).checkpoints)
+  if complete_steps(target):
     return False
-  source_dir = str(checkpointing.checkpoint_dir(source))
-  if step not in checkpointing.complete_steps(source_dir):
+  source_dir = str(RunDirectory(source).checkpoints)
+  if step not in complete_steps(source_dir):
     raise usage_error(f"the stable run {source} has no committed checkpoint of step {step} "
                       "to fork from; finish it first (launch.sweep starts forks once their "
                       "stable run has finished)")

@@ -16,8 +16,9 @@ import jax.numpy as jnp
 
 from model.config import ModelConfig
 from plumbing.errors import UnreadableCheckpointError, UserError, warn
-from pretrain.checkpoints.checkpointer import Checkpointer
+from pretrain.checkpoints.persistent import PersistentTier
 from pretrain.checkpoints.metadata import RunMetadata, make_vocabulary
+from pretrain.run_directory import RunDirectory
 from pretrain.runtime import Runtime
 from sharding.mesh import MeshConfig
 
@@ -86,7 +87,7 @@ def load(workdir: str, step: Optional[int] = None,
   UnreadableCheckpointError. Reading never renames or deletes anything (the trainer
   sets unreadable checkpoints aside).
   """
-  checkpointer = Checkpointer(workdir, read_only=True)
+  checkpointer = PersistentTier(RunDirectory(workdir), read_only=True)
   skipped = []
   try:
     steps = checkpointer.all_steps()
@@ -113,10 +114,9 @@ def load(workdir: str, step: Optional[int] = None,
   return model
 
 
-def _restore(checkpointer: Checkpointer, step: int, mesh_config: MeshConfig
+def _restore(checkpointer: PersistentTier, step: int, mesh_config: MeshConfig
              ) -> LoadedModel:
   metadata = RunMetadata.from_json(checkpointer.metadata(step))
   runtime = Runtime.create(metadata.model_config, mesh_config)
   restored = checkpointer.restore(step, abstract_params=runtime.abstract_params)
-  return LoadedModel(runtime, restored.params, step, metadata,
-                     str(checkpointer.directory.parent))
+  return LoadedModel(runtime, restored.params, step, metadata, checkpointer.run.root)

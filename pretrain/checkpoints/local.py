@@ -1,10 +1,11 @@
 """The local checkpoint tier: frequent saves of each process's own shards to local disk.
 
-The persistent tier (`pretrain.checkpoints.checkpointer.Checkpointer`, `workdir/checkpoints`) is
-written every `checkpoint_every` steps to storage every host shares; a crash loses the
+The persistent tier (`pretrain.checkpoints.persistent.PersistentTier`, `workdir/checkpoints`)
+is written every `checkpoint_every` steps to storage every host shares; a crash loses the
 steps since. The local tier saves every `CheckpointConfig.local_every` steps to a
-directory on the host itself (a local SSD, `/dev/shm`), keeping only the newest one or
-two, so a crash whose host survives loses at most that interval.
+directory on the host itself (a local SSD, `/dev/shm`; `RunDirectory.local_tier`),
+keeping only the newest one or two, so a crash whose host survives loses at most that
+interval.
 
 Why not Orbax's `experimental.emergency.CheckpointManager`: in the Orbax version this
 project pins it uses its local directory only when the mesh has more than one replica
@@ -18,17 +19,16 @@ step, the RNG and the process's shard layout. Orbax's atomic finalize (temporary
 step is listed only once complete; a directory without the marker is deleted on start.
 Each step carries an integrity manifest (`pretrain.checkpoints.integrity`), like the persistent
 tier's. A save that fails (the local disk is full) is reported by `poll` or `wait` as a
-`CheckpointSaveError`; the caller then stops using the tier.
+`CheckpointSaveError`; the `Checkpointer` then stops using the tier (the best-effort
+policy of `pretrain.checkpoints.policies`).
 
 Restoring needs the same layout (same process count, mesh and shardings): a step whose
 recorded layout differs from the current one is not offered. Every process must restore
-the same step, so `Checkpointer` agrees on the newest step all processes hold.
+the same step, so `restorable_steps` agrees on the steps all processes hold.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 import shutil
 from typing import Any, Optional, Sequence
 
@@ -50,15 +50,6 @@ MAX_LOCAL_KEEP = 4
 
 def _committed(path: epath.Path) -> bool:
   return (path / COMMIT_MARKER).exists()
-
-
-def process_directory(local_dir: str, workdir: str) -> epath.Path:
-  """`local_dir/<run key>/process_<i>_of_<n>`: one directory per run and process, so
-  processes sharing a machine (or a run sharing `/dev/shm` with another) never mix, and
-  a different process count never restores this layout."""
-  run_key = hashlib.sha1(os.path.abspath(workdir).encode()).hexdigest()[:12]
-  return (epath.Path(os.path.abspath(os.path.expanduser(local_dir))) / run_key /
-          f"process_{jax.process_index()}_of_{jax.process_count()}")
 
 
 def common_steps(steps_per_process: list[list[int]]) -> list[int]:
@@ -94,7 +85,7 @@ def expected_layout(abstract_leaves: Sequence[Any]) -> list[dict]:
   return layout
 
 
-class LocalCheckpointer:
+class LocalTier:
   """Saves and restores this process's shards of the train state under `directory`: the
   "local" `pretrain.checkpoints.tier.CheckpointTier`."""
   name = "local"

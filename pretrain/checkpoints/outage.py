@@ -12,7 +12,7 @@ backoff of 1, 2, 4, ... seconds (at most `MAX_BACKOFF_S`). The loop never waits 
 them. Once the storage has failed every attempt for `outage_s` seconds, `check` (called
 by the loop's next write) raises `StorageOutageError`, a one-line UserError; the trainer
 then saves the local tier, when it has one, and stops (exit 1) (checkpoint saves:
-`pretrain.checkpoints.saving.CheckpointHook`, with the same `Outage` clock).
+`pretrain.checkpoints.policies.Essential`, with the same `Outage` clock).
 """
 from __future__ import annotations
 

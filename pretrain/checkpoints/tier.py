@@ -1,13 +1,21 @@
-"""What a checkpoint tier is to the trainer: the `CheckpointTier` protocol.
+"""What a checkpoint tier is: the `CheckpointTier` protocol, and the capabilities a tier
+may add.
 
-A run keeps its state in tiers: the persistent one (`pretrain.checkpoints.checkpointer.Checkpointer`,
-`workdir/checkpoints`, shared storage) and, optionally, secondary ones that save more
-often to somewhere faster and less durable (`pretrain.checkpoints.local.LocalCheckpointer`,
-each host's own disk). `Checkpointer.restore_newest` takes the newest good step of any
-tier, `CheckpointHook` saves to each tier when it is due, and the trainer and the
-goodput rows name a tier only by its `name`, so a third tier (say, a copy held in a peer
-host's memory) is one class implementing this protocol, handed to
-`Checkpointer.add_tier`.
+A run keeps its state in tiers, peers to each other: the persistent one
+(`pretrain.checkpoints.persistent.PersistentTier`, `workdir/checkpoints`, storage every
+host shares, perhaps a bucket) and the local one (`pretrain.checkpoints.local.LocalTier`,
+each host's own disk, saved more often). `pretrain.checkpoints.checkpointer.Checkpointer`
+drives any list of them the same way: it saves each at its interval, takes the newest
+good step of any on restore, and treats a failed save by the tier's policy
+(`pretrain.checkpoints.policies`). The trainer and the goodput rows name a tier only by
+its `name`, so a third tier (say, a copy held in a peer host's memory) is one class
+implementing this protocol, handed to `Checkpointer.add_tier`.
+
+Beyond the protocol a tier may declare a capability, a protocol of its own here, that
+the `Checkpointer` asks for wherever a tier has it: `ModelCheck` (a checkpoint of
+another model is an error before anything is written). A tier's Orbax manager comes
+from `pretrain.checkpoints.orbax_manager`, which keeps Orbax away from the preemption
+sync service (the trainer's `PreemptionHook` asks it alone).
 
 Reading a step is checked (`pretrain.checkpoints.integrity`) and agreed by every process
 (`checked_read`): a step is restored by all processes or by none.
@@ -95,6 +103,15 @@ class CheckpointTier(Protocol):
 
   def close(self) -> None:
     """Waits for the save in flight and releases the tier."""
+
+
+@runtime_checkable
+class ModelCheck(Protocol):
+  """A tier whose steps record the model they were written for."""
+
+  def check_newest_matches(self, abstract_params: Any) -> None:
+    """Raises CheckpointMismatchError when the newest readable step was written for
+    parameters other than `abstract_params` (paths or shapes)."""
 
 
 def agreed_problem(problem: Optional[integrity.Problem]) -> Optional[str]:

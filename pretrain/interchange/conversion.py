@@ -19,9 +19,10 @@ from plumbing import storage
 from plumbing.errors import UserError, usage_error
 from pretrain import extras
 from pretrain.interchange import hf_import
-from pretrain.checkpoints.checkpointer import (Checkpointer, checkpoint_dir, complete_steps,
-                                   describe_mismatch, shapes_by_path)
+from pretrain.checkpoints.persistent import (PersistentTier, complete_steps,
+                                             describe_mismatch, shapes_by_path)
 from pretrain.checkpoints.metadata import RunMetadata, make_vocabulary, vocabulary_spec
+from pretrain.run_directory import RunDirectory
 from pretrain.runtime import Runtime
 from sharding.mesh import MeshConfig
 
@@ -102,16 +103,17 @@ def write_step0(workdir: str, config: ModelConfig, params: Any, vocabulary: Any,
     raise UserError(f"--vocab has {vocabulary.vocab_size} ids but the checkpoint's "
                         f"embedding only {config.vocab_size} rows; pass the vocabulary "
                         "the model was trained with")
-  workdir = storage.resolve(workdir)
+  run = RunDirectory(workdir)
+  workdir = run.root
   cli.prepare_workdir(workdir)
-  if complete_steps(checkpoint_dir(workdir)):
+  if complete_steps(run.checkpoints):
     raise UserError(f"{workdir} already holds checkpoints; convert into a new --workdir")
   runtime = Runtime.create(config, MeshConfig())
   problem = describe_mismatch(shapes_by_path(params), shapes_by_path(runtime.abstract_params))
   if problem:
     raise UserError(f"The converted parameters do not fit the model they imply:\n{problem}")
   sharded = jax.tree.map(jax.device_put, params, runtime.param_shardings)
-  checkpointer = Checkpointer(workdir)
+  checkpointer = PersistentTier(run)
   try:
     checkpointer.save(0, params=sharded, opt_state=None, rng=jax.random.key(0),
                       metadata=RunMetadata(config, vocabulary_spec(vocabulary, workdir),
@@ -119,7 +121,7 @@ def write_step0(workdir: str, config: ModelConfig, params: Any, vocabulary: Any,
   finally:
     checkpointer.close()
   if jax.process_index() == 0:
-    storage.write_text(storage.join(workdir, "model.gin"), model_gin(config))
+    storage.write_text(run.model_gin, model_gin(config))
 
 
 def convert_hf(checkpoint: str, workdir: str, vocab: Optional[str] = None,

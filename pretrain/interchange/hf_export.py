@@ -21,6 +21,7 @@ from pretrain import extras
 from pretrain.interchange import hf_tokenizer
 from pretrain.interchange import safetensors_writer
 from pretrain.checkpoints.loading import LoadedModel, load
+from pretrain.run_directory import RunDirectory
 
 
 DTYPES = ("float32", "bfloat16")
@@ -76,7 +77,8 @@ def _write_json(path: str, values: Any) -> None:
 def _run_summary(workdir: str) -> dict[str, Any]:
   """Final train/eval losses from metrics.jsonl and the run's config.gin, when present."""
   summary: dict[str, Any] = {}
-  metrics = storage.join(workdir, "metrics.jsonl")
+  run = RunDirectory(workdir)
+  metrics = run.metrics
   if storage.exists(metrics):
     for line in storage.read_text(metrics).splitlines():
       try:
@@ -86,7 +88,7 @@ def _run_summary(workdir: str) -> dict[str, Any]:
       for key in ("loss", "eval_loss", "eval_bits_per_byte"):
         if row.get(key) is not None and "kind" not in row:
           summary[key] = (row["step"], row[key])
-  config = storage.join(workdir, "config.gin")
+  config = run.config
   if storage.exists(config):
     summary["config_gin"] = storage.read_text(config)
   return summary

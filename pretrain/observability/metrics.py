@@ -25,11 +25,9 @@ from pretrain.observability.trackers import (DOWNSTREAM, EVAL, STEP_RECORD_KINDS
 from pretrain.observability.trackers.rows import from_json as tracker_row
 from pretrain.observability.trackers.delivery import Trackers
 from pretrain.checkpoints.outage import FLUSH_TIMEOUT_S, StorageConfig, Uploads
+from pretrain.run_directory import RunDirectory
 
 T = TypeVar("T")
-# Where a bucket run stopped by an outage keeps its unsent metric rows, beside its
-# local checkpoint tier (`MetricsWriter`'s `unsent_path`).
-UNSENT_METRICS = "metrics.unsent.jsonl"
 # Names of downstream task metrics start with this (`pretrain.evaluation.downstream`).
 DOWNSTREAM_PREFIX = "downstream/"
 
@@ -171,7 +169,7 @@ class MetricsWriter:
     self._unsent_path: Optional[str] = None
     if not self._enabled:
       return
-    path = storage.join(workdir, "metrics.jsonl")
+    path = RunDirectory(workdir).metrics
     if storage.is_url(workdir):
       self._uploads = Uploads(storage_config.outage_s)
       self._jsonl = _ObjectJsonl(path, self._uploads)

@@ -10,6 +10,7 @@ from typing import Any, Sequence
 from plumbing import storage
 from plumbing.errors import usage_error
 from pretrain.observability import goodput
+from pretrain.run_directory import RunDirectory
 
 
 _DPI = 120
@@ -24,7 +25,7 @@ def _pyplot():
 
 def read_run(workdir: str) -> list[dict]:
   """The rows of `workdir/metrics.jsonl`; a usage error when there are none."""
-  path = storage.join(workdir, "metrics.jsonl")
+  path = RunDirectory(workdir).metrics
   rows = []
   if storage.exists(path):  # local, gs:// or s3://
     rows = [json.loads(line) for line in storage.read_text(path).splitlines(True)

@@ -35,12 +35,10 @@ import faulthandler
 import os
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from typing import Callable, Iterator, Optional
 
-from plumbing import storage
 from plumbing.errors import EXIT_FAILED
 
 PHASES = ("startup", "data", "step", "collective", "checkpoint", "eval", "other")
@@ -60,7 +58,8 @@ class Watchdog:
     timeout_s: the allowance of a phase once a step has completed; None derives it
       from the median step time (`factor` x, at least `floor_s`).
     long_s: the allowance before the first step completes and of `LONG_PHASES`.
-    stacks_dir: where the stack dump of a hang is written (a local directory).
+    stacks_dir: where the stack dump of a hang is written (a local directory:
+      `pretrain.run_directory.RunDirectory.hangs`).
     process_index: named in the line and the dump's file name.
     multi_process: whether waiting for a step's result is a wait on other processes
       (phase "collective" rather than "step").
@@ -187,11 +186,3 @@ class Watchdog:
 def _exit_hung(line: str) -> None:
   print(f"error: {line}", file=sys.stderr, flush=True)
   os._exit(EXIT_FAILED)  # pylint: disable=protected-access  # the main thread is stuck
-
-
-def stacks_dir(workdir: str) -> str:
-  """Where hang dumps go: `workdir/hangs` on a local workdir; in a bucket workdir, a
-  local directory (a dump must not depend on the storage that may be what hangs)."""
-  if not storage.is_url(workdir):
-    return os.path.join(storage.resolve(workdir), "hangs")
-  return os.path.join(tempfile.gettempdir(), "griffin-hangs")

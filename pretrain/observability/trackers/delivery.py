@@ -35,11 +35,11 @@ from pretrain.observability.trackers.run_info import Finals
 from pretrain.observability.trackers.tensorboard import TensorBoardTracker
 from pretrain.observability.trackers.wandb_tracker import WandbTracker
 from pretrain.checkpoints.outage import Uploads
+from pretrain.run_directory import TRACKERS_STATE, RunDirectory
 
 for _builtin in (TensorBoardTracker, WandbTracker, MlflowTracker):
   trackers_lib.register(_builtin)
 
-STATE_FILE = "trackers.json"
 FIRST_BACKOFF_S = 1.0
 MAX_BACKOFF_S = 60.0
 
@@ -56,7 +56,7 @@ class _State:
   that no write waits for a bucket that is down."""
 
   def __init__(self, workdir: str, uploads: Optional[Uploads]):
-    self._path = storage.join(workdir, STATE_FILE)
+    self._path = RunDirectory(workdir).trackers_state
     self._uploads = uploads
     self.lock = threading.Lock()   # held to change or read an entry
     self._writing = threading.Lock()   # one write at a time, the newest last
@@ -205,7 +205,7 @@ class _Sender:
       self.warned = True
       warn(f"{self.name} tracker: {_reason(error)}; the run goes on. metrics.jsonl has "
            f"every row; what {self.name} misses is sent when it answers, by this run or "
-           f"the next in this workdir ({STATE_FILE} counts what it lacks)")
+           f"the next in this workdir ({TRACKERS_STATE} counts what it lacks)")
     self.down = True
     self._retry_at = time.monotonic() + self._backoff
     self._backoff = min(2 * self._backoff, MAX_BACKOFF_S)

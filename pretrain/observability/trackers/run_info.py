@@ -19,8 +19,8 @@ from model import counting
 from model.config import ModelConfig
 from plumbing import storage
 from pretrain.observability.trackers import EVAL, TRAIN, Row, RunInfo
+from pretrain.run_directory import RunDirectory
 
-CONFIG_FILE = "config.gin"
 
 
 class _Literals(config_parser.ParserDelegate):
@@ -62,7 +62,7 @@ def _fields(prefix: str, config: Any) -> dict[str, Any]:
 def run_config(workdir: str, configs: Iterable[Any] = ()) -> dict[str, Any]:
   """The run's config: `workdir/config.gin` parsed, or else the fields of `configs`
   (dataclass instances), keyed by class name."""
-  path = storage.join(workdir, CONFIG_FILE)
+  path = RunDirectory(workdir).config
   if storage.exists(path):
     return parse_gin(storage.read_text(path))
   values: dict[str, Any] = {}

@@ -18,13 +18,13 @@ from plumbing import storage
 from plumbing.errors import StorageOutageError
 from pretrain.observability.trackers import STEP_KINDS, Row, RunInfo, TrackerContext
 from pretrain.checkpoints.outage import FLUSH_TIMEOUT_S, Uploads
+from pretrain.run_directory import RunDirectory
 
 # clu's TensorBoard writer imports TensorFlow (about 6 s): loaded when a run first
 # writes events, not by every command that imports this module.
 with epy.lazy_imports():
   from clu import metric_writers
 
-EVENTS_DIR = "tensorboard"
 
 
 class _UploadedTensorBoard:
@@ -74,7 +74,7 @@ class TensorBoardTracker:
   where = ""
 
   def __init__(self, context: TrackerContext):
-    self._events = storage.join(context.workdir, EVENTS_DIR)
+    self._events = RunDirectory(context.workdir).tensorboard
     self._uploads = context.uploads
     self._writer: Any = None
 
