@@ -13,7 +13,7 @@ import seqio
 import zstandard
 
 from pretrain.data import DataError, materialize, mixing, pipeline, tasks
-from storage_servers import gcs_bucket  # pylint: disable=unused-import  # noqa: F401
+from storage_servers import gcs_bucket, s3_bucket  # pylint: disable=unused-import  # noqa: F401
 from trainer_helpers import trainer_env  # pylint: disable=unused-import  # noqa: F401
 
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
@@ -327,16 +327,11 @@ def test_run_killed_mid_mixture_resumes_to_the_same_losses(trainer_env, tmp_path
   assert [row for row in read_metrics(killed_dir) if row.get("kind") == "mixture"] == shares
 
 
-@pytest.mark.slow
-def test_each_format_and_a_mixture_train_from_the_gcs_emulator(gcs_bucket, trainer_env,
-                                                                 tmp_path):
-  """Parquet shards, .jsonl.zst shards and a `datasets` directory, uploaded to the
-  project's GCS emulator: each source reads the ids it reads from the local copy, and a
-  tiny model trains 3 steps on a Gin mixture of the three gs:// corpora."""
-  datasets = pytest.importorskip("datasets")
+def _uploaded_corpora(datasets, tmp_path, remote):
+  """Parquet shards, .jsonl.zst shards and a `datasets` directory written locally and
+  uploaded to `remote`; checks each source reads the same ids from the bucket as from
+  the local copy, and returns the bucket locations by corpus name."""
   from plumbing import storage  # pylint: disable=import-outside-toplevel
-  from trainer_helpers import (REPO, assert_ok, read_metrics, storage_env,  # pylint: disable=import-outside-toplevel
-                               train_losses)
   local = tmp_path / "corpora"
   (local / "web").mkdir(parents=True)
   (local / "code").mkdir()
@@ -345,13 +340,32 @@ def test_each_format_and_a_mixture_train_from_the_gcs_emulator(gcs_bucket, train
     write_zst(local / "code" / f"{i}.jsonl.zst", documents(30, seed=5 + i, prefix="c"))
   datasets.Dataset.from_dict({"text": documents(40, seed=7, prefix="b")}).save_to_disk(
       str(local / "books"), num_shards=2)
-  remote = f"{gcs_bucket}/corpora-{tmp_path.name}"
   storage.upload_tree(str(local), remote)
   files = {"web": f"{remote}/web", "code": f"{remote}/code/*.jsonl.zst",
            "books": f"{remote}/books"}
   for key, location in files.items():
     assert tokens_of(tasks.corpus_task(location)) == tokens_of(
         tasks.corpus_task(location.replace(remote, str(local)))), key
+  return files
+
+
+def test_each_format_reads_the_same_ids_from_an_s3_bucket(s3_bucket, tmp_path):
+  """The three formats on a real S3 API server (moto): the ids of their local copies."""
+  datasets = pytest.importorskip("datasets")
+  files = _uploaded_corpora(datasets, tmp_path, f"{s3_bucket}/corpora-{tmp_path.name}")
+  assert sorted(files) == ["books", "code", "web"]
+
+
+@pytest.mark.slow
+def test_each_format_and_a_mixture_train_from_the_gcs_emulator(gcs_bucket, trainer_env,
+                                                                 tmp_path):
+  """Parquet shards, .jsonl.zst shards and a `datasets` directory, uploaded to the
+  project's GCS emulator: each source reads the ids it reads from the local copy, and a
+  tiny model trains 3 steps on a Gin mixture of the three gs:// corpora."""
+  datasets = pytest.importorskip("datasets")
+  from trainer_helpers import (REPO, assert_ok, read_metrics, storage_env,  # pylint: disable=import-outside-toplevel
+                               train_losses)
+  files = _uploaded_corpora(datasets, tmp_path, f"{gcs_bucket}/corpora-{tmp_path.name}")
   config = tiny_mixture_config(trainer_env, tmp_path / "gcs.gin", files,
                                {"web": 0.5, "code": 0.3, "books": 0.2}, steps=3)
   workdir = str(tmp_path / "run")
