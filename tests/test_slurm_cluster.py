@@ -118,7 +118,7 @@ def _wait_for_step(cluster, job, workdir, cwd, step, timeout_s=240):
     if steps and max(steps) >= step:
       return
     state = cluster.job(job).get("JobState")
-    assert state in ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING"), (
+    assert state in ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING"), (
         state, _output(cwd, job)[-3000:])
     time.sleep(0.5)
   raise AssertionError(f"step {step} not reached in {timeout_s} s\n"
