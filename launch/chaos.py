@@ -42,7 +42,8 @@ the quickstart model unless `--gin_file` says otherwise, every step logged):
                          (`--outage_s`), the run rides it out (saves deferred, training
                          goes on); longer, it saves its local tier and stops with one
                          line, and `launch.local` restarts it (restarts that find the
-                         bucket still down end at once, with one line, and are retried).
+                         bucket still down end at once, with one line, and are retried
+                         after a pause that doubles each time).
                          The rows of `metrics.jsonl` logged while the bucket was down by
                          a run that then stopped are kept beside its local tier and sent
                          by the restart, so every step is compared.

@@ -8,8 +8,8 @@ Each process gets the coordinator address, process count and id in its environme
 and talks to the others over gloo: the same code path as a real multi-host job. Output
 lines are prefixed with the process index. If any process fails, the others are stopped
 and the launcher names the process that failed first; with `--max_restarts=N` it then
-starts all of them again (at most N times), and exits non-zero only when the budget is
-spent.
+starts all of them again (at most N times, backing off from `--restart_backoff_s` when
+attempts keep failing at once), and exits non-zero only when the budget is spent.
 """
 from __future__ import annotations
 
@@ -38,13 +38,17 @@ def define_flags() -> None:
   flags.DEFINE_integer("max_restarts", 0, "Restart every process this many times at most "
                        "after one fails (the trainer resumes from its newest checkpoint).",
                        lower_bound=0)
+  flags.DEFINE_float("restart_backoff_s", 1.0, "Pause before the first restart; it doubles "
+                     "with each attempt in a row that failed within 60 s (at most 60 s), so "
+                     "a failure that repeats at once (storage still down) does not spend the "
+                     "budget in seconds. 0: restart at once.", lower_bound=0.0)
   flags.mark_flag_as_required("num_processes")
 
 
 def main(argv: Sequence[str]) -> None:
   command = common.child_command(argv)
   sys.exit(local.run(command, FLAGS.num_processes, FLAGS.devices_per_process, FLAGS.port,
-               FLAGS.max_restarts))
+               FLAGS.max_restarts, FLAGS.restart_backoff_s))
 
 
 if __name__ == "__main__":

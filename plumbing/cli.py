@@ -5,12 +5,16 @@ Every `python -m pretrain.<command>` and `launch.<command>`, and every
 becomes one line on stderr and its exit code; anything else is a bug and keeps its
 traceback. `--traceback` shows the stack of a UserError too. `--help` (or `-h`) lists
 the command's own flags and the shared ones; `--verbose` shows the third-party logs
-that `plumbing.quiet` hides.
+that `plumbing.quiet` hides. `kill -USR2 PID` makes a running command print every
+thread's Python stack to stderr and go on: how to see where a process that seems hung
+waits (a collective, a storage call, a lock) without stopping it.
 """
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import os
+import signal
 import sys
 from typing import Callable, Optional, Sequence
 
@@ -108,6 +112,7 @@ def run(main: Callable[[Sequence[str]], Optional[int]]) -> None:
       # Orbax and JAX log every save at INFO; the commands print their own progress.
       logging.set_verbosity(logging.WARNING)
       quiet.install_log_filters()
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
     try:
       return main(argv)
     except KeyboardInterrupt:

@@ -2,6 +2,7 @@
 line on stderr with exit code 2 for a command-line or config mistake, and `-h`/`--help`
 listing a command's own flags and the shared ones."""
 import os
+import signal
 import subprocess
 import sys
 
@@ -136,3 +137,25 @@ def test_cpu_run_where_the_cuda_plugin_cannot_start_prints_one_line():
   assert "Traceback" not in result.stderr, result.stderr
   lines = result.stderr.splitlines()
   assert len(lines) == 1 and "JAX's xla_cuda12 plugin did not start" in lines[0], lines
+
+
+def test_sigusr2_prints_every_threads_stack_and_the_command_goes_on():
+  """How to see where a process that seems hung waits: `kill -USR2 PID`."""
+  script = ("import time\nfrom plumbing import cli\n"
+            "def main(argv):\n"
+            "  print('READY', flush=True)\n"
+            "  time.sleep(2)\n"
+            "  print('STILL RUNNING', flush=True)\n"
+            "cli.run(main)\n")
+  env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  process = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    assert process.stdout.readline().strip() == "READY"
+    process.send_signal(signal.SIGUSR2)
+    out, err = process.communicate(timeout=60)
+  finally:
+    process.kill()
+  assert process.returncode == 0, err
+  assert out.strip() == "STILL RUNNING"
+  assert "Current thread" in err and 'line 5 in main' in err, err

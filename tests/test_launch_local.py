@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from launch.clusters import common
+from launch.clusters import local as local_cluster
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -127,6 +128,20 @@ def test_restart_budget_spent_exits_with_the_failure():
   assert launcher.returncode == 5
   assert err.count("process 0 of 2 exited with code 5") == 3
   assert "restart 2 of 2" in err
+
+
+def test_restarts_that_fail_at_once_back_off():
+  """A failure that repeats at once (a bucket still down) must not spend the budget in
+  seconds: the pauses double while attempts keep failing within a minute."""
+  assert [local_cluster.restart_delay_s(n, 1.0) for n in range(1, 9)] == [1, 2, 4, 8, 16, 32, 60, 60]
+  assert local_cluster.restart_delay_s(3, 0.0) == 0
+  start = time.monotonic()
+  launcher = _launch("--num_processes=1", "--max_restarts=2", "--restart_backoff_s=0.5",
+                     "--", sys.executable, "-c", "raise SystemExit(3)")
+  _, err = launcher.communicate(timeout=120)
+  assert launcher.returncode == 3
+  assert "restart 1 of 2 in 0.5 s" in err and "restart 2 of 2 in 1 s" in err, err
+  assert time.monotonic() - start >= 1.5  # 0.5 s, then 1 s
 
 
 @pytest.mark.slow

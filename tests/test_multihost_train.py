@@ -38,6 +38,7 @@ import pytest
 
 from launch.clusters import common
 from launch.faults import chaos
+from plumbing.errors import UserError
 from pretrain.observability import goodput
 from pretrain.checkpoints.persistent import complete_steps
 from trainer_helpers import (REPO, assert_ok, read_metrics,  # pylint: disable=unused-import
@@ -212,6 +213,19 @@ def test_elastic_resume_continues_the_loss_curve(trainer_env, two_process_run, p
              - _eval_loss(two_process_run[0])["eval_loss"]) <= LOSS_TOLERANCE
 
 
+def _run_chaos(workdir: str, **kwargs):
+  """`chaos.run_chaos`, printing the end of its logs when it fails (CI keeps no files):
+  a run that did not finish leaves every process's stacks there."""
+  try:
+    return chaos.run_chaos(workdir, **kwargs)
+  except UserError:
+    for name in ("chaos.log", "gcs_emulator.log"):
+      if os.path.exists(os.path.join(workdir, name)):
+        with open(os.path.join(workdir, name), encoding="utf-8", errors="replace") as f:
+          print(f"--- {name}\n" + "".join(line for line in f if "[Gloo]" not in line)[-20000:])
+    raise
+
+
 @pytest.mark.slow
 def test_chaos_run_recovers_from_sigkill_and_sigterm_with_equal_losses(
     trainer_env, two_process_run, tmp_path, monkeypatch):
@@ -224,7 +238,7 @@ def test_chaos_run_recovers_from_sigkill_and_sigterm_with_equal_losses(
   # seed 0 (steps 8 and 11) the harness, starved of CPU under CI's load, twice saw step 8
   # only as the 16-step run was ending, so the preemption (agreed 2-3 steps after the
   # signal) never happened: early faults leave it the run's remaining steps.
-  report = chaos.run_chaos(
+  report = _run_chaos(
       str(tmp_path / "chaos"), steps=STEPS, faults=2, seed=43, processes=2, devices=2,
       gin_files=[trainer_env.gin], gin_params=["BATCH_SIZE=8", *MESH_2X2],
       local_every=2, checkpoint_every=6, tolerance=1e-6,
@@ -271,7 +285,7 @@ def test_chaos_run_survives_a_bucket_outage_with_equal_losses(
   16-step run it came, on a fast restart, at the last step, after the last local save.)"""
   for name, value in trainer_env.env.items():
     monkeypatch.setenv(name, value)
-  report = chaos.run_chaos(
+  report = _run_chaos(
       str(tmp_path / "chaos"), steps=STEPS, faults=1, seed=2, processes=2, devices=2,
       gin_files=[trainer_env.gin], gin_params=["BATCH_SIZE=8", *MESH_2X2],
       local_every=2, checkpoint_every=6, tolerance=1e-6,

@@ -26,6 +26,13 @@ _POLL_S = 0.05
 # when it was 5 s.
 _TERMINATE_GRACE_S = 1.0
 _PORT_FREE_TIMEOUT_S = 60.0
+# Restarts back off like a crash loop: an attempt that fails soon after it started (a
+# bucket that is still down, a node still rebooting) would otherwise spend the whole
+# restart budget in seconds. The pause doubles with each attempt in a row that ran less
+# than _BACKOFF_RESET_S, up to _MAX_BACKOFF_S; an attempt that ran longer starts again
+# from the first pause.
+_BACKOFF_RESET_S = 60.0
+_MAX_BACKOFF_S = 60.0
 
 
 def _pump(index: int, stream, lock: threading.Lock) -> None:
@@ -138,22 +145,32 @@ def _attempt(command: Sequence[str], num_processes: int, devices_per_process: in
   return failed, code, bool(signalled)
 
 
+def restart_delay_s(quick_failures: int, backoff_s: float) -> float:
+  """The pause before a restart after `quick_failures` (>= 1) attempts in a row that each
+  ran less than _BACKOFF_RESET_S: `backoff_s`, doubled for each one before, at most
+  _MAX_BACKOFF_S."""
+  return min(_MAX_BACKOFF_S, backoff_s * 2 ** (max(quick_failures, 1) - 1))
+
+
 def run(command: Sequence[str], num_processes: int, devices_per_process: int = 1,
-        port: Optional[int] = None, max_restarts: int = 0) -> int:
+        port: Optional[int] = None, max_restarts: int = 0,
+        restart_backoff_s: float = 1.0) -> int:
   """Runs `command` as `num_processes` cooperating processes; returns the exit status.
 
   When a process fails, the others are stopped; with `max_restarts` > 0 all of them are
   then started again on the same coordinator port (once it is free), up to that many
-  times, so a trainer resumes from its newest checkpoint without a person. A signal to
-  the launcher itself (Ctrl-C, SIGTERM) is forwarded and never restarts anything.
+  times, so a trainer resumes from its newest checkpoint without a person. Each restart
+  waits `restart_delay_s` first (0 when `restart_backoff_s` is 0). A signal to the
+  launcher itself (Ctrl-C, SIGTERM) is forwarded and never restarts anything.
   """
   if num_processes < 1 or devices_per_process < 1:
     raise usage_error("--num_processes and --devices_per_process must be >= 1")
-  if max_restarts < 0:
-    raise usage_error("--max_restarts must be >= 0")
+  if max_restarts < 0 or restart_backoff_s < 0:
+    raise usage_error("--max_restarts and --restart_backoff_s must be >= 0")
   port = port or common.free_port()
   coordinator = f"127.0.0.1:{port}"
   others = num_processes - 1
+  quick_failures = 0
   for attempt in range(max_restarts + 1):
     started = time.monotonic()
     failed, code, signalled = _attempt(command, num_processes, devices_per_process,
@@ -164,9 +181,13 @@ def run(command: Sequence[str], num_processes: int, devices_per_process: int = 1
                      f"stopped the other {others} process{'es' if others != 1 else ''}\n")
     if signalled or attempt == max_restarts:
       break
-    _wait_for_port(port)
-    sys.stderr.write(f"launch.local: restart {attempt + 1} of {max_restarts} (attempt ran "
-                     f"{time.monotonic() - started:.1f} s)\n")
+    ran_s = time.monotonic() - started
+    quick_failures = quick_failures + 1 if ran_s < _BACKOFF_RESET_S else 1
+    delay_s = restart_delay_s(quick_failures, restart_backoff_s)
+    sys.stderr.write(f"launch.local: restart {attempt + 1} of {max_restarts} in "
+                     f"{delay_s:g} s (attempt ran {ran_s:.1f} s)\n")
     sys.stderr.flush()
+    time.sleep(delay_s)
+    _wait_for_port(port)
   sys.stderr.flush()
   return code if 0 < code < 256 else 1

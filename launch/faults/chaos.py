@@ -33,6 +33,7 @@ from sharding import distributed
 
 _POLL_S = 0.05
 _POLL_BUCKET_S = 0.5   # a bucket workdir's metrics are read through the emulator
+_STACKS_S = 3.0        # for the stacks asked of a run that did not finish to reach the log
 SIGNALS = {"SIGKILL": signal.SIGKILL, "SIGTERM": signal.SIGTERM, "corrupt": signal.SIGKILL,
            "hang": signal.SIGSTOP}
 STORAGE_KINDS = ("disk_full", "outage")   # no signal: the storage fails for a while
@@ -158,13 +159,18 @@ def compare_losses(reference: dict[int, float], run: dict[int, float],
           "tolerance": tolerance, "equal": not missing and not worse and bool(diffs)}
 
 
-def _child_pid(launcher_pid: int, process_id: int) -> Optional[int]:
-  """The pid of the launcher's child running JAX process `process_id`, if running."""
+def _children(launcher_pid: int) -> list[int]:
+  """The launcher's running child processes (none once it has exited)."""
   try:
     with open(f"/proc/{launcher_pid}/task/{launcher_pid}/children", encoding="ascii") as f:
-      children = [int(pid) for pid in f.read().split()]
+      return [int(pid) for pid in f.read().split()]
   except OSError:
-    return None
+    return []
+
+
+def _child_pid(launcher_pid: int, process_id: int) -> Optional[int]:
+  """The pid of the launcher's child running JAX process `process_id`, if running."""
+  children = _children(launcher_pid)
   wanted = f"{distributed.ENV_PROCESS_ID}={process_id}".encode()
   for pid in children:
     try:
@@ -192,6 +198,7 @@ class StorageFaults:
     self.durations = {"outage": outage_fault_s, "disk_full": disk_full_s}
     self.disk = disk
     self.proxy = proxy
+    self.emulator: Optional[subprocess.Popen] = None   # the bucket's server, if any
     self._local_every = local_every
 
   def start(self, fault: Fault) -> str:
@@ -255,6 +262,7 @@ class ChaosRun:
     """Until the launcher exits: send due faults, note recoveries."""
     while process.poll() is None:
       if self._now() > self._timeout_s:
+        _print_stacks(process, self._storage.emulator if self._storage else None)
         _stop_launcher(process)
         raise UserError(f"launch.chaos: the run did not finish within {self._timeout_s:.0f}"
                         f" s (see {self._log_path})", EXIT_FAILED)
@@ -368,6 +376,17 @@ class ChaosRun:
               "launcher again", flush=True)
 
 
+def _print_stacks(process: subprocess.Popen, emulator: Optional[subprocess.Popen]) -> None:
+  """Asks the launcher and its trainers to print every thread's stack into the log
+  (SIGUSR2, see `plumbing.cli`), and the GCS emulator into its own: what a run that did
+  not finish was waiting for."""
+  servers = [emulator.pid] if emulator is not None else []
+  for pid in [process.pid, *_children(process.pid), *servers]:
+    with contextlib.suppress(ProcessLookupError):
+      os.kill(pid, signal.SIGUSR2)
+  time.sleep(_STACKS_S)
+
+
 def _stop_launcher(process: subprocess.Popen) -> None:
   """SIGTERM to the launcher, which stops its processes; SIGKILL if it lingers."""
   stop_process(process, signal.SIGTERM, timeout_s=30)
@@ -429,11 +448,17 @@ def format_report(report: dict[str, Any]) -> str:
 
 def restart_budget(plan: Sequence[Fault], outage_fault_s: float) -> int:
   """`launch.local --max_restarts` of the faulted run: one restart per fault, 2 to
-  spare, and for each outage one per 3 s it lasts. A run stopped by an outage is
-  restarted at once, and a restart while the bucket is still down ends in seconds
-  (its first check of the workdir fails with one line): the launcher has no backoff."""
+  spare, and for each outage enough restarts for the launcher's pauses to outlast it. A
+  run stopped by an outage is restarted, and a restart while the bucket is still down
+  ends in seconds (its first check of the workdir fails with one line); `launch.local`
+  pauses 1 s before the first restart and doubles the pause (at most 60 s) while attempts
+  keep failing at once."""
   outages = sum(f.kind == "outage" for f in plan)
-  return len(plan) + 2 + outages * math.ceil(outage_fault_s / 3)
+  pauses, waited_s = 0, 0.0
+  while waited_s < outage_fault_s:
+    waited_s += min(60.0, 2.0 ** pauses)
+    pauses += 1
+  return len(plan) + 2 + outages * pauses
 
 
 def train_reference(reference_dir: str, workdir: str, command: list[str],
@@ -511,12 +536,13 @@ def faulted_storage(workdir: str, plan: Sequence[Fault], local_dir: Optional[str
       chaos_dir, env = os.path.join(workdir, "chaos"), None
       if bucket:
         os.makedirs(os.path.join(workdir, "bucket"))
-        emulator, port = start_gcs_emulator(os.path.join(workdir, "bucket"))
+        emulator, port = start_gcs_emulator(os.path.join(workdir, "bucket"),
+                                            log_path=os.path.join(workdir, "gcs_emulator.log"))
         proxy = CuttableProxy(port)
         env = dict(os.environ, **gcs_emulator.environment(proxy.endpoint))
         stack.enter_context(_clients_pointed_at(f"http://127.0.0.1:{port}"))
         chaos_dir = BUCKET_WORKDIR
-      faults.disk, faults.proxy = disk, proxy
+      faults.disk, faults.proxy, faults.emulator = disk, proxy, emulator
       yield chaos_dir, env, faults
   finally:
     if proxy is not None:

@@ -14,6 +14,7 @@ reads the run's metrics from it directly), so the bucket comes back with its con
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import importlib.util
 import os
@@ -178,17 +179,22 @@ def free_port() -> int:
     return sock.getsockname()[1]
 
 
-def start_gcs_emulator(data_dir: str, timeout_s: float = 60.0) -> tuple[subprocess.Popen, int]:
-  """Starts `launch.gcs_emulator` on a free port, its objects under `data_dir`; returns
-  the process and its port once it answers. A missing emulator package is one line."""
+def start_gcs_emulator(data_dir: str, timeout_s: float = 60.0,
+                       log_path: Optional[str] = None) -> tuple[subprocess.Popen, int]:
+  """Starts `launch.gcs_emulator` on a free port, its objects under `data_dir` and its
+  stderr in `log_path` (default: discarded); returns the process and its port once it
+  answers. A missing emulator package is one line."""
   if importlib.util.find_spec("gcp_storage_emulator") is None:
     raise UserError("launch.chaos: --gcs_emulator needs the gcp-storage-emulator package: "
                     "pip install gcp-storage-emulator (or the project's `test` extra)",
                     EXIT_FAILED)
   port = free_port()
-  process = subprocess.Popen([sys.executable, "-m", "launch.gcs_emulator", str(port),
-                              data_dir], stdin=subprocess.DEVNULL,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  with contextlib.ExitStack() as stack:
+    log = (stack.enter_context(open(log_path, "ab")) if log_path  # pylint: disable=consider-using-with
+           else subprocess.DEVNULL)
+    process = subprocess.Popen([sys.executable, "-m", "launch.gcs_emulator", str(port),
+                                data_dir], stdin=subprocess.DEVNULL,
+                               stdout=subprocess.DEVNULL, stderr=log)
   url = f"http://127.0.0.1:{port}/storage/v1/b"
   deadline = time.monotonic() + timeout_s
   while time.monotonic() < deadline:
