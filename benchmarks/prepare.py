@@ -38,7 +38,7 @@ from absl import flags
 from plumbing import cli
 from pretrain import gin_config
 from pretrain.data import pipeline, prepare
-from pretrain.trainer import TrainConfig
+from pretrain.train_config import TrainConfig
 
 flags.DEFINE_enum("mode", "beam", ["beam", "inprocess"], "Who prepares the stores.")
 flags.DEFINE_integer("workers", 2, "Beam workers (--mode=beam).")

@@ -32,7 +32,7 @@ from absl import flags
 from plumbing import cli, storage
 from pretrain import gin_config
 from pretrain.data import pipeline, prepare
-from pretrain.trainer import TrainConfig
+from pretrain.train_config import TrainConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests"))

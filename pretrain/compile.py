@@ -37,7 +37,7 @@ from pretrain import gin_config
 from pretrain.compilation import gpu_target
 from pretrain.compilation import tpu_target
 from pretrain.optimizer import OptimizerConfig
-from pretrain.trainer import TrainConfig
+from pretrain.train_config import TrainConfig
 from sharding import partition
 from sharding import rules as rules_lib
 from sharding.mesh import MeshConfig, mesh_config_from_flag

@@ -36,7 +36,7 @@ from pretrain.observability import metrics as metrics_lib
 from pretrain.data import synthetic
 from pretrain.data.vocabularies import token_byte_lengths
 from pretrain.checkpoints.loading import LoadedModel, load
-from pretrain.trainer import TrainConfig
+from pretrain.train_config import TrainConfig
 from pretrain.run_directory import RunDirectory
 
 # SeqIO and TensorFlow load on first use (about 6 s): commands that only parse

@@ -35,7 +35,7 @@ from pretrain.data import synthetic, tasks, vocabularies  # pylint: disable=unus
 from pretrain.optimizer import OptimizerConfig
 from pretrain.checkpoints.outage import StorageConfig
 from pretrain.runtime import Runtime
-from pretrain.trainer import TrainConfig
+from pretrain.train_config import TrainConfig
 from sharding import distributed
 from sharding.distributed import initialize_from_environment
 from sharding.mesh import MeshConfig

@@ -25,6 +25,7 @@ from pretrain.checkpoints.checkpointer import CheckpointConfig, Checkpointer
 from pretrain.optimizer import OptimizerConfig
 from pretrain.checkpoints.outage import StorageConfig
 from pretrain.run_directory import RunDirectory
+from pretrain.train_config import TrainConfig
 from sharding.distributed import initialize_from_environment
 
 FLAGS = flags.FLAGS
@@ -84,7 +85,7 @@ def train_from_gin(workdir: str, gin_files: Sequence[str],
   gin_config.check_training_config()
   cli.prepare_workdir(workdir)
   gin_config.build(initialize_from_environment)
-  train_config = gin_config.build(trainer.TrainConfig)
+  train_config = gin_config.build(TrainConfig)
   runtime = gin_config.build_runtime(gin_config.build_model_config())
   storage_config = gin_config.build(StorageConfig)
   checkpoint_config = gin_config.build(CheckpointConfig)

@@ -10,7 +10,7 @@ import pytest
 from plumbing.errors import EXIT_USAGE, UserError
 from pretrain import gin_config
 from pretrain.checkpoints.checkpointer import CheckpointConfig
-from pretrain.trainer import TrainConfig
+from pretrain.train_config import TrainConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAINER = ["configs/base/trainer.gin", "configs/base/optimizer.gin"]

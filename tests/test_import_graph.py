@@ -121,7 +121,8 @@ PRETRAIN_WINGS = (
     {"checkpoints": ("pretrain.checkpoints",)},
     {"observability": ("pretrain.observability",)},
     {"evaluation": ("pretrain.evaluation",), "interchange": ("pretrain.interchange",)},
-    {"centre: the trainer": ("pretrain.trainer", "pretrain.hooks", "pretrain.gin_config")},
+    {"centre: the trainer": ("pretrain.train_config", "pretrain.trainer", "pretrain.hooks",
+                             "pretrain.gin_config")},
     {"compilation": ("pretrain.compilation",)},
 )
 PRETRAIN_COMMANDS = ("pretrain.train", "pretrain.evaluate", "pretrain.sample",

@@ -12,7 +12,7 @@ from plumbing.errors import EXIT_FAILED, EXIT_USAGE, UserError
 from pretrain import gin_config
 from pretrain.data import beam_stores, kvstore, pipeline, prepare, token_store
 from pretrain.data.errors import DataError
-from pretrain.trainer import TrainConfig
+from pretrain.train_config import TrainConfig
 from trainer_helpers import REPO, assert_ok, storage_env
 
 GIN = """

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 from pretrain import hooks as hooks_lib
-from pretrain.trainer import TrainConfig
+from pretrain.train_config import TrainConfig
 from trainer_helpers import trained_workdir, trainer_env  # pylint: disable=unused-import
 
 

@@ -38,7 +38,7 @@ from pretrain import gin_config
 from pretrain.checkpoints.checkpointer import CheckpointConfig
 from pretrain.data import pipeline
 from pretrain.optimizer import OptimizerConfig
-from pretrain.trainer import TrainConfig
+from pretrain.train_config import TrainConfig
 from sharding.mesh import MeshConfig
 from trainer_helpers import (assert_ok, bucket_rows, make_corpus, read_metrics,  # pylint: disable=unused-import
                              storage_env, trained_workdir, trainer_env)

@@ -19,7 +19,7 @@ from pretrain.observability.trackers import delivery
 from pretrain.observability.trackers import rows as rows_lib
 from pretrain.observability.trackers import run_info
 from pretrain.run_directory import RunDirectory
-from pretrain.trainer import TrainConfig
+from pretrain.train_config import TrainConfig
 from inprocess_trainer import train_in_process
 from storage_servers import free_port
 import tracker_tools

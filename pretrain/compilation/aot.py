@@ -25,7 +25,7 @@ from pretrain.optimizer import OptimizerConfig, learning_rate_schedule, make_opt
 from pretrain.runtime import Runtime
 from pretrain.steps import abstract_batch, jit_train_step
 from pretrain.compilation.tpu_target import TpuTarget
-from pretrain.trainer import TrainConfig
+from pretrain.train_config import TrainConfig
 from sharding import partition
 from sharding import rules as rules_lib
 from sharding.mesh import MeshConfig, create_mesh

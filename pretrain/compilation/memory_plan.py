@@ -23,7 +23,7 @@ from model.config import ModelConfig
 from pretrain.compilation import aot
 from pretrain.optimizer import OptimizerConfig
 from pretrain.runtime import Runtime
-from pretrain.trainer import TrainConfig
+from pretrain.train_config import TrainConfig
 from sharding import mesh as mesh_lib
 from sharding import partition
 from sharding import rules as rules_lib

@@ -30,7 +30,7 @@ from absl import flags
 from plumbing import cli
 from pretrain import gin_config
 from pretrain.data import beam_stores, preparation, token_store
-from pretrain.trainer import TrainConfig
+from pretrain.train_config import TrainConfig
 
 FLAGS = flags.FLAGS
 
