@@ -41,7 +41,7 @@ from jax.experimental import multihost_utils
 
 from plumbing.errors import CheckpointSaveError, UnreadableCheckpointError
 from pretrain.checkpoints import integrity, orbax_manager
-from pretrain.checkpoints.tier import Restored, checked_read
+from pretrain.checkpoints.tier import Restored, checked_read, ended_save_failure
 from pretrain.checkpoints.integrity import COMMIT_MARKER, TMP_SUFFIX
 
 # Local steps each process reports when the processes agree on one (a fixed-size gather).
@@ -205,13 +205,7 @@ class LocalTier:
   def poll(self) -> Optional[CheckpointSaveError]:
     """The failure of the save in flight, once it has ended; None while it runs, when
     it succeeded or when there is none. Does not wait."""
-    if self._saving is None or self._manager.is_saving_in_progress():
-      return None
-    try:
-      self.wait()
-    except CheckpointSaveError as error:
-      return error
-    return None
+    return ended_save_failure(self._saving, self._manager, self.wait)
 
   def discard_failed(self, step: int) -> None:
     """Stops after the failed save of `step`: waits for nothing more and deletes the

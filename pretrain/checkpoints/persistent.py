@@ -47,7 +47,7 @@ from plumbing.errors import (CheckpointMismatchError, CheckpointSaveError,
                              UnreadableCheckpointError, UserError, warn)
 from pretrain.checkpoints import integrity, orbax_manager
 from pretrain.checkpoints.integrity import COMMIT_MARKER
-from pretrain.checkpoints.tier import Restored, checked_read
+from pretrain.checkpoints.tier import Restored, checked_read, ended_save_failure
 from pretrain.run_directory import RunDirectory
 from sharding.partition import path_str
 
@@ -275,13 +275,7 @@ class PersistentTier:
   def poll(self) -> Optional[CheckpointSaveError]:
     """The failure of the save in flight, once it has ended; None while it runs, when
     it succeeded or when there is none. Does not wait."""
-    if self._saving is None or self._manager.is_saving_in_progress():
-      return None
-    try:
-      self._finish()
-    except CheckpointSaveError as error:
-      return error
-    return None
+    return ended_save_failure(self._saving, self._manager, self._finish)
 
   def _finish(self) -> None:
     step, self._saving = self._saving, None

@@ -114,6 +114,20 @@ class ModelCheck(Protocol):
     parameters other than `abstract_params` (paths or shapes)."""
 
 
+def ended_save_failure(in_flight: Optional[int], manager: Any,
+                       wait: Callable[[], None]) -> Optional[CheckpointSaveError]:
+  """A tier's `poll` over an Orbax manager: the failure of the save of step `in_flight`
+  once the manager has ended it (`wait`, which then returns at once, raises it); None
+  while it runs, when it succeeded or when there is none. Does not block."""
+  if in_flight is None or manager.is_saving_in_progress():
+    return None
+  try:
+    wait()
+  except CheckpointSaveError as error:
+    return error
+  return None
+
+
 def agreed_problem(problem: Optional[integrity.Problem]) -> Optional[str]:
   """The kind of problem any process found with a step, the same on every process
   (a step is restored by all of them or by none); a gather when there are several."""
