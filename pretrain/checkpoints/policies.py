@@ -281,9 +281,7 @@ class BestEffort:
     """Saves `step` when the interval divides it (and the tier is on everywhere)."""
     if step % self.every == 0 and not self._off and self._on_everywhere():
       try:
-        self.tier.save(step, params=snapshot.params, opt_state=snapshot.opt_state,
-                       rng=snapshot.rng, metadata=None)
-        self.last_saved = step
+        self._write(step, snapshot)
       except CheckpointSaveError as failure:
         self._drop(failure)
 
@@ -295,8 +293,7 @@ class BestEffort:
     try:
       self.tier.wait()
       if self.last_saved != step:
-        self.tier.save(step, params=snapshot.params, opt_state=snapshot.opt_state,
-                       rng=snapshot.rng, metadata=None)
+        self._write(step, snapshot)
         self.tier.wait()
       return self.tier.describe(step)
     except CheckpointSaveError as failure:
@@ -315,6 +312,11 @@ class BestEffort:
     self.wait()
     if self.active:
       self.tier.close()
+
+  def _write(self, step: int, snapshot: Snapshot) -> None:
+    self.tier.save(step, params=snapshot.params, opt_state=snapshot.opt_state,
+                   rng=snapshot.rng, metadata=None)
+    self.last_saved = step
 
   def _drop(self, failure: CheckpointSaveError) -> None:
     warn(f"{failure}; the {self.tier.name} tier is off for the rest of this run")
