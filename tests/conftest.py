@@ -2,6 +2,8 @@
 import os
 import tempfile
 
+import pytest
+
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
@@ -20,3 +22,20 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 * 2**30))
 
 # Object-storage fixtures (`gcs_bucket`, `s3_bucket`): real local servers, started on use.
 from storage_servers import gcs_bucket, s3_bucket  # pylint: disable=unused-import,wrong-import-position  # noqa: E402,F401
+
+
+def pytest_collection_modifyitems(session, config, items):
+  """Session fixtures that start a server and point the environment at it must be
+  defined once, here: a test module importing one would start a second server in
+  whichever worker runs it (see storage_servers). Fails the collection, in every run,
+  naming the modules."""
+  del session, config
+  importers = sorted({
+      item.module.__name__ for item in items
+      if getattr(item, "module", None) is not None
+      and any(getattr(item.module, name, None) is fixture
+              for name, fixture in (("gcs_bucket", gcs_bucket), ("s3_bucket", s3_bucket)))})
+  if importers:
+    raise pytest.UsageError(
+        f"{', '.join(importers)} import gcs_bucket/s3_bucket from storage_servers; "
+        "conftest.py provides them: remove the import")

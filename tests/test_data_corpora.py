@@ -13,7 +13,6 @@ import seqio
 import zstandard
 
 from pretrain.data import DataError, materialize, mixing, pipeline, tasks
-from storage_servers import gcs_bucket, s3_bucket  # pylint: disable=unused-import  # noqa: F401
 from trainer_helpers import trainer_env  # pylint: disable=unused-import  # noqa: F401
 
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]

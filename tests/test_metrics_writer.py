@@ -7,7 +7,6 @@ from pretrain import hooks
 from pretrain.observability.metrics import MetricsWriter
 from pretrain.run_directory import UNSENT_METRICS
 from pretrain.steps import TrainState
-from storage_servers import gcs_bucket  # pylint: disable=unused-import
 
 
 def _rows(path):
