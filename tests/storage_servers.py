@@ -12,7 +12,7 @@ Import them only in conftest.py. A test module that imports a fixture defines a 
 one: pytest would start a second server and point the environment at it, while clients
 already made in the process (s3fs and gcsfs cache theirs, endpoint included) keep
 talking to the first, so a subprocess writes to one server and the test reads the other.
-`_one_instance` turns that into a setup error naming the fix.
+conftest.py fails the collection when a test module imports one.
 """
 import contextlib
 import os
@@ -118,46 +118,14 @@ def fsspec_options(protocols: tuple[str, ...], **options) -> Iterator[None]:
       fsspec.config.conf[protocol] = values
 
 
-_ACTIVE: set[str] = set()
-
-
-@contextlib.contextmanager
-def _one_instance(name: str, protocols: tuple[str, ...]) -> Iterator[None]:
-  """Refuses a second live instance of the session fixture `name` in this process, and
-  drops fsspec's cached file systems of `protocols` (bound to the endpoint they were made
-  with) when the server starts and when it stops."""
-  if name in _ACTIVE:
-    raise RuntimeError(
-        f"a second `{name}` fixture started in this test process: a test module imports "
-        f"it from storage_servers. conftest.py provides it to every test; remove the "
-        f"module's import.")
-  _ACTIVE.add(name)
-  try:
-    _clear_cached_file_systems(protocols)
-    yield
-  finally:
-    _clear_cached_file_systems(protocols)
-    _ACTIVE.discard(name)
-
-
-def _clear_cached_file_systems(protocols: tuple[str, ...]) -> None:
-  """Drops the cached instances of the already imported fsspec implementations of
-  `protocols`. It imports none: gcsfs reads its variables once, at import, and must see
-  the emulator's environment."""
-  for protocol in protocols:
-    implementation = fsspec.registry.get(protocol)
-    if implementation is not None:
-      implementation.clear_instance_cache()
-
-
 @pytest.fixture(scope="session")
 def gcs_bucket() -> Iterator[str]:
   """`gs://bucket` on a local gcp-storage-emulator."""
   port = free_port()
   endpoint = f"http://127.0.0.1:{port}"
   command = [sys.executable, os.path.abspath(__file__), "gcs", str(port)]
-  with (_one_instance("gcs_bucket", ("gs",)), server(command, endpoint + "/storage/v1/b"),
-        environment(**gcs_environment(endpoint)), fsspec_options(("gs", "gcs"), token="anon")):
+  with (server(command, endpoint + "/storage/v1/b"), environment(**gcs_environment(endpoint)),
+        fsspec_options(("gs", "gcs"), token="anon")):
     yield f"gs://{BUCKET}"
 
 
@@ -167,8 +135,7 @@ def s3_bucket() -> Iterator[str]:
   port = free_port()
   endpoint = f"http://127.0.0.1:{port}"
   command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
-  with (_one_instance("s3_bucket", ("s3",)), server(command, endpoint),
-        environment(**s3_environment(endpoint))):
+  with server(command, endpoint), environment(**s3_environment(endpoint)):
     boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=BUCKET)
     yield f"s3://{BUCKET}"
 
