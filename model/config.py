@@ -14,6 +14,7 @@ import enum
 from typing import Any, Mapping, Optional, Sequence
 
 from model import block_registry
+from model.attention_options import AttentionOptions
 from model.scan.engine import ScanOptions
 from model.scan.options import kernel_target
 
@@ -62,6 +63,10 @@ class ModelConfig:
       entry points build them from Gin's `ScanOptions.*` bindings
       (`pretrain.gin_config.build_model_config`). They depend on the machine, not on
       the trained model, so checkpoint metadata leaves them out.
+    attention: which implementation computes attention in training calls (XLA's
+      masked softmax, or a fused kernel: `model.attention_options.AttentionOptions`);
+      like `scan` a property of the machine, built from Gin's `AttentionOptions.*`
+      bindings and left out of checkpoint metadata.
     remat: rematerialisation policy of each scanned unit of `block_pattern` (depth is
       always scanned, see `model.lm`).
     depth_scan_unroll: repeating units per iteration of the depth scan. 1 keeps the
@@ -107,6 +112,7 @@ class ModelConfig:
   remat: str = "none"
   depth_scan_unroll: Optional[int] = None
   scan: ScanOptions = dataclasses.field(default_factory=ScanOptions)
+  attention: AttentionOptions = dataclasses.field(default_factory=AttentionOptions)
 
   def __post_init__(self):
     object.__setattr__(self, "block_pattern", tuple(str(b) for b in self.block_pattern))
@@ -160,6 +166,9 @@ class ModelConfig:
                        f"got {self.scan_impl!r}")
     if not isinstance(self.scan, ScanOptions):
       raise ValueError(f"ModelConfig.scan must be a ScanOptions, got {self.scan!r}")
+    if not isinstance(self.attention, AttentionOptions):
+      raise ValueError(f"ModelConfig.attention must be an AttentionOptions, "
+                       f"got {self.attention!r}")
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"ModelConfig.remat must be one of {REMAT_POLICIES}, "
                        f"got {self.remat!r}")
@@ -217,14 +226,14 @@ class ModelConfig:
 
 
 # Fields that describe the machine a run executes on rather than the trained model.
-_MACHINE_FIELDS = ("scan",)
+_MACHINE_FIELDS = ("scan", "attention")
 
 
 def model_config_to_dict(config: ModelConfig) -> dict[str, Any]:
   """The JSON-ready form of `config` that checkpoints record.
 
-  Leaves out `scan`: a checkpoint written on a TPU must load on a CPU, where the
-  TPU's kernel options would not apply.
+  Leaves out `scan` and `attention`: a checkpoint written on a TPU must load on a CPU,
+  where the TPU's kernel options would not apply.
   """
   values = {f.name: getattr(config, f.name) for f in dataclasses.fields(ModelConfig)
             if f.name not in _MACHINE_FIELDS}
@@ -236,7 +245,8 @@ def model_config_from_dict(values: Mapping[str, Any]) -> ModelConfig:
   """The ModelConfig of a `model_config_to_dict` dict, old or new.
 
   A `scan` entry (written by earlier versions) is ignored and the config gets the
-  default options: the loader supplies its own machine's (`config.replace(scan=...)`).
+  default options: the loader supplies its own machine's (`config.replace(scan=...)`,
+  and likewise `attention`).
 
   Raises:
     ValueError: `values` has fields ModelConfig does not know (named), or a field

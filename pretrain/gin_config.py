@@ -25,6 +25,7 @@ import gin
 import jax
 
 from model.config import ModelConfig
+from model.attention_options import AttentionOptions
 from model.scan.engine import ScanOptions
 from pretrain.checkpoints import checkpointer, outage
 from pretrain.checkpoints.checkpointer import CheckpointConfig
@@ -63,7 +64,7 @@ T = TypeVar("T")
 # are defined, so that library code constructing one never reads Gin.
 _CONFIGURABLES = {
     target: gin.external_configurable(target, module=target.__module__)
-    for target in (ModelConfig, ScanOptions, MeshConfig, ReplicationCheck,
+    for target in (ModelConfig, ScanOptions, AttentionOptions, MeshConfig, ReplicationCheck,
                    CheckpointConfig, StorageConfig, OptimizerConfig, TrainConfig,
                    logical_axis_rules, initialize_from_environment)
 }
@@ -193,6 +194,7 @@ def check_training_config() -> None:
 # What `pretrain.train` builds from Gin; with what their bindings reference, every
 # binding of a training config must be read by one of them.
 TRAINING_ROOTS = (initialize_from_environment, TrainConfig, ModelConfig, ScanOptions,
+                  AttentionOptions,
                   MeshConfig, logical_axis_rules, ReplicationCheck, CheckpointConfig,
                   StorageConfig, OptimizerConfig, pipeline_lib.DataPipeline)
 
@@ -317,8 +319,9 @@ def build(target: Callable[..., T], *args: Any, **kwargs: Any) -> T:
 
 
 def build_model_config() -> ModelConfig:
-  """ModelConfig with its scan options, both as bound (`ScanOptions.lax_unroll = 16`)."""
-  return build(ModelConfig, scan=build(ScanOptions))
+  """ModelConfig with its scan and attention options, all as bound
+  (`ScanOptions.lax_unroll = 16`, `AttentionOptions.impl = "xla"`)."""
+  return build(ModelConfig, scan=build(ScanOptions), attention=build(AttentionOptions))
 
 
 def build_runtime(model_config: ModelConfig) -> Runtime:

@@ -18,6 +18,11 @@ matrix; under a sequence-split mesh the partitioner then gathers the keys and va
 the time shards, which is affordable because the single K/V head is 1/N of the query
 width.
 
+Training calls may instead run a fused kernel that never materialises the scores
+(`model.blocks.attention.fused`, chosen by `ModelConfig.attention`; splash attention on
+TPU). This module's masked softmax stays the reference they are tested against, the CPU
+path, and the path of every call with a cache.
+
 Decoding cache (`AttentionCache`): a ring buffer of S slots holding RoPE'd keys and values;
 slot `i % S` holds the token with running index i. S = window for local attention (the
 current token is attended from the call's own keys, so S previous keys suffice), and a
@@ -36,6 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from model import partitioning as P
+from model.blocks.attention import fused
 from model.config import ModelConfig
 from model.rope import apply_rope
 from model.time_shift import delayed
@@ -107,14 +113,46 @@ def _attend(queries: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Ar
   return jnp.einsum("...nts,...sh->...tnh", probs, values.astype(dtype))
 
 
-def _blocked(config: ModelConfig, length: int) -> bool:
-  """Whether a cache-less call of `length` tokens takes the blocked local path.
+def _causal_mask(query_index: jax.Array, key_index: jax.Array, doc_start: jax.Array,
+                 window: Optional[int]) -> jax.Array:
+  """[B, T, S]: key at or before the query, in its document, within the window."""
+  query_index, key_index = query_index[:, :, None], key_index[:, None, :]
+  mask = (key_index <= query_index) & (key_index >= doc_start[:, :, None])
+  if window is not None:
+    mask &= query_index - key_index <= window
+  return mask
 
-  Global attention and calls no longer than the window (where the full matrix is the
-  same work) take the full-matrix path.
+
+def xla_attention(queries: jax.Array, keys: jax.Array, values: jax.Array,
+                  segment_pos: jax.Array, window: Optional[int], dtype: Any) -> jax.Array:
+  """Masked MQA of a cache-less call in XLA: the reference of the fused kernels.
+
+  Local attention longer than the window takes the blocked path; global attention and
+  calls no longer than the window (where the full matrix is the same work) take the
+  full masked score matrix.
+
+  Args:
+    queries: [B, T, N, d] (RoPE applied); keys, values: [B, T, d].
+    segment_pos: int [B, T]; 0 starts a document.
+    window: keys t-window … t are seen (None = global).
+    dtype: compute dtype of the probabilities and output.
+
+  Returns:
+    [B, T, N, d].
   """
-  window = config.attention_window
-  return window is not None and length > window
+  batch, length = segment_pos.shape
+  if window is not None and length > window:
+    return _blocked_local_attention(queries, keys, values, segment_pos, window, dtype)
+  index = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+  mask = _causal_mask(index, index, document_starts(segment_pos, index, 0), window)
+  return _attend(queries, keys, values, mask, dtype)
+
+
+def training_choice(config: ModelConfig, length: int) -> fused.Choice:
+  """The implementation of a cache-less call of `length` tokens on the mesh in scope."""
+  layout = P.sequence_sharding(length, (P.BATCH, P.LENGTH))
+  return fused.choose(config.attention, config.scan, config.attention_window, length,
+                      None if layout is None else layout.axis)
 
 
 def _blocked_local_attention(queries: jax.Array, keys: jax.Array, values: jax.Array,
@@ -195,25 +233,22 @@ class AttentionBlock(nn.Module):
                           (P.BATCH, P.LENGTH, P.ACT_HEADS, None))
     keys = apply_rope(keys[:, :, None], segment_pos)[:, :, 0]
 
-    index = None
-    if cache is None and _blocked(cfg, length):
-      encoded = _blocked_local_attention(queries, keys, values, segment_pos,
-                                         cfg.attention_window, cfg.dtype)
-    else:
-      if cache is None:
-        index = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-        doc_start = document_starts(segment_pos, index, 0)
-        all_keys, all_values, key_index = keys, values, index
+    if cache is None:
+      choice = training_choice(cfg, length)
+      if choice.impl == "xla":
+        encoded = xla_attention(queries, keys, values, segment_pos, cfg.attention_window,
+                                cfg.dtype)
       else:
-        index = cache.next_index[:, None] + jnp.arange(length, dtype=jnp.int32)
-        doc_start = document_starts(segment_pos, index, cache.doc_start)
-        all_keys = jnp.concatenate([cache.keys.astype(keys.dtype), keys], axis=1)
-        all_values = jnp.concatenate([cache.values.astype(values.dtype), values], axis=1)
-        key_index = jnp.concatenate([cache.key_index, index], axis=1)
-      query_index, key_index = index[:, :, None], key_index[:, None, :]
-      mask = (key_index <= query_index) & (key_index >= doc_start[:, :, None])
-      if cfg.attention_window is not None:
-        mask &= query_index - key_index <= cfg.attention_window
+        encoded = fused.fused_attention(
+            choice.impl, queries, keys, values, segment_pos, cfg.attention_window,
+            cfg.attention, fused.interpret_mode(cfg.attention, cfg.scan), cfg.dtype)
+    else:
+      index = cache.next_index[:, None] + jnp.arange(length, dtype=jnp.int32)
+      doc_start = document_starts(segment_pos, index, cache.doc_start)
+      all_keys = jnp.concatenate([cache.keys.astype(keys.dtype), keys], axis=1)
+      all_values = jnp.concatenate([cache.values.astype(values.dtype), values], axis=1)
+      key_index = jnp.concatenate([cache.key_index, index], axis=1)
+      mask = _causal_mask(index, key_index, doc_start, cfg.attention_window)
       encoded = _attend(queries, all_keys, all_values, mask, cfg.dtype)
     encoded = encoded.reshape(batch, length, cfg.width)
     out = P.Dense(cfg.width, (P.Q_HEADS, P.EMBED), kernel_scale=2.0 / cfg.depth,
@@ -221,9 +256,8 @@ class AttentionBlock(nn.Module):
 
     if not return_cache:
       return out, None
-    if cache is None:
+    if cache is None:  # a prompt's call: the cache starts at running index 0
       cache = _empty_cache(cfg, batch, keys.dtype, cache_size(cfg, None))
-    if index is None:  # the blocked path keeps no running indices; the cache needs them
       index = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
       doc_start = document_starts(segment_pos, index, 0)
     return out, _write(cache, keys, values, index, doc_start)
