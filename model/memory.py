@@ -37,7 +37,9 @@ declared recurrences with room (the RG-LRU keeps 3 + 10 buffers of R per token a
 W ≈ 3R, GateLoop 3 + 12 of D against W = 6D), but not attention-like scores that grow
 with the sequence: such a block declares its terms.
 S = (N/t)·K is the score matrix's entries per query: K = 2·window on the blocked local
-path (T > window), else T. The output's backward holds one float32 V/t copy (the
+path (T > window), else T. Where training calls run a fused attention kernel
+(`ModelConfig.attention`, on the config's target platform) no scores are kept: the
+float32 term is the kernel's one log-sum-exp per query head, N/t. The output's backward holds one float32 V/t copy (the
 logits' gradient). Then, per token:
   remat "none":          the larger of the output's copy and every block's kept buffers;
   "full":                units·D c (each scanned unit's input) + the kept buffers of the

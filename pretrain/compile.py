@@ -114,6 +114,7 @@ def format_report(report: aot.CompileReport) -> str:
       f"step:              batch {report.batch_size} x {report.sequence_length} tokens, "
       f"{report.microbatches} microbatch(es), remat {report.model['remat']}, "
       f"scan {report.model['scan_impl']}{f' (kernels: {kernels})' if kernels else ''}",
+      *_attention_lines(report),
       f"memory per {device} (XLA buffer assignment):",
       f"  arguments        {gib(report.argument_bytes)}   (state and batch)",
       f"  outputs          {gib(report.output_bytes)}   "
@@ -130,6 +131,21 @@ def format_report(report: aot.CompileReport) -> str:
   ])
 
 
+def _attention_lines(report: aot.CompileReport) -> list[str]:
+  """Which attention the step runs, its fused launches, or why XLA's path runs."""
+  if report.attention is None:
+    return []
+  impl, reason = report.attention["impl"], report.attention["reason"]
+  if impl == "xla":
+    why = reason or f"AttentionOptions.impl={report.model['attention_impl']!r}"
+    return [f"attention:         XLA (scores in HBM): {why}"]
+  line = f"attention:         fused, {impl}"
+  if report.declared_kernels:
+    launches = report.declared_kernels["launches"]
+    line += " (" + ", ".join(f"{n} {kind}" for kind, n in launches.items() if n) + " launches)"
+  return [line]
+
+
 def _estimate_lines(report: aot.CompileReport) -> list[str]:
   """XLA's cost-model estimate of the step, labelled as such."""
   if report.estimated_seconds is None:
@@ -142,6 +158,13 @@ def _estimate_lines(report: aot.CompileReport) -> list[str]:
       "(XLA's cost model, not a measurement)",
       f"HBM traffic:       {report.bytes_accessed_per_token:.4g} bytes per token "
       f"({report.bytes_accessed / 1e9:.2f} GB per chip per step; XLA's estimate)"]
+  declared = report.declared_kernels
+  if declared:
+    seconds = declared["seconds"] or 0.0
+    lines.append(
+        f"                   of which fused attention, declared here (XLA sees no FLOPs "
+        f"in its custom calls): {1e3 * seconds:.2f} ms, {declared['flops']:.4g} FLOPs, "
+        f"{declared['bytes'] / 1e9:.2f} GB per chip (model.blocks.attention.kernel_costs)")
   if report.while_loops:
     lines.append(f"                   the program has {report.while_loops} while loop(s), "
                  "whose bodies XLA counts once: the estimate undercounts (unroll the "

@@ -80,6 +80,22 @@ def test_train_step_compiles_for_gpu(model_file, bindings, mesh, kernel):
   assert report.compile_cpu_seconds > 0 and report.compile_host_peak_bytes > 2**27
 
 
+@needs_plugin
+@pytest.mark.slow
+def test_global_attention_compiles_with_the_triton_kernel():
+  """"auto" attention on an H100 for global MQA at 256 tokens a row: JAX's Pallas GPU
+  flash attention (forward and backward Triton launches, per layer) in the program,
+  heads split over `tensor` inside shard_map; the report names it."""
+  report, compiled = compile_lib.compile_from_gin(
+      TARGET, 1, ["configs/models/tiny_mqa.gin"], ["BATCH_SIZE=16", "SEQUENCE_LENGTH=256"],
+      "fsdp:4,tensor:2")
+  assert report.attention == {"impl": "triton", "reason": ""}
+  text = compiled.as_text()
+  assert report.kernels == {"Triton": text.count('custom_call_target="__gpu$xla.gpu.triton')}
+  assert text.count("mha_forward") >= 2   # one forward launch per attention layer
+  assert report.kernels["Triton"] >= 4 and report.fits
+
+
 def _readme_command() -> str:
   """The command as the README's compiling page (docs/compiling.md) shows it."""
   lines = []

@@ -99,6 +99,40 @@ def test_train_step_compiles_for_tpu(model_file, bindings, mesh, pallas, request
   _check_estimate(request.node.callspec.id, report)
 
 
+FUSED_SIZES = ["--gin_param=BATCH_SIZE=16", "--gin_param=SEQUENCE_LENGTH=256"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_file,mesh,impl,attention_layers", [
+    (GRIFFIN, "fsdp:4,tensor:2", "splash", 1),            # local attention, heads split
+    ("configs/models/tiny_mqa.gin", "data:8", "splash", 2),  # global attention
+    ("configs/models/tiny_mqa.gin", "data:4,sequence:2", "xla", 2),  # time split
+])
+def test_fused_attention_compiles_for_tpu(model_file, mesh, impl, attention_layers):
+  """"auto" attention on TPU at 256 tokens a row: splash attention's forward, dq and dkv
+  launches are in the compiled program (inside shard_map), priced from the kernel's
+  block arithmetic and added to XLA's estimate; a mesh that splits time runs XLA's path
+  and the report says why."""
+  report, compiled = _compile(model_file, [], mesh, sizes=FUSED_SIZES)
+  text = compiled.as_text()
+  assert report.attention["impl"] == impl
+  if impl == "xla":
+    assert "'sequence'" in report.attention["reason"]
+    assert "splash_mqa" not in text and report.declared_kernels is None
+    return
+  assert report.attention["reason"] == ""
+  declared = report.declared_kernels
+  assert declared["launches"] == {"fwd": attention_layers, "dq": attention_layers,
+                                  "dkv": attention_layers}
+  assert declared["flops"] > 0 and declared["bytes"] > 0 and declared["seconds"] > 0
+  assert report.estimated_seconds == pytest.approx(
+      report.xla_estimated_seconds + declared["seconds"])
+  assert report.bytes_accessed == pytest.approx(report.xla_bytes_accessed + declared["bytes"])
+  formatted = compile_lib.format_report(report)
+  assert "attention:         fused, splash" in formatted
+  assert "of which fused attention, declared here" in formatted
+
+
 def _readme_command() -> str:
   """The command as the README's compiling page (docs/compiling.md) shows it."""
   lines = []

@@ -20,11 +20,12 @@ import jax
 from model.config import ModelConfig
 from plumbing.resident import ResidentPeak
 from pretrain.observability import flops as flops_lib
+from pretrain.compilation import kernel_estimates
 from pretrain.compilation.gpu_target import GpuTarget
 from pretrain.optimizer import OptimizerConfig, learning_rate_schedule, make_optimizer
 from pretrain.runtime import Runtime
 from pretrain.steps import abstract_batch, jit_train_step
-from pretrain.compilation.tpu_target import TpuTarget
+from pretrain.compilation.tpu_target import HBM_BANDWIDTH, TpuTarget
 from pretrain.train_config import TrainConfig
 from sharding import partition
 from sharding import rules as rules_lib
@@ -69,7 +70,12 @@ class CompileReport:
   the compiler's estimate, not a measurement, deterministic, and whole only when
   `while_loops` is 0 (XLA counts a loop body once, whatever its trip count: a scanned
   depth or microbatch loop undercounts). Pallas kernels enter it through their
-  declared `CostEstimate`.
+  declared `CostEstimate`; JAX's splash attention declares none, so its launches are
+  priced from their block arithmetic (`kernel_estimates`, `declared_kernels`) and their
+  roofline time and bytes are added: `estimated_seconds` and `bytes_accessed` are XLA's
+  figures (`xla_estimated_seconds`, `xla_bytes_accessed`) plus those.
+  `attention` names the implementation the step's attention runs (`impl`) and why
+  (`reason`, where XLA's path runs in place of a fused kernel); None without attention.
   `compile_seconds` is wall time of lowering and compiling; `compile_cpu_seconds` the
   CPU time this process (all threads) and its ptxas children spent on it: on a shared
   host the wall time mostly measures the other jobs (a `nice -n 19` compile on an
@@ -103,6 +109,10 @@ class CompileReport:
   compile_cpu_seconds: float
   compile_host_peak_bytes: int
   kernels: dict[str, int]
+  attention: Optional[dict[str, str]] = None
+  declared_kernels: Optional[dict[str, Any]] = None
+  xla_estimated_seconds: Optional[float] = None
+  xla_bytes_accessed: Optional[float] = None
 
   @property
   def fits(self) -> bool:
@@ -210,13 +220,27 @@ def report(compiled: Any, cost: CompileCost, runtime: Runtime,
   tokens = train_config.batch_size * train_config.sequence_length
   config = runtime.config
   text = compiled.as_text()
+  peak_flops = flops_lib.peak_flops_per_device(runtime.mesh.devices.flat[0].device_kind)
+  bandwidth = HBM_BANDWIDTH.get(target.generation) if isinstance(target, TpuTarget) else None
+  with runtime.activation_context():
+    attention = kernel_estimates.attention_plan(config, train_config.sequence_length)
+    declared = kernel_estimates.declared_kernel_costs(
+        text, config, train_config.batch_size // train_config.microbatches,
+        train_config.sequence_length, peak_flops, bandwidth)
+  xla_seconds, xla_bytes = costs.get("optimal_seconds"), costs.get("bytes accessed")
+  estimated_seconds, bytes_accessed = xla_seconds, xla_bytes
+  if declared is not None and xla_seconds is not None:
+    estimated_seconds = xla_seconds + (declared.seconds or 0.0)
+  if declared is not None and xla_bytes is not None:
+    bytes_accessed = xla_bytes + declared.bytes
   return CompileReport(
       target=target.name, platform=runtime.config.scan.lowering_platform,
       num_slices=target.num_slices, devices=runtime.mesh.size,
       mesh=dict(runtime.mesh.shape),
       model={"width": config.width, "depth": config.depth,
              "block_pattern": list(config.block_pattern), "remat": config.remat,
-             "scan_impl": config.scan_impl, "dtype": config.dtype},
+             "scan_impl": config.scan_impl, "attention_impl": config.attention.impl,
+             "dtype": config.dtype},
       batch_size=train_config.batch_size, sequence_length=train_config.sequence_length,
       microbatches=train_config.microbatches,
       argument_bytes=memory.argument_size_in_bytes, output_bytes=memory.output_size_in_bytes,
@@ -225,10 +249,13 @@ def report(compiled: Any, cost: CompileCost, runtime: Runtime,
       compiled_flops=costs.get("flops"),
       model_flops=tokens * flops_lib.training_flops_per_token(config,
                                                                train_config.sequence_length),
-      estimated_seconds=costs.get("optimal_seconds"),
-      bytes_accessed=costs.get("bytes accessed"),
-      peak_flops=flops_lib.peak_flops_per_device(runtime.mesh.devices.flat[0].device_kind),
+      estimated_seconds=estimated_seconds,
+      bytes_accessed=bytes_accessed,
+      peak_flops=peak_flops,
       while_loops=len(_WHILE.findall(text)),
       compile_seconds=cost.seconds, compile_cpu_seconds=cost.cpu_seconds,
       compile_host_peak_bytes=cost.host_peak_bytes,
-      kernels=kernel_calls(text))
+      kernels=kernel_calls(text),
+      attention=attention,
+      declared_kernels=None if declared is None else dataclasses.asdict(declared),
+      xla_estimated_seconds=xla_seconds, xla_bytes_accessed=xla_bytes)

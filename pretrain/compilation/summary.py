@@ -8,6 +8,7 @@ from typing import Any, Optional, Sequence
 
 from model import counting
 from model import memory
+from model.blocks.attention import fused
 from model.config import ModelConfig, model_config_to_dict
 from plumbing.errors import usage_error
 from pretrain import gin_config
@@ -43,9 +44,28 @@ def summarize(config: ModelConfig, seq: int, mesh: Optional[str] = None, batch: 
       "decode_state_bytes": counting.decode_state_bytes(config, max_length=seq),
       "flops_estimated": counting.undeclared_counting(config),
       "model": model_config_to_dict(config),
+      "attention": attention_by_platform(config, seq, mesh),
   }
   if mesh is not None:
     result.update(_memory_plan(config, mesh, batch, seq, device_memory_gb))
+  return result
+
+
+def attention_by_platform(config: ModelConfig, seq: int, mesh: Optional[str]
+                          ) -> Optional[dict[str, dict[str, str]]]:
+  """{"tpu" | "gpu" | "cpu": {"impl", "reason"}}: what training calls of `seq` tokens run
+  on each platform under the config's `AttentionOptions` and the mesh (a `sequence` axis
+  of size > 1 splits time); None for a model without attention."""
+  if "attention" not in config.block_types:
+    return None
+  split = None
+  if mesh is not None and parse_mesh_flag(mesh).get("sequence", 1) > 1:
+    split = "sequence"
+  result = {}
+  for platform in ("tpu", "gpu", "cpu"):
+    target = dataclasses.replace(config.scan, lowering_platform=platform)
+    choice = fused.choose(config.attention, target, config.attention_window, seq, split)
+    result[platform] = {"impl": choice.impl, "reason": choice.reason}
   return result
 
 
@@ -101,6 +121,11 @@ def format_text(summary: dict[str, Any]) -> str:
         f"{summary['mesh']} ({summary['memory_method']}): " + ", ".join(
             f"{key} {_human_bytes(value)}" for key, value in summary["per_device_bytes"].items())
         + fits)
+  if summary.get("attention"):
+    lines.append(f"attention at T={summary['seq']}:    " + "; ".join(
+        f"{platform.upper()} {choice['impl']}" + (f" ({choice['reason']})" if choice["reason"]
+                                                  else "")
+        for platform, choice in summary["attention"].items()))
   if summary["flops_estimated"]:
     lines.append(f"  estimated: block types {', '.join(map(repr, summary['flops_estimated']))}"
                  " declare no counting (BlockSpec.counting); their FLOPs are 6 x their "

@@ -24,6 +24,10 @@ INSTALL_HINT = ('libtpu is not installed, so TPU programs cannot be compiled her
 GIB = 2 ** 30
 # HBM per chip (one JAX device: v4 and v5p chips are megacore, one device per chip).
 HBM_BYTES = {"v4": 32 * GIB, "v5p": 95 * GIB, "v5e": 16 * GIB, "v6e": 32 * GIB}
+# HBM bandwidth per chip, bytes per second (Cloud TPU's published figures), for the
+# roofline time of kernels XLA's cost model cannot see into
+# (`pretrain.compilation.kernel_estimates`).
+HBM_BANDWIDTH = {"v4": 1.228e12, "v5p": 2.765e12, "v5e": 8.19e11, "v6e": 1.64e12}
 _CHIP_CONFIG = {"v4": "megacore", "v5p": "megacore", "v5e": "default", "v6e": "default"}
 # libtpu otherwise queries the GCE metadata server for the host it runs on, and takes a
 # machine-wide lock meant for processes that drive TPU chips (compiling drives none).

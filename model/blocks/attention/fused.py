@@ -137,12 +137,11 @@ def segment_ids(segment_pos: jax.Array) -> jax.Array:
   return jnp.cumsum(segment_pos == 0, axis=1, dtype=jnp.int32)
 
 
-@functools.lru_cache(maxsize=64)
 def splash_kernel(length: int, heads: int, window: Optional[int], block_q: int,
                   block_kv: int, interpret: bool):
-  """The splash MQA kernel of one shape and mask, built once: its block masks are numpy
-  work, and their arrays are made concrete (not traced) so the cached kernel outlives
-  the trace that first asked for it."""
+  """The splash MQA kernel of one shape and mask. Built in each trace that calls it: its
+  block masks are numpy work whose arrays become the trace's constants, so a kernel
+  kept across traces would carry one trace's values into another."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk  # pylint: disable=g-import-not-at-top
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm  # pylint: disable=g-import-not-at-top
   shape = (length, length)
@@ -151,9 +150,8 @@ def splash_kernel(length: int, heads: int, window: Optional[int], block_q: int,
                          block_q_dkv=block_q, block_kv_dkv=block_kv,
                          block_kv_dkv_compute=block_kv, block_q_dq=block_q,
                          block_kv_dq=block_kv)
-  with jax.ensure_compile_time_eval():
-    return sk.make_splash_mqa_single_device(sm.MultiHeadMask([mask] * heads),
-                                            block_sizes=blocks, interpret=interpret)
+  return sk.make_splash_mqa_single_device(sm.MultiHeadMask([mask] * heads),
+                                          block_sizes=blocks, interpret=interpret)
 
 
 def _splash(queries, keys, values, segments, *, window, options, interpret):

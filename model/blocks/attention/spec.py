@@ -4,7 +4,8 @@
 global attention, whose decoding cache needs a `max_length`. The layer is
 `model.blocks.attention.layer.AttentionBlock`. It declares every capability of
 `model.block_registry`: counting (the score FLOPs grow with the window, which no
-default could guess), memory terms (the float32 scores) and the transformers mapping.
+default could guess), memory terms (the float32 scores on XLA's path, one log-sum-exp
+per query head where a fused kernel runs) and the transformers mapping.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import numpy as np
 
 from model import partitioning as P
 from model.block_registry import HFLeaf
+from model.blocks.attention import fused
 from model.blocks.attention.layer import AttentionBlock, AttentionCache
 from model.config import BlockType, ModelConfig
 
@@ -37,6 +39,23 @@ def score_columns(config: ModelConfig, seq: int) -> int:
   return 2 * window if window is not None and seq > window else seq
 
 
+def runs_fused(config: ModelConfig, seq: int) -> bool:
+  """Whether training calls of `seq` tokens run a fused kernel on the config's target
+  (`model.blocks.attention.fused.choose`; a mesh that splits time is not seen here)."""
+  return fused.choose(config.attention, config.scan, config.attention_window, seq,
+                      None).impl != "xla"
+
+
+def kept_scores(config: ModelConfig, seq: int, tensor: int) -> float:
+  """Float32 elements per token that attention keeps for its backward pass beyond its
+  inputs and output: the masked scores and probabilities on XLA's path, the one
+  log-sum-exp per query head a fused kernel saves."""
+  heads = config.num_heads / tensor
+  if runs_fused(config, seq):
+    return heads
+  return KEEP_SCORES * heads * score_columns(config, seq)
+
+
 class _AttentionCounting:
   """The 6N weights and the attention scores' work."""
 
@@ -55,14 +74,13 @@ class _AttentionMemory:
 
   def kept_activations(self, config: ModelConfig, seq: int, tensor: int
                        ) -> tuple[float, float, float]:
-    scores = KEEP_SCORES * config.num_heads / tensor * score_columns(config, seq)
+    scores = kept_scores(config, seq, tensor)
     return 2 * config.width / tensor + 2 * config.head_dim, scores, scores
 
   def saved_matmul_outputs(self, config: ModelConfig, seq: int, tensor: int
                            ) -> tuple[float, float]:
     d = config.width
-    return (d / tensor + 2 * config.head_dim + d,
-            KEEP_SCORES * config.num_heads / tensor * score_columns(config, seq))
+    return d / tensor + 2 * config.head_dim + d, kept_scores(config, seq, tensor)
 
 
 class _AttentionHFExport:
