@@ -15,7 +15,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = ("plumbing", "sharding", "model", "pretrain", "launch")   # lowest first
 # Imports that may stay inside functions: optional dependencies a command can run without,
 # and the repository's modules that need them. The Pallas kernels and backends load only
-# when a scan runs on impl="pallas" (a backend may be missing from a JAX build); plotting
+# when a scan runs on impl="pallas" (a backend may be missing from a JAX build), JAX's
+# fused attention kernels only when a training call runs one; plotting
 # only where a plot is written; the `hf` extra's packages only where a Hugging Face model
 # or tokenizer is written or read; lm_eval (the `eval` extra, and the backend that
 # subclasses its LM) only where downstream tasks run; the GCS emulator (the `test` extra)
@@ -27,6 +28,8 @@ OPTIONAL_INSIDE_FUNCTIONS = {"wandb", "mlflow.entities", "mlflow.exceptions",
                              "matplotlib", "matplotlib.pyplot", "jax.experimental.pallas",
                              "model.scan.pallas_scan", "model.scan.pallas_compat",
                              "model.scan.pallas_lookback", "safetensors.numpy",
+                             "jax.experimental.pallas.ops.tpu.splash_attention",
+                             "jax.experimental.pallas.ops.gpu",
                              "tokenizers", "transformers",
                              "transformers.tokenization_utils_base", "sentencepiece",
                              "lm_eval", "lm_eval.tasks", "pretrain.evaluation.lm_eval_backend"}
@@ -153,7 +156,8 @@ LAUNCH_COMMANDS = ("launch.local", "launch.slurm", "launch.gke", "launch.tpu_vm"
 # through the registry's optional capabilities without knowing any block (nor any block
 # them). The package's `__init__` and `model.blocks`, which register the built-ins, top it.
 MODEL_WINGS = (
-    {"centre": ("model.config", "model.block_registry", "model.partitioning", "model.scan",
+    {"centre": ("model.config", "model.attention_options", "model.block_registry",
+                "model.partitioning", "model.scan",
                 "model.recurrence", "model.time_shift", "model.rope", "model.norms",
                 "model.mlp", "model.embedder", "model.residual_block", "model.lm",
                 "model.decoding")},
