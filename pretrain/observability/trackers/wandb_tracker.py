@@ -39,6 +39,8 @@ class WandbTracker:
     self._run: Any = None
     self._step = 0
     self.where = ""
+    self.service = (f"W&B at {os.environ.get('WANDB_BASE_URL') or 'https://api.wandb.ai'}"
+                    " (WANDB_BASE_URL, WANDB_API_KEY)")
 
   def open(self, run: RunInfo, run_id: Optional[str], last_step: int) -> Optional[str]:
     import wandb  # pylint: disable=import-outside-toplevel  # the optional `wandb` extra
