@@ -151,8 +151,8 @@ def test_a_tracker_is_one_registered_class_and_a_dead_one_costs_one_line(
   assert toy.workdir == str(tmp_path)
   warnings = [line for line in err.splitlines() if "toy" in line]
   assert len(warnings) == 1, err
-  assert warnings[0].startswith("warning: toy tracker: toy server unreachable; the run "
-                                "goes on"), warnings
+  assert warnings[0].startswith("warning: toy tracker: no answer from the toy service: "
+                                "toy server unreachable; the run goes on"), warnings
   assert "toy: toy run 1\n" in out and "toy: answers again" in out
   # Every row of metrics.jsonl, once and in order, whether it was written while the
   # tracker was down or after.
