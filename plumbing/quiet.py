@@ -101,7 +101,6 @@ LOG_NOISE = ("Given directory is read only", "Waiting for previous save to compl
 CLIENT_LOGGERS = ("urllib3", "requests", "botocore", "aiobotocore", "s3fs", "boto3",
                   "google.auth", "google_auth_httplib2", "google.api_core",
                   "google.cloud.storage", "gcsfs", "fsspec", "mlflow", "wandb")
-CLIENT_LOG = "clients.log"
 
 _FILTER_PROGRAM = """
 import re, sys
@@ -265,13 +264,6 @@ def keep_client_logs(path: str) -> None:
     logger.propagate = False
   if previous is not None:
     previous.close()
-
-
-def client_log() -> Optional[str]:
-  """The file the client libraries' records went to, once one has been written."""
-  if _client_log is None or not os.path.exists(_client_log.baseFilename):
-    return None
-  return _client_log.baseFilename
 
 
 def _route_stderr_through_filter() -> tuple[subprocess.Popen, int]:

@@ -32,13 +32,13 @@ from typing import Optional
 import jax
 from etils import epath
 
-from plumbing import quiet
 from plumbing import storage
 
 METRICS = "metrics.jsonl"
 CONFIG = "config.gin"
 TRACKERS_STATE = "trackers.json"
 UNSENT_METRICS = "metrics.unsent.jsonl"
+CLIENT_LOG = "clients.log"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +104,7 @@ class RunDirectory:
     `root/clients.log` on a local workdir; for a bucket, a local file (an object store
     cannot append, and the storage may be the service that fails)."""
     if not storage.is_url(self.root):
-      return self.path(quiet.CLIENT_LOG)
+      return self.path(CLIENT_LOG)
     key = hashlib.sha1(self.root.encode()).hexdigest()[:12]
     return os.path.join(tempfile.gettempdir(), f"griffin-clients-{key}.log")
 

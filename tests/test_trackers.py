@@ -28,7 +28,7 @@ from pretrain.observability.trackers import (DOWNSTREAM, EVAL, TRAIN, Row, RunIn
 from pretrain.observability.trackers import delivery
 from pretrain.observability.trackers import rows as rows_lib
 from pretrain.observability.trackers import run_info
-from pretrain.run_directory import RunDirectory
+from pretrain.run_directory import CLIENT_LOG, RunDirectory
 from pretrain.train_config import TrainConfig
 from inprocess_trainer import train_in_process
 from storage_servers import free_port
@@ -293,7 +293,7 @@ def client_log(tmp_path, monkeypatch):
     monkeypatch.setattr(logger, "handlers", list(logger.handlers))
     monkeypatch.setattr(logger, "propagate", logger.propagate)
   monkeypatch.setattr(quiet, "_client_log", None)
-  path = tmp_path / quiet.CLIENT_LOG
+  path = tmp_path / CLIENT_LOG
   quiet.keep_client_logs(str(path))
   yield path
   quiet._client_log.close()  # pylint: disable=protected-access

@@ -22,12 +22,12 @@ lacks when a session ends are counted there (`unsent_rows`) and sent by the next
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 import time
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from plumbing import quiet
 from plumbing import storage
 from plumbing.errors import UserError, warn
 from pretrain.observability import trackers as trackers_lib
@@ -74,10 +74,11 @@ def _reason(error: BaseException, service: str) -> str:
   return text if len(text) <= 300 else text[:297] + "..."
 
 
-def _client_log_note() -> str:
-  """Where the client's own log records went, when there are some."""
-  path = quiet.client_log()
-  return f"; its client's log: {path}" if path else ""
+def _client_log_note(workdir: str) -> str:
+  """Where the client's own log records went (`RunDirectory.client_log`), when there
+  are some."""
+  path = RunDirectory(workdir).client_log
+  return f"; its client's log: {path}" if os.path.exists(path) else ""
 
 
 class _State:
@@ -117,8 +118,10 @@ class _Sender:
   """One tracker, its queue and its thread. Queue items are (row, ordinal): a record's
   place among the file's records, or None for a step row."""
 
-  def __init__(self, tracker: Tracker, state: _State, info: Callable[[str], None]):
+  def __init__(self, tracker: Tracker, state: _State, info: Callable[[str], None],
+               workdir: str):
     self.tracker = tracker
+    self.workdir = workdir
     self.name = tracker.name
     self.service = getattr(tracker, "service", "") or f"the {self.name} service"
     self._state = state
@@ -264,7 +267,7 @@ class _Sender:
         warn(f"{self.name} tracker: {_reason(error, self.service)}; the run goes on. "
              f"metrics.jsonl has every row; what {self.name} misses is sent when it "
              f"answers, by this run or the next in this workdir ({TRACKERS_STATE} "
-             f"counts what it lacks){_client_log_note()}")
+             f"counts what it lacks){_client_log_note(self.workdir)}")
     self.down = True
     self._retry_at = time.monotonic() + self._backoff
     self._backoff = min(2 * self._backoff, MAX_BACKOFF_S)
@@ -282,8 +285,8 @@ class Trackers:
   def __init__(self, names: Sequence[str], context: TrackerContext,
                info: Callable[[str], None] = print):
     self._state = _State(context.workdir, context.uploads) if names else None
-    self._senders = [_Sender(trackers_lib.create(name, context), self._state, info)
-                     for name in names]
+    self._senders = [_Sender(trackers_lib.create(name, context), self._state, info,
+                             context.workdir) for name in names]
     self._run: Optional[RunInfo] = None
     self._records = 0
     self._finals = Finals()
@@ -346,7 +349,7 @@ class Trackers:
         warn(f"{sender.name} tracker: no answer from {sender.service} in "
              f"{EXIT_WAIT_S:.0f} s at the end of the session; {unsent} row(s) not sent "
              f"(metrics.jsonl has them), which the next run in this workdir sends"
-             f"{_client_log_note()}")
+             f"{_client_log_note(sender.workdir)}")
       elif unsent:
         warn(f"{sender.name} tracker: {unsent} row(s) not sent before the session ended "
              f"(metrics.jsonl has them); the next run in this workdir sends them")
