@@ -11,6 +11,12 @@ lines in the absl/glog format, accelerator probes that failed) and passes everyt
 else unchanged, in order, our own messages and a native crash's last words included.
 The filter is a separate process so that it still delivers what a dying command wrote.
 
+Client libraries of the outside services a run talks to (object storage, experiment
+trackers) log a retry warning for every attempt at a service that is down, and some a
+traceback: the run reports each such event in one line of its own, so their records go
+to a file instead (`keep_client_logs`: the workdir's `clients.log` while training), which
+that line names.
+
 Only a command of this repository run as `__main__` gets that filter; Python-side noise
 (Orbax's "Given directory is read only", and the tracebacks it logs of a failed save,
 which the command reports in one line) is dropped there by `install_log_filters`,
@@ -90,6 +96,11 @@ NOISE_PATTERNS = (
 # outage), that it keeps no object-size statistics.
 LOG_NOISE = ("Given directory is read only", "Waiting for previous save to complete took",
              "Global object size logging disabled")
+
+# The loggers of the clients of outside services (`keep_client_logs`).
+CLIENT_LOGGERS = ("urllib3", "requests", "botocore", "aiobotocore", "s3fs", "boto3",
+                  "google.auth", "google_auth_httplib2", "google.api_core",
+                  "google.cloud.storage", "gcsfs", "fsspec", "mlflow", "wandb")
 
 _FILTER_PROGRAM = """
 import re, sys
@@ -223,6 +234,36 @@ def install_log_filters() -> None:
     plugin_logger.addFilter(_PluginFailureFilter())
   if not isinstance(sys.unraisablehook, _UnraisableFilter):
     sys.unraisablehook = _UnraisableFilter(sys.unraisablehook)
+
+
+class _ClientLog(logging.FileHandler):
+  """The client libraries' log file, created on its first record (most runs have none)."""
+
+  def __init__(self, path: str):
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    super().__init__(path, delay=True, encoding="utf-8")
+    self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+
+
+_client_log: Optional[_ClientLog] = None
+
+
+def keep_client_logs(path: str) -> None:
+  """From now on, the records of the `CLIENT_LOGGERS` go to the file `path` (appended)
+  instead of the console; a later call moves them to another file. Not undone when a
+  run ends: a tracker's thread may still be retrying a service that does not answer
+  when the process exits, and its retries must not reach the console after the run's
+  last line. MLflow's own console handler is not installed (MLFLOW_CONFIGURE_LOGGING,
+  unless set), and is replaced where MLflow was imported already."""
+  global _client_log
+  os.environ.setdefault("MLFLOW_CONFIGURE_LOGGING", "false")
+  previous, _client_log = _client_log, _ClientLog(path)
+  for name in CLIENT_LOGGERS:
+    logger = logging.getLogger(name)
+    logger.handlers[:] = [_client_log]
+    logger.propagate = False
+  if previous is not None:
+    previous.close()
 
 
 def _route_stderr_through_filter() -> tuple[subprocess.Popen, int]:

@@ -11,6 +11,9 @@ A run directory (`--workdir`; a local path or a `gs://` / `s3://` URL) holds
   profile/          JAX profiler traces (`TrainConfig.profile_steps`)
   hangs/            the watchdog's stack dumps (local workdirs; a bucket's go to a local
                     temporary directory, since the storage may be what hangs)
+  clients.log       what the clients of outside services (trackers, object storage)
+                    logged: retries, tracebacks (`plumbing.quiet.keep_client_logs`;
+                    for a bucket workdir, a local temporary file, as for hangs/)
 
 and, on each host, a local counterpart under `CheckpointConfig.local_dir`:
 `<local_dir>/<run key>/process_<i>_of_<n>` (the local checkpoint tier) and, beside it,
@@ -35,6 +38,7 @@ METRICS = "metrics.jsonl"
 CONFIG = "config.gin"
 TRACKERS_STATE = "trackers.json"
 UNSENT_METRICS = "metrics.unsent.jsonl"
+CLIENT_LOG = "clients.log"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +97,16 @@ class RunDirectory:
     if not storage.is_url(self.root):
       return self.path("hangs")
     return os.path.join(tempfile.gettempdir(), "griffin-hangs")
+
+  @property
+  def client_log(self) -> str:
+    """Where the client libraries' log records go (`plumbing.quiet.keep_client_logs`):
+    `root/clients.log` on a local workdir; for a bucket, a local file (an object store
+    cannot append, and the storage may be the service that fails)."""
+    if not storage.is_url(self.root):
+      return self.path(CLIENT_LOG)
+    key = hashlib.sha1(self.root.encode()).hexdigest()[:12]
+    return os.path.join(tempfile.gettempdir(), f"griffin-clients-{key}.log")
 
   @property
   def local_run(self) -> Optional[epath.Path]:

@@ -12,6 +12,7 @@ import collections
 import contextlib
 import dataclasses
 import shlex
+import sys
 import time
 from typing import Any, Callable, Iterable, Mapping, Optional, Protocol, Sequence, Union
 
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from model import counting
+from plumbing import quiet
 from plumbing.errors import (StorageOutageError, StorageOutageStop, UserError, usage_error,
                              warn)
 from pretrain.evaluation import downstream
@@ -434,6 +436,8 @@ def train(run: RunDirectory, config: TrainConfig, runtime: Runtime,
     storage_config: how long a bucket workdir may be unreachable (`pretrain.checkpoints.outage`).
   """
   clock = goodput.GoodputClock()
+  if not quiet.verbose_requested(sys.argv):
+    quiet.keep_client_logs(run.client_log)
   writer = MetricsWriter(run.root, config.train_steps, trackers=config.trackers,
                          storage_config=storage_config, unsent_path=run.unsent_metrics)
   flush_timeout_s, failed = FLUSH_TIMEOUT_S, True

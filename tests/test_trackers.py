@@ -3,25 +3,36 @@ tiny model: a tracker of our own is one registered class; W&B (offline) and MLfl
 real `mlflow server` on a loopback port, SQLite store) each hold one run for a run
 restarted twice, with every step once, read back with their own tools (`wandb leet
 inspect`, `MlflowClient`); a tracker that cannot be reached costs one line, the run goes
-on, and the tracker gets what it missed once it answers."""
+on, and the tracker gets what it missed once it answers. An MLflow server that is down
+or accepts and never answers (a real socket on loopback) costs one line at a session's
+end, which waits for it at most `delivery.EXIT_WAIT_S`, and keeps its client's retry
+warnings in the workdir's `clients.log`; the reported case (the trainer, a closed port)
+end to end in a subprocess."""
+import contextlib
 import glob
 import json
+import logging
 import os
+import subprocess
 import threading
+import time
 
 import pytest
 
 from model import counting
 from model.config import ModelConfig
+from plumbing import quiet
 from pretrain.observability import trackers as trackers_lib
-from pretrain.observability.trackers import DOWNSTREAM, EVAL, TRAIN, Row
+from pretrain.observability.trackers import (DOWNSTREAM, EVAL, TRAIN, Row, RunInfo,
+                                             TrackerContext)
 from pretrain.observability.trackers import delivery
 from pretrain.observability.trackers import rows as rows_lib
 from pretrain.observability.trackers import run_info
-from pretrain.run_directory import RunDirectory
+from pretrain.run_directory import CLIENT_LOG, RunDirectory
 from pretrain.train_config import TrainConfig
 from inprocess_trainer import train_in_process
 from storage_servers import free_port
+from trainer_helpers import REPO, trainer_env  # pylint: disable=unused-import
 import tracker_tools
 
 # test_trainer_seams' model and schedule: the train step comes from the shared JAX cache.
@@ -140,8 +151,8 @@ def test_a_tracker_is_one_registered_class_and_a_dead_one_costs_one_line(
   assert toy.workdir == str(tmp_path)
   warnings = [line for line in err.splitlines() if "toy" in line]
   assert len(warnings) == 1, err
-  assert warnings[0].startswith("warning: toy tracker: toy server unreachable; the run "
-                                "goes on"), warnings
+  assert warnings[0].startswith("warning: toy tracker: no answer from the toy service: "
+                                "toy server unreachable; the run goes on"), warnings
   assert "toy: toy run 1\n" in out and "toy: answers again" in out
   # Every row of metrics.jsonl, once and in order, whether it was written while the
   # tracker was down or after.
@@ -170,7 +181,6 @@ def test_a_run_restarted_twice_is_one_wandb_and_one_mlflow_run_with_every_step_o
   for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
     monkeypatch.setenv(name, str(tmp_path / "wandb_home"))
   monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "restarts")
-  monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")   # a dead server fails at once
   workdir = tmp_path / "run"
   trackers = ("wandb", "mlflow")
 
@@ -272,3 +282,100 @@ def test_rows_keep_stable_names_in_wandb_and_mlflow():
   restart = rows_lib.from_json({"kind": "restart", "step": 2, "tier": "persistent",
                                 "lost_steps": 1})
   assert rows_lib.metric_names(restart) == {"restart/lost_steps": 1.0, "restart/step": 2.0}
+
+
+@pytest.fixture
+def client_log(tmp_path, monkeypatch):
+  """The client libraries' records go to `tmp_path/clients.log` during the test, as the
+  trainer sends them to its workdir's; the loggers are restored afterwards."""
+  for name in quiet.CLIENT_LOGGERS:
+    logger = logging.getLogger(name)
+    monkeypatch.setattr(logger, "handlers", list(logger.handlers))
+    monkeypatch.setattr(logger, "propagate", logger.propagate)
+  monkeypatch.setattr(quiet, "_client_log", None)
+  path = tmp_path / CLIENT_LOG
+  quiet.keep_client_logs(str(path))
+  yield path
+  quiet._client_log.close()  # pylint: disable=protected-access
+
+
+_ROWS = [{"step": step, "loss": 3.0 - step / 10} for step in (1, 2, 3)]
+
+
+def _mlflow_session(workdir):
+  """One session of the MLflow tracker alone (no trainer): two rows already in the
+  file, a third logged, then the session's end; returns the seconds the end took."""
+  trackers = delivery.Trackers(["mlflow"], TrackerContext(str(workdir)))
+  trackers.start(RunInfo("outage"), _ROWS[:2])
+  trackers.log(rows_lib.from_json(_ROWS[2]))
+  began = time.monotonic()
+  trackers.close(60)
+  return time.monotonic() - began
+
+
+@pytest.mark.parametrize("server", ["closed port", "never answers",
+                                    "never answers, client retrying"])
+def test_mlflow_down_or_silent_costs_one_line_a_bounded_end_and_gets_its_rows_later(
+    server, tmp_path, monkeypatch, capfd, client_log, mlflow_url):  # pylint: disable=redefined-outer-name
+  from mlflow.tracking import MlflowClient  # pylint: disable=import-outside-toplevel
+  monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "outages")
+  with contextlib.ExitStack() as stack:
+    if server == "closed port":
+      url = f"http://127.0.0.1:{free_port()}"
+    else:
+      url = stack.enter_context(tracker_tools.silent_server())
+    if server.endswith("client retrying"):   # 4 attempts of 5 s: longer than the bound
+      monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
+    waited_s = _mlflow_session(tmp_path)
+  err = capfd.readouterr().err
+  lines = err.splitlines()
+  assert len(lines) == 1, err   # the project's line; no client library's
+  assert lines[0].startswith(f"warning: mlflow tracker: no answer from the MLflow server "
+                             f"at {url} (MLFLOW_TRACKING_URI)"), err
+  assert waited_s <= delivery.EXIT_WAIT_S + 1, waited_s
+  assert _tracker_state(tmp_path)["mlflow"]["unsent_rows"] == len(_ROWS)
+  if server.endswith("client retrying"):
+    assert "Retrying (Retry(" in client_log.read_text()
+    assert lines[0].endswith(f"its client's log: {client_log}"), err
+
+  # The server answers again: the next session in the workdir sends what was kept.
+  monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_url)
+  _mlflow_session(tmp_path)
+  assert capfd.readouterr().err == ""
+  state = _tracker_state(tmp_path)["mlflow"]
+  assert state["unsent_rows"] == 0
+  history = MlflowClient(mlflow_url).get_metric_history(state["run_id"], "train/loss")
+  assert sorted((m.step, m.value) for m in history) == [
+      (row["step"], pytest.approx(row["loss"])) for row in _ROWS]
+
+
+@pytest.mark.slow   # one tiny training run in a subprocess (CI runs it)
+def test_the_trainer_with_mlflow_down_prints_one_line_and_exits_at_once(
+    trainer_env, tmp_path):  # pylint: disable=redefined-outer-name
+  """The reported case: the trainer with MLflow on a closed port. One line on stderr,
+  the client's retries nowhere on the console, the exit as prompt as without MLflow."""
+  env = dict(trainer_env.env, MLFLOW_TRACKING_URI=f"http://127.0.0.1:{free_port()}")
+  workdir = str(tmp_path / "run")
+  command = trainer_env.train_command(workdir, "TRAIN_STEPS=4",
+                                      "TrainConfig.trackers=('tensorboard', 'mlflow')")
+  with open(tmp_path / "stderr", "w+", encoding="utf-8") as stderr:
+    process = subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.PIPE,
+                               stderr=stderr, text=True)
+    watchdog = threading.Timer(300, process.kill)   # the loop below ends either way
+    watchdog.start()
+    out, done_at = [], None
+    for line in process.stdout:   # until the process closes its output
+      out.append(line)
+      if line.startswith("Done: "):
+        done_at = time.monotonic()
+    watchdog.cancel()
+    code = process.wait()
+    stderr.seek(0)
+    err = stderr.read()
+  assert code == 0, "".join(out)[-3000:] + err[-3000:]
+  assert done_at is not None and time.monotonic() - done_at <= delivery.EXIT_WAIT_S, out
+  lines = err.splitlines()
+  assert len(lines) == 1 and lines[0].startswith(
+      "warning: mlflow tracker: no answer from the MLflow server at "), err
+  assert _tracker_state(workdir)["mlflow"]["unsent_rows"] > 0

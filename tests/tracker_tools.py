@@ -1,5 +1,6 @@
 """The tracker tests' tools: a real `mlflow server` on a loopback port with a SQLite
-store, and W&B's own reader of an offline run.
+store, a loopback server that accepts connections and never answers, and W&B's own
+reader of an offline run.
 
 The server's start-up (imports, the store's migrations) takes several seconds of CPU, so
 `start_mlflow` only launches it and `wait_until_up` waits: a test module starts it
@@ -9,10 +10,13 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from typing import Iterator
 
 # The environment of a test's `mlflow server`: no job runner (see `start_mlflow`).
 QUIET_SERVER = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
@@ -67,3 +71,29 @@ def wandb_records(run_path: str) -> list:
   result = subprocess.run([wandb, "leet", "inspect", "--json", run_path],
                           capture_output=True, text=True, timeout=120, check=True)
   return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+@contextlib.contextmanager
+def silent_server() -> Iterator[str]:
+  """A loopback TCP server that accepts every connection and never answers (a service
+  that hangs); yields its URL. Its thread stops, and the connections close, with the
+  block."""
+  listener = socket.create_server(("127.0.0.1", 0))
+  listener.settimeout(0.1)
+  stop = threading.Event()
+  held = []
+
+  def accept() -> None:
+    while not stop.is_set():
+      with contextlib.suppress(TimeoutError):
+        held.append(listener.accept()[0])
+
+  thread = threading.Thread(target=accept, daemon=True)
+  thread.start()
+  try:
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+  finally:
+    stop.set()
+    thread.join(5)
+    for connection in [*held, listener]:
+      connection.close()

@@ -80,6 +80,9 @@ class Tracker(Protocol):
   Attributes:
     name: the name `TrainConfig.trackers` uses.
     where: after `open`, one line saying where to look at the run ("" for nothing).
+    service (optional): the service it talks to and the setting that chooses it, for
+      the warning when it does not answer ("the MLflow server at URL
+      (MLFLOW_TRACKING_URI)"); without it, "the <name> service".
   """
   name: str
   where: str

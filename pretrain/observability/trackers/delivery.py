@@ -6,7 +6,9 @@ raises (a server down, no credentials, a network that is not there) costs one wa
 line per session; its rows stay queued and are offered again after a backoff of 1, 2, 4,
 ... seconds (at most `MAX_BACKOFF_S`), so a tracker that answers again gets what it
 missed, and one more line says so. Nothing waits for a tracker but `close`, and only
-for one that answers.
+for one that answers: a call that has had no answer for `EXIT_WAIT_S` (a server that
+accepts and never answers, a name that does not resolve, a client retrying on its own)
+is left to its thread, which says nothing more, and the session ends.
 
 `workdir/trackers.json` keeps, per tracker, its run's id and how far it has been sent:
 the newest step of each step kind (train, eval, downstream, and the per-step `mixture`
@@ -20,6 +22,8 @@ lacks when a session ends are counted there (`unsent_rows`) and sent by the next
 from __future__ import annotations
 
 import json
+import os
+import socket
 import threading
 import time
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -42,11 +46,39 @@ for _builtin in (TensorBoardTracker, WandbTracker, MlflowTracker):
 
 FIRST_BACKOFF_S = 1.0
 MAX_BACKOFF_S = 60.0
+# The longest a session's end waits for a tracker call that has not answered.
+EXIT_WAIT_S = 10.0
 
 
-def _reason(error: BaseException) -> str:
-  text = " ".join(str(error).split()) or type(error).__name__
-  return text if len(text) <= 200 else text[:197] + "..."
+def _socket_error(error: BaseException) -> Optional[BaseException]:
+  """The innermost refused or reset connection, timeout or failed name lookup in
+  `error`'s chain: clients wrap it in layers (MLflow's text quotes urllib3's whole
+  retry state), and it is what the user needs to know."""
+  found, seen = None, set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, (ConnectionError, TimeoutError, socket.gaierror)):
+      found = error
+    error = error.__cause__ or error.__context__
+  return found
+
+
+def _reason(error: BaseException, service: str) -> str:
+  """One line for a failed call: the service that did not answer and why, or the
+  error's own text (a refusal: wrong credentials, no permission)."""
+  cause = _socket_error(error)
+  if cause is not None:
+    text = f"no answer from {service}: {str(cause) or type(cause).__name__}"
+  else:
+    text = " ".join(str(error).split()) or type(error).__name__
+  return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _client_log_note(workdir: str) -> str:
+  """Where the client's own log records went (`RunDirectory.client_log`), when there
+  are some."""
+  path = RunDirectory(workdir).client_log
+  return f"; its client's log: {path}" if os.path.exists(path) else ""
 
 
 class _State:
@@ -86,9 +118,12 @@ class _Sender:
   """One tracker, its queue and its thread. Queue items are (row, ordinal): a record's
   place among the file's records, or None for a step row."""
 
-  def __init__(self, tracker: Tracker, state: _State, info: Callable[[str], None]):
+  def __init__(self, tracker: Tracker, state: _State, info: Callable[[str], None],
+               workdir: str):
     self.tracker = tracker
+    self.workdir = workdir
     self.name = tracker.name
+    self.service = getattr(tracker, "service", "") or f"the {self.name} service"
     self._state = state
     self._progress = state.entry(self.name)
     self._info = info
@@ -101,6 +136,8 @@ class _Sender:
     self.opened = False
     self.down = False      # the last attempt failed
     self.warned = False    # this session's warning line is spent
+    self.calling_since: Optional[float] = None   # a call of the tracker in flight
+    self._silent = False   # the session has ended: the thread prints nothing more
 
   def start(self, run: RunInfo) -> None:
     self._thread = threading.Thread(target=self._run, args=(run,), daemon=True,
@@ -117,9 +154,26 @@ class _Sender:
       self._closing = (summary, failed)
       self._cond.notify()
 
-  def join(self, timeout_s: float) -> None:
-    if self._thread is not None:
-      self._thread.join(timeout_s)
+  def wait(self, deadline: float) -> bool:
+    """Waits for the thread to end, until `deadline` (monotonic), or until a call has
+    had no answer for `EXIT_WAIT_S`; not for a tracker that is down. Returns whether a
+    call was left without an answer. Afterwards the thread prints nothing more."""
+    while self._thread is not None and self._thread.is_alive() and not self.down:
+      since = self.calling_since
+      until = deadline if since is None else min(deadline, since + EXIT_WAIT_S)
+      left_s = until - time.monotonic()
+      if left_s <= 0:
+        break
+      self._thread.join(min(left_s, 0.1))
+    with self._cond:
+      self._silent = True
+      since = self.calling_since
+      return since is not None and time.monotonic() >= since + EXIT_WAIT_S
+
+  def _say(self, message: str) -> None:
+    with self._cond:
+      if not self._silent:
+        self._info(message)
 
   def unsent(self) -> int:
     with self._cond:
@@ -164,6 +218,7 @@ class _Sender:
 
   def _run(self, run: RunInfo) -> None:
     while (items := self._next()) is not None:
+      self.calling_since = time.monotonic()
       try:
         if not self.opened:
           self._open(run)
@@ -173,19 +228,24 @@ class _Sender:
       except Exception as error:  # pylint: disable=broad-except
         self._failed(error)
         continue
+      finally:
+        self.calling_since = None
       self._mark_sent(items)
       self._state.save()
       with self._cond:
         del self._queue[:len(items)]
       if self.down:
         self.down, self._backoff = False, FIRST_BACKOFF_S
-        self._info(f"{self.name}: answers again; sent what it missed")
+        self._say(f"{self.name}: answers again; sent what it missed")
     if self.opened and not self.down:
       summary, failed = self._closing
+      self.calling_since = time.monotonic()
       try:
         self.tracker.close(summary, failed)
       except Exception as error:  # pylint: disable=broad-except
         self._failed(error)
+      finally:
+        self.calling_since = None
 
   def _open(self, run: RunInfo) -> None:
     with self._state.lock:
@@ -198,14 +258,16 @@ class _Sender:
       self._state.save()
     self.opened = True
     if self.tracker.where:
-      self._info(f"{self.name}: {self.tracker.where}")
+      self._say(f"{self.name}: {self.tracker.where}")
 
   def _failed(self, error: BaseException) -> None:
-    if not self.warned:
-      self.warned = True
-      warn(f"{self.name} tracker: {_reason(error)}; the run goes on. metrics.jsonl has "
-           f"every row; what {self.name} misses is sent when it answers, by this run or "
-           f"the next in this workdir ({TRACKERS_STATE} counts what it lacks)")
+    with self._cond:
+      if not self.warned and not self._silent:
+        self.warned = True
+        warn(f"{self.name} tracker: {_reason(error, self.service)}; the run goes on. "
+             f"metrics.jsonl has every row; what {self.name} misses is sent when it "
+             f"answers, by this run or the next in this workdir ({TRACKERS_STATE} "
+             f"counts what it lacks){_client_log_note(self.workdir)}")
     self.down = True
     self._retry_at = time.monotonic() + self._backoff
     self._backoff = min(2 * self._backoff, MAX_BACKOFF_S)
@@ -223,8 +285,8 @@ class Trackers:
   def __init__(self, names: Sequence[str], context: TrackerContext,
                info: Callable[[str], None] = print):
     self._state = _State(context.workdir, context.uploads) if names else None
-    self._senders = [_Sender(trackers_lib.create(name, context), self._state, info)
-                     for name in names]
+    self._senders = [_Sender(trackers_lib.create(name, context), self._state, info,
+                             context.workdir) for name in names]
     self._run: Optional[RunInfo] = None
     self._records = 0
     self._finals = Finals()
@@ -266,8 +328,9 @@ class Trackers:
 
   def close(self, timeout_s: float, failed: bool = False) -> None:
     """Ends each tracker's session with the run's summary, waiting at most `timeout_s`
-    for the trackers that answer (not for one that is down). What one still lacks is
-    counted in `trackers.json`; a line says so when no warning has yet."""
+    for the trackers that answer, and at most `EXIT_WAIT_S` for a call that does not
+    (not at all for a tracker that is down). What one still lacks is counted in
+    `trackers.json`; one line says so when no warning has yet."""
     if self._run is None or not self._senders:
       return
     summary = self._finals.summary(self._run.facts)
@@ -275,13 +338,19 @@ class Trackers:
       sender.request_close(summary, failed)
     deadline = time.monotonic() + timeout_s
     for sender in self._senders:
-      sender.join(0 if sender.down else max(0.0, deadline - time.monotonic()))
-    for sender in self._senders:
+      unanswered = sender.wait(deadline)
       unsent = sender.unsent()
       entry = self._state.entry(sender.name)
       with self._state.lock:
         entry["unsent_rows"] = unsent
-      if unsent and not sender.warned:
+      if sender.warned:
+        continue
+      if unanswered:
+        warn(f"{sender.name} tracker: no answer from {sender.service} in "
+             f"{EXIT_WAIT_S:.0f} s at the end of the session; {unsent} row(s) not sent "
+             f"(metrics.jsonl has them), which the next run in this workdir sends"
+             f"{_client_log_note(sender.workdir)}")
+      elif unsent:
         warn(f"{sender.name} tracker: {unsent} row(s) not sent before the session ended "
              f"(metrics.jsonl has them); the next run in this workdir sends them")
     self._state.save()

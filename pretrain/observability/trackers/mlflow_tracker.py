@@ -9,9 +9,15 @@ study, else `MLFLOW_EXPERIMENT_NAME`, else "griffin-pretrain". Its id is kept in
 the server no longer has is started afresh and sent every row.
 
 MLflow keeps a param's first value: a binding changed between restarts stays as it was
-among the params, and its new value is the tag `param_changed/<key>`. How long the client
-retries a server that does not answer before giving up (and the trainer's one warning)
-is MLflow's `MLFLOW_HTTP_REQUEST_MAX_RETRIES` and `MLFLOW_HTTP_REQUEST_TIMEOUT`.
+among the params, and its new value is the tag `param_changed/<key>`.
+
+How long a call waits for a server that does not answer is MLflow's
+`MLFLOW_HTTP_REQUEST_MAX_RETRIES` and `MLFLOW_HTTP_REQUEST_TIMEOUT`; unless set, they are
+0 retries and 5 s here. MLflow's own defaults (7 retries with a backoff growing to 120 s,
+each attempt waiting up to 120 s) make one call last 4 minutes against a closed port and
+about 15 against a server that accepts and never answers, during which its retry
+warnings pile up and the run's one warning waits; the trackers' threads retry with a
+backoff of their own (`delivery`), so nothing is lost by failing fast.
 """
 from __future__ import annotations
 
@@ -23,6 +29,8 @@ from pretrain.observability.trackers import Row, RunInfo, TrackerContext
 from pretrain.observability.trackers.rows import metric_names
 
 DEFAULT_EXPERIMENT = "griffin-pretrain"
+# The client's settings when the user has not set them (see the module docstring).
+CLIENT_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
 _BATCH = 100   # params or tags per request (MLflow's limit); metrics: 1000
 
 
@@ -39,6 +47,11 @@ class MlflowTracker:
     self._client: Any = None
     self._run_id: Optional[str] = None
     self.where = ""
+    for name, value in CLIENT_DEFAULTS.items():
+      os.environ.setdefault(name, value)
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    self.service = (f"the MLflow server at {uri} (MLFLOW_TRACKING_URI)" if uri else
+                    "MLflow's default store (MLFLOW_TRACKING_URI is not set)")
 
   def open(self, run: RunInfo, run_id: Optional[str], last_step: int) -> Optional[str]:
     del last_step   # MLflow takes metrics at any step

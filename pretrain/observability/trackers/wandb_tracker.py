@@ -14,6 +14,10 @@ row is logged at its step, a record (goodput, restart, straggler) at W&B's curre
 charted against its own `<kind>/step` (`define_metric`); a resumed run starts one step
 past the newest step row it has got. W&B's console capture is off (the trainer's output
 is its own) and so are its banners: one line says where the run is.
+
+Unless set, `WANDB_INIT_TIMEOUT` is 30 s (W&B's default: 90 s) and `WANDB_SILENT` true
+(its login line too): a process whose W&B server does not answer cannot exit before
+W&B's `init` gives up, whatever the trainer's own bound on its tracker threads.
 """
 from __future__ import annotations
 
@@ -27,6 +31,8 @@ from pretrain.observability.trackers import (RECORD_KINDS, STEP_KINDS, Row, RunI
 from pretrain.observability.trackers.rows import metric_names
 
 DEFAULT_PROJECT = "griffin-pretrain"
+# The client's settings when the user has not set them (see the module docstring).
+CLIENT_DEFAULTS = {"WANDB_INIT_TIMEOUT": "30", "WANDB_SILENT": "true"}
 
 
 class WandbTracker:
@@ -39,6 +45,10 @@ class WandbTracker:
     self._run: Any = None
     self._step = 0
     self.where = ""
+    for name, value in CLIENT_DEFAULTS.items():
+      os.environ.setdefault(name, value)
+    self.service = (f"W&B at {os.environ.get('WANDB_BASE_URL') or 'https://api.wandb.ai'}"
+                    " (WANDB_BASE_URL, WANDB_API_KEY)")
 
   def open(self, run: RunInfo, run_id: Optional[str], last_step: int) -> Optional[str]:
     import wandb  # pylint: disable=import-outside-toplevel  # the optional `wandb` extra
