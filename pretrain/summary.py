@@ -1,7 +1,7 @@
 r"""`python -m pretrain.summary`: the size and cost of a model preset, without building it.
 
     python -m pretrain.summary --gin_file=F [--gin_file=G ...] [--gin_param='a.b=1' ...]
-        [--seq=T] [--json]
+        [--seq=T] [--json] [--platform=tpu|gpu|cpu]
         [--mesh=data:2,fsdp:4,tensor:1 --batch=B [--device_memory_gb=G]]
 
 Prints the total and non-embedding parameter counts, the training FLOPs per token at
@@ -17,6 +17,10 @@ counts the larger of activations and the optimizer update's workspace, never liv
 together; `model.memory`), `memory_fits` (null without
 `--device_memory_gb`), `memory_method`, `memory_estimated` (block types that declare no
 memory terms, estimated), `mesh` and `batch`. Either estimate adds a line to the text.
+`attention` says what training calls of T tokens run on each platform (XLA's softmax or a
+fused kernel, and why; docs/model.md, "Which attention runs where"). `--platform` plans
+the memory for that platform's choices (a fused kernel keeps no scores); without it,
+this host's.
 
 Everything is computed from shapes (`jax.eval_shape`), so the 14B presets take seconds.
 The Gin files are read by `pretrain.gin_config` like the trainer's, so a full training
@@ -25,6 +29,7 @@ ends the program with one `error: ...` line on stderr and exit status 2.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Sequence
 
@@ -47,6 +52,9 @@ def define_flags() -> None:
                       "Device mesh, e.g. 'data:2,fsdp:4,tensor:1': adds per-device memory.")
   flags.DEFINE_integer("batch", None, "Global batch in sequences (with --mesh).",
                        lower_bound=1)
+  flags.DEFINE_enum("platform", None, ["tpu", "gpu", "cpu"],
+                    "Plan for this platform's kernels (fused attention keeps no scores); "
+                    "default: this host's.")
   flags.DEFINE_float("device_memory_gb", None,
                      "Device memory in GB to check the plan against (with --mesh).")
   flags.register_multi_flags_validator(
@@ -64,6 +72,9 @@ def main(argv: Sequence[str]) -> None:
   if not FLAGS.gin_file:
     raise usage_error("--gin_file is required, e.g. --gin_file=configs/models/griffin_100m.gin")
   config = load_model_config(FLAGS.gin_file, FLAGS.gin_param)
+  if FLAGS.platform is not None:
+    config = config.replace(scan=dataclasses.replace(config.scan,
+                                                     lowering_platform=FLAGS.platform))
   summary = summarize(config, FLAGS.seq, FLAGS.mesh, FLAGS.batch, FLAGS.device_memory_gb)
   print(json.dumps(summary, sort_keys=True) if FLAGS.json else format_text(summary))
 

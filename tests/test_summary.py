@@ -80,6 +80,27 @@ def test_mesh_adds_per_device_memory():
   assert summary["memory_fits"] in (True, False)
 
 
+def test_attention_and_platform_plans():
+  """The summary says what attention each platform runs, and `--platform=tpu` plans the
+  splash kernel's memory: one log-sum-exp per head where XLA keeps 2 x 2w scores."""
+  result = run_summary("--gin_file=configs/models/griffin_1_3b.gin", "--json",
+                       "--mesh=fsdp:4", "--batch=16", "--platform=tpu")
+  host = run_summary("--gin_file=configs/models/griffin_1_3b.gin", "--json",
+                     "--mesh=fsdp:4", "--batch=16")
+  assert result.returncode == host.returncode == 0, result.stderr + host.stderr
+  tpu, cpu = json.loads(result.stdout), json.loads(host.stdout)
+  assert tpu["attention"]["tpu"] == {"impl": "splash", "reason": ""}
+  assert tpu["attention"]["cpu"]["impl"] == "xla"
+  assert "sliding-window" in tpu["attention"]["gpu"]["reason"]
+  # Griffin 1.3B: 8 attention layers of 16 heads; at 16 x 2048 tokens over 4 chips XLA's
+  # path keeps 2 x 2048 float32 scores per head and token where splash keeps 1.
+  saved = (cpu["per_device_bytes"]["activations"] - tpu["per_device_bytes"]["activations"])
+  tokens = 16 * 2048 / 4
+  assert saved == pytest.approx(8 * 16 * (2 * 2048 - 1) * 4 * tokens, rel=0.01)
+  text = run_summary("--gin_file=configs/models/tiny_mqa.gin", "--seq=256").stdout
+  assert "attention at T=256:    TPU splash; GPU triton; CPU xla" in text
+
+
 @pytest.mark.parametrize("args, message", slow_after_first([
     (["--gin_file=configs/models/no_such.gin"], "Gin file not found"),
     (["--gin_file=configs/models/tiny_hawk.gin", "--gin_param=ModelConfig.width = 63"],
