@@ -112,6 +112,17 @@ def part_of(op_name: str) -> tuple[str, str]:
   return step, "loss, optimizer, other"
 
 
+# JAX's splash attention names its launches (`splash_mqa_fwd_...`, `..._dq_...`,
+# `..._dkv_...`) and carries no JAX name stack: charged to attention by that name.
+_SPLASH = "splash_mqa_"
+
+
+def splash_part(name: str) -> tuple[str, str]:
+  """(pass, part) of a splash attention launch, from its instruction name."""
+  return ("forward" if name.startswith(_SPLASH + "fwd") else "backward",
+          "block/attention (splash kernel)")
+
+
 def breakdown(hlo_text: str) -> dict[tuple[str, str], dict[str, float]]:
   """{(pass, part): {"bytes": ..., "instructions": ...}} of the entry computation: each
   instruction that moves data is charged its HBM result and its operands' HBM results,
@@ -134,7 +145,8 @@ def breakdown(hlo_text: str) -> dict[tuple[str, str], dict[str, float]]:
     if opcode != "copy-start":  # its result aliases its operand and a VMEM buffer
       moved += results[name]
     op_name = _OP_NAME.search(line)
-    key = part_of(op_name.group(1).split(";")[0] if op_name else "")
+    key = (splash_part(name) if name.startswith(_SPLASH) else
+           part_of(op_name.group(1).split(";")[0] if op_name else ""))
     totals[key]["bytes"] += moved
     totals[key]["instructions"] += 1
   return dict(totals)

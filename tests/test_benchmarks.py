@@ -345,6 +345,10 @@ def test_step_bytes_charges_laid_out_hbm_arrays():
   assert bench.part_of("jit(step)/jvp(LanguageModel)/blocks/block_0/mlp/up/dot_general"
                        ) == ("forward", "block/mlp/up")
   assert bench.part_of("jit(step)/sqrt") == ("optimizer and rest", "loss, optimizer, other")
+  # Splash attention's launches carry no name stack; their names say what they are.
+  assert bench.splash_part("splash_mqa_fwd_segmented_residuals.1") == (
+      "forward", "block/attention (splash kernel)")
+  assert bench.splash_part("splash_mqa_dkv_segmented_no_residuals.1")[0] == "backward"
 
 
 def test_step_bytes_equals_xla_on_programs_without_a_matmul():
