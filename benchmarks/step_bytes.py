@@ -83,12 +83,14 @@ def array_bytes(text: str) -> float:
 
 
 def entry_instructions(hlo_text: str) -> Iterable[str]:
-  """The instruction lines of the program's entry computation."""
+  """The instruction lines of the program's entry computation. It ends at a line that is
+  only its closing brace: a Pallas launch's metadata may spread JSON over lines that
+  start with one (splash attention's does)."""
   inside = False
   for line in hlo_text.splitlines():
     if line.startswith("ENTRY "):
       inside = True
-    elif inside and line.startswith("}"):
+    elif inside and line.rstrip() == "}":
       return
     elif inside and line.strip():
       yield line

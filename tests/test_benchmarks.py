@@ -349,6 +349,12 @@ def test_step_bytes_charges_laid_out_hbm_arrays():
   assert bench.splash_part("splash_mqa_fwd_segmented_residuals.1") == (
       "forward", "block/attention (splash kernel)")
   assert bench.splash_part("splash_mqa_dkv_segmented_no_residuals.1")[0] == "backward"
+  # A launch's metadata may spread JSON over lines that start with a brace; only a line
+  # that is the brace alone closes the entry computation.
+  program = ("ENTRY %main {\n  %a = f32[2]{0} parameter(0)\n  %b = f32[2]{0} custom-call(%a), "
+             'backend_config={"m":"{\n}"}\n  ROOT %c = f32[2]{0} negate(%b)\n}\n')
+  assert [line.split()[0] for line in bench.entry_instructions(program)] == [
+      "%a", "%b", "}\"}", "ROOT"]
 
 
 def test_step_bytes_equals_xla_on_programs_without_a_matmul():
