@@ -90,10 +90,11 @@ def test_train_stops_before_step_1_on_an_empty_split_or_a_small_vocabulary(
   vocabulary is smaller than the data's."""
   write_zst(tmp_path / "five.jsonl.zst", texts(5))
   config = tmp_path / "corpus.gin"
-  config.write_text(open(trainer_env.gin, encoding="utf-8").read().replace(
-      "include 'configs/data/text_files.gin'", "include 'configs/data/corpus.gin'")
-      .replace("text_files_task.validation_fraction = 0.25", "")
-      + f"CORPUS = '{tmp_path}/five.jsonl.zst'\nTrainConfig.final_eval = True\n")
+  tiny = open(trainer_env.gin, encoding="utf-8").read().splitlines()
+  config.write_text("\n".join(
+      line.replace("configs/data/text_files.gin", "configs/data/corpus.gin")
+      for line in tiny if not line.startswith(("TRAIN_FILES", "text_files_task")))
+      + f"\nCORPUS = '{tmp_path}/five.jsonl.zst'\nTrainConfig.final_eval = True\n")
   result = trainer_env.run(trainer_env.train_command(
       str(tmp_path / "run"), "TRAIN_STEPS = 1", gin_files=[str(config)]))
   assert result.returncode == 2, result.stderr[-2000:]

@@ -91,6 +91,7 @@ class HfTokenizerVocabulary(seqio.Vocabulary):
 
   def _encode_tf(self, s):
     """Scalar or vector of strings -> int32 (ragged for a vector) ids."""
+    s = tf.convert_to_tensor(s)
     strings = tf.reshape(s, [-1])
 
     def encode(values):
