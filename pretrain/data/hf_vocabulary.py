@@ -42,6 +42,7 @@ class HfTokenizerVocabulary(seqio.Vocabulary):
   Attributes:
     tokenizer_json: the file's bytes (what checkpoints copy and the cache key hashes).
     digest: sha256 of `tokenizer_json`.
+    source: where it was read from (a checkpoint's copy, once reloaded from one).
   """
 
   def __init__(self, tokenizer_json: bytes, eos_token: Optional[str] = None,
@@ -49,6 +50,7 @@ class HfTokenizerVocabulary(seqio.Vocabulary):
     super().__init__(extra_ids=0)
     self.tokenizer_json = bytes(tokenizer_json)
     self.digest = hashlib.sha256(self.tokenizer_json).hexdigest()
+    self.source = source
     try:
       self.tokenizer = tokenizers.Tokenizer.from_str(self.tokenizer_json.decode())
     except Exception as error:  # pylint: disable=broad-except
