@@ -304,11 +304,17 @@ def build(target: Callable[..., T], *args: Any, **kwargs: Any) -> T:
   instance), or a configurable decorated where it is defined (the data pipeline).
   Configs validate their fields in the constructor (ValueError/TypeError), and Gin
   raises RuntimeError for a required binding that is missing; at start-up all of them
-  mean the configuration is wrong. UserErrors (e.g. an empty corpus) pass unchanged.
+  mean the configuration is wrong. UserErrors (e.g. an empty corpus) pass as their own
+  one line, without the call context Gin appends to them.
   """
   try:
     value = _CONFIGURABLES.get(target, target)(*args, **kwargs)
-  except UserError:
+  except UserError as error:
+    # Gin re-raises a proxy whose message adds "In call to configurable ..." lines; the
+    # exception it wraps is the proxy's context.
+    original = error.__context__
+    if isinstance(original, UserError) and str(error).startswith(str(original)):
+      raise original from None
     raise
   except (ValueError, TypeError, RuntimeError) as error:
     raise usage_error(f"Bad configuration value: {_first_line(error)}"
@@ -356,7 +362,8 @@ def build_pipeline(train_config: TrainConfig, runtime: Runtime) -> Any:
   return build(pipeline_lib.DataPipeline, sequence_length=train_config.sequence_length,
                batch_size=train_config.batch_size, seed=train_config.seed,
                process_index=index, process_count=count,
-               build_missing=distributed.processes_on_one_machine())
+               build_missing=distributed.processes_on_one_machine(),
+               open_validation=bool(train_config.eval_every or train_config.final_eval))
 
 
 def data_bindings() -> dict[str, Any]:

@@ -19,6 +19,7 @@ import jax
 from model.config import ModelConfig, model_config_from_dict, model_config_to_dict
 from plumbing import storage
 from plumbing.errors import UserError
+from pretrain.data.hf_vocabulary import HfTokenizerVocabulary
 from pretrain.data.vocabularies import get_vocabulary
 
 # SeqIO and TensorFlow load on first use (about 6 s): commands that only parse
@@ -28,6 +29,7 @@ with epy.lazy_imports():
 
 _PASSTHROUGH_PREFIX = "passthrough:"
 _SENTENCEPIECE_PREFIX = "sentencepiece:"
+_TOKENIZER_JSON_PREFIX = "tokenizer.json:"
 VOCABULARY_DIR = "vocabulary"
 DEFAULT_SEQUENCE_LENGTH = 512
 
@@ -36,29 +38,54 @@ def _sentencepiece_file(workdir: str, digest: str) -> str:
   return storage.join(workdir, VOCABULARY_DIR, f"{digest}.model")
 
 
+def _tokenizer_json_file(workdir: str, digest: str) -> str:
+  return storage.join(workdir, VOCABULARY_DIR, f"{digest}.tokenizer.json")
+
+
+def _store_once(path: str, data: bytes) -> None:
+  if jax.process_index() == 0 and not storage.exists(path):
+    storage.write_bytes(path, data)
+
+
+def _read_checked(path: str, digest: str, workdir: Optional[str], what: str) -> bytes:
+  """The bytes of a vocabulary file the workdir keeps by hash, checked against it."""
+  if workdir is None or not storage.exists(path):
+    raise UserError(f"The checkpoint's {what} {path} is missing: copy the "
+                    f"whole workdir, including its {VOCABULARY_DIR}/ folder")
+  data = storage.read_bytes(path)
+  if hashlib.sha256(data).hexdigest() != digest:
+    raise UserError(f"{path} does not match the checkpoint's vocabulary hash {digest}: "
+                    "the file was changed; restore it from the original workdir")
+  return data
+
+
 def vocabulary_spec(vocabulary: seqio.Vocabulary, workdir: Optional[str] = None) -> str:
   """How the metadata records a vocabulary, for `make_vocabulary`.
 
   'byte'; 'passthrough:<size>' for the identity vocabulary of synthetic tasks (their
   token ids are the model's ids, so the size is all there is to it); for a SentencePiece
   model 'sentencepiece:<sha256 of the model>', after copying the model into
-  `workdir/vocabulary/` (process 0; skipped when that file already exists).
+  `workdir/vocabulary/` (process 0; skipped when that file already exists); a
+  `tokenizer.json` likewise, as 'tokenizer.json:<sha256>:<EOS token>'.
   """
-  if isinstance(vocabulary, seqio.SentencePieceVocabulary):
+  if isinstance(vocabulary, (seqio.SentencePieceVocabulary, HfTokenizerVocabulary)):
     if workdir is None:
-      raise ValueError("a SentencePiece vocabulary is stored in the workdir: pass workdir")
+      raise ValueError("a file vocabulary is stored in the workdir: pass workdir")
+  if isinstance(vocabulary, HfTokenizerVocabulary):
+    _store_once(_tokenizer_json_file(workdir, vocabulary.digest), vocabulary.tokenizer_json)
+    return f"{_TOKENIZER_JSON_PREFIX}{vocabulary.digest}:{vocabulary.eos_token}"
+  if isinstance(vocabulary, seqio.SentencePieceVocabulary):
     model = vocabulary.sp_model
     digest = hashlib.sha256(model).hexdigest()
-    path = _sentencepiece_file(workdir, digest)
-    if jax.process_index() == 0 and not storage.exists(path):
-      storage.write_bytes(path, model)
+    _store_once(_sentencepiece_file(workdir, digest), model)
     return _SENTENCEPIECE_PREFIX + digest
   if isinstance(vocabulary, seqio.ByteVocabulary):
     return "byte"
   if isinstance(vocabulary, seqio.PassThroughVocabulary):
     return f"{_PASSTHROUGH_PREFIX}{vocabulary.vocab_size}"
   raise UserError(f"Cannot record vocabulary {type(vocabulary).__name__}: only byte, "
-                  "pass-through and SentencePiece vocabularies are supported")
+                  "pass-through, SentencePiece and tokenizer.json vocabularies are "
+                  "supported")
 
 
 def make_vocabulary(spec: str, workdir: Optional[str] = None) -> seqio.Vocabulary:
@@ -67,15 +94,13 @@ def make_vocabulary(spec: str, workdir: Optional[str] = None) -> seqio.Vocabular
   if spec.startswith(_SENTENCEPIECE_PREFIX):
     digest = spec[len(_SENTENCEPIECE_PREFIX):]
     path = _sentencepiece_file(workdir or ".", digest)
-    if workdir is None or not storage.exists(path):
-      raise UserError(f"The checkpoint's SentencePiece model {path} is missing: copy the "
-                      f"whole workdir, including its {VOCABULARY_DIR}/ folder")
-    local = storage.local_copy(path)
-    with open(local, "rb") as f:
-      if hashlib.sha256(f.read()).hexdigest() != digest:
-        raise UserError(f"{path} does not match the checkpoint's vocabulary hash {digest}: "
-                        "the file was changed; restore it from the original workdir")
-    return seqio.SentencePieceVocabulary(local)
+    _read_checked(path, digest, workdir, "SentencePiece model")
+    return seqio.SentencePieceVocabulary(storage.local_copy(path))
+  if spec.startswith(_TOKENIZER_JSON_PREFIX):
+    digest, _, eos_token = spec[len(_TOKENIZER_JSON_PREFIX):].partition(":")
+    path = _tokenizer_json_file(workdir or ".", digest)
+    return HfTokenizerVocabulary(_read_checked(path, digest, workdir, "tokenizer.json"),
+                                 eos_token or None, source=path)
   if spec.startswith(_PASSTHROUGH_PREFIX):
     size = spec[len(_PASSTHROUGH_PREFIX):]
     if not size.isdigit() or int(size) < 1:

@@ -35,6 +35,7 @@ from etils import epy
 import numpy as np
 
 from pretrain.data import packing, synthetic, tasks, token_store
+from plumbing.errors import EXIT_USAGE
 from pretrain.data.errors import DataError
 from pretrain.data.vocabularies import vocabulary_fingerprint
 
@@ -292,6 +293,18 @@ def fill_store(writer, provider: seqio.DatasetProviderBase, split: str,
 
 
 def empty_split_error(provider: seqio.DatasetProviderBase, split: str) -> DataError:
-  return DataError(
-      f"the '{split}' split of SeqIO task '{provider.name}' has no tokens (every "
-      "document is empty); check that TRAIN_FILES matches files with text")
+  """The split holds no document with text: for a held-out split the usual cause is a
+  fraction too small for the corpus (not empty documents), so the fix named is the
+  task's own fraction setting; for the train split, the task's files."""
+  source = getattr(provider, "source", None)
+  prefix = f"the '{split}' split of SeqIO task '{provider.name}' has no tokens"
+  if not isinstance(source, sources.FileListSource):
+    return DataError(f"{prefix}: none of its documents has text", exit_code=EXIT_USAGE)
+  if split == "validation":
+    return DataError(
+        f"{prefix}: {source.fraction_setting}={source.validation_fraction:g} held out no "
+        f"document with text from {source.files_setting}; raise "
+        f"{source.fraction_setting}, add documents, or set it to 0 (no validation "
+        "split, no evaluation)", exit_code=EXIT_USAGE)
+  return DataError(f"{prefix}: no document of {source.files_setting} has text; check "
+                   "that it matches files with text", exit_code=EXIT_USAGE)

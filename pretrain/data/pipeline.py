@@ -28,6 +28,7 @@ import gin
 import numpy as np
 
 from plumbing import storage
+from plumbing.errors import EXIT_USAGE
 from pretrain.data import indexing, materialize, mixing, token_store
 from pretrain.data.errors import DataError
 from pretrain.data.packing import features_from_rows
@@ -66,8 +67,9 @@ class DataPipeline:
                validation_split: str = "validation",
                max_train_documents: Optional[int] = None,
                max_validation_documents: Optional[int] = None,
-               build_missing: bool = True):
-    """Builds (or reuses) the train token store.
+               build_missing: bool = True,
+               open_validation: bool = False):
+    """Builds (or reuses) the train token store, and the validation one if asked.
 
     Args:
       task: name of a registered SeqIO task or mixture, e.g. the value of
@@ -87,6 +89,9 @@ class DataPipeline:
         trainer passes False when its processes span machines, where every host would
         otherwise tokenise the whole corpus itself. A `gs://` / `s3://` cache_dir is
         never built into: `python -m pretrain.data.prepare` writes it.
+      open_validation: build or open the validation store now, so a run that will
+        evaluate finds an empty or missing split before its first step rather than
+        at its first evaluation (the trainer passes whether it evaluates).
     """
     if sequence_length < 1:
       raise DataError(f"SEQUENCE_LENGTH={sequence_length} must be >= 1")
@@ -125,6 +130,8 @@ class DataPipeline:
           [s.metadata["num_tokens"] / max(s.num_rows, 1) for s in self.train_stores])
       self._served_tokens = np.zeros(len(self._providers), np.int64)
       self._served_rows = np.zeros(len(self._providers), np.int64)
+    if open_validation:
+      self.validation_store  # pylint: disable=pointless-statement
 
   def _check_mixable(self) -> None:
     """A mixture's tasks share a vocabulary and stored arrays."""
@@ -237,23 +244,22 @@ class DataPipeline:
 
   @property
   def validation_store(self) -> token_store.TokenStore:
-    """The validation split's token store, built on first use."""
+    """The validation split's token store (built or opened by `__init__` when
+    `open_validation`, else on first use)."""
     if self._validation_store is None:
       split = self._validation_split
-      if not any(materialize.has_split(p, split) for p in self._providers):
+      with_split = [p for p in self._providers if materialize.has_split(p, split)]
+      if not with_split:
+        source = getattr(self._provider, "source", None)
+        setting = getattr(source, "fraction_setting", "the task's validation_fraction")
         raise DataError(
-            f"SeqIO task '{self.task_name}' has no '{split}' split; set "
-            "DataPipeline.validation_split (or text_files_task.validation_fraction"
-            " > 0)")
-      try:
-        stores = [self._store(provider, split, self._max_validation_documents)
-                  for provider in self._providers if materialize.has_split(provider, split)]
-        self._validation_store = (stores[0] if len(stores) == 1
-                                  else _ConcatenatedStores(stores))
-      except DataError as e:
-        raise DataError(
-            f"{e}; a corpus of one document cannot be split: add files or set "
-            "text_files_task.validation_fraction=0") from None
+            f"SeqIO task '{self.task_name}' has no '{split}' split to evaluate on; set "
+            f"{setting} > 0, DataPipeline.validation_split, or EVAL_EVERY = 0 with "
+            "TrainConfig.final_eval = False", exit_code=EXIT_USAGE)
+      stores = [self._store(provider, split, self._max_validation_documents)
+                for provider in with_split]
+      self._validation_store = (stores[0] if len(stores) == 1
+                                else _ConcatenatedStores(stores))
     return self._validation_store
 
   def _store(self, provider, split: str, max_documents: Optional[int]

@@ -24,12 +24,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 from etils import epy
 import gin
 
 from pretrain.data import corpus_files
+from pretrain.data.hf_vocabulary import HfTokenizerVocabulary
 from pretrain.data.vocabularies import short_vocabulary_name, vocabulary_fingerprint
 
 # SeqIO and TensorFlow load on first use (about 6 s): commands that only parse
@@ -50,11 +51,27 @@ def drop_empty_targets(dataset: tf.data.Dataset) -> tf.data.Dataset:
   return dataset.filter(lambda ex: tf.size(ex["targets"]) > 0)
 
 
+_TOKENIZE_BATCH = 256  # documents per `encode_batch` call of a tokenizer.json
+
+
+def tokenize_targets(dataset: tf.data.Dataset,
+                     output_features: Mapping[str, seqio.Feature]) -> tf.data.Dataset:
+  """`targets` text -> ids. A `tokenizer.json` vocabulary encodes 256 documents per call
+  (its Rust threads, not one Python call per document); others as SeqIO does."""
+  vocabulary = output_features["targets"].vocabulary
+  if not isinstance(vocabulary, HfTokenizerVocabulary):
+    return seqio.preprocessors.tokenize(dataset, output_features,
+                                        copy_pretokenized=False)
+  return (dataset.batch(_TOKENIZE_BATCH)
+          .map(lambda ex: {"targets": vocabulary.encode_tf(ex["targets"])})
+          .unbatch())
+
+
 def language_modeling_preprocessors(text_key: str = "text"):
   """text -> tokenised `targets` without empty documents -> EOS appended."""
   return [
       functools.partial(seqio.preprocessors.rekey, key_map={"targets": text_key}),
-      functools.partial(seqio.preprocessors.tokenize, copy_pretokenized=False),
+      tokenize_targets,
       drop_empty_targets,
       seqio.preprocessors.append_eos,
   ]

@@ -1,4 +1,5 @@
-"""Vocabularies: bytes by default (no file needed), SentencePiece by path.
+"""Vocabularies: bytes by default (no file needed), SentencePiece or a Hugging Face
+`tokenizer.json` (`hf_vocabulary`) by path.
 
 A vocabulary is part of a SeqIO task's definition, and part of the token store's cache
 key, so `vocabulary_fingerprint` identifies it by content (a retrained SentencePiece
@@ -16,6 +17,7 @@ import numpy as np
 
 from plumbing import storage
 from pretrain.data.errors import DataError
+from pretrain.data.hf_vocabulary import TOKENIZER_FILE, HfTokenizerVocabulary
 
 # SeqIO and TensorFlow load on first use (about 6 s): commands that only parse
 # configs, print help or plan memory never touch them.
@@ -29,15 +31,28 @@ _SENTENCEPIECE_SPACE = "\u2581"  # '▁', SentencePiece's visible space
 
 
 @gin.configurable
-def get_vocabulary(spm_path: Optional[str] = None) -> seqio.Vocabulary:
-  """Returns the byte vocabulary, or the SentencePiece model at `spm_path`.
+def get_vocabulary(spm_path: Optional[str] = None, tokenizer_json: Optional[str] = None,
+                   eos_token: Optional[str] = None) -> seqio.Vocabulary:
+  """Returns the byte vocabulary, the SentencePiece model at `spm_path`, or the Hugging
+  Face tokenizer at `tokenizer_json`.
 
   Byte ids are 3 + byte value; 0 is padding, 1 is EOS, 2 is UNK (259 ids in all).
 
   Args:
     spm_path: a SentencePiece `.model` file, a path or gs:// / s3:// URL (e.g. written by
       `python -m pretrain.tokenizer`); None selects the byte vocabulary.
+    tokenizer_json: a `tokenizer.json`, or a directory holding one (a saved model, a
+      hub cache snapshot), local or gs:// / s3://; see `hf_vocabulary` for how its
+      special tokens map onto EOS and padding.
+    eos_token: the tokenizer's token that ends a document, when it is not one of the
+      usual names (`hf_vocabulary.EOS_NAMES`).
   """
+  if tokenizer_json:
+    if spm_path:
+      raise DataError("set get_vocabulary.spm_path or get_vocabulary.tokenizer_json, "
+                      "not both")
+    return HfTokenizerVocabulary(_read_tokenizer_json(tokenizer_json), eos_token,
+                                 source=tokenizer_json)
   if spm_path is None or spm_path in ("", "byte", "bytes"):
     return seqio.ByteVocabulary()
   if storage.is_url(spm_path) and storage.exists(spm_path):
@@ -51,8 +66,21 @@ def get_vocabulary(spm_path: Optional[str] = None) -> seqio.Vocabulary:
   return seqio.SentencePieceVocabulary(path)
 
 
+def _read_tokenizer_json(location: str) -> bytes:
+  """The bytes of `location`, or of `location/tokenizer.json` for a directory."""
+  path = location if storage.is_url(location) else os.path.expanduser(location)
+  for candidate in (path, storage.join(path, TOKENIZER_FILE)):
+    if storage.exists(candidate) and not storage.isdir(candidate):
+      return storage.read_bytes(candidate)
+  raise DataError(
+      f"tokenizer '{location}' is neither a tokenizer.json file nor a directory holding "
+      "one; set get_vocabulary.tokenizer_json to the tokenizer.json a model ships with")
+
+
 def vocabulary_fingerprint(vocabulary: seqio.Vocabulary) -> str:
   """A short string that changes whenever the token ids of some text would."""
+  if isinstance(vocabulary, HfTokenizerVocabulary):
+    return f"hf:{vocabulary.digest[:16]}:eos={vocabulary.eos_token}"
   if isinstance(vocabulary, seqio.ByteVocabulary):
     return f"byte:extra{vocabulary.extra_ids}"
   if isinstance(vocabulary, seqio.SentencePieceVocabulary):

@@ -17,10 +17,11 @@ from pretrain.data.sources.hf_dataset import HfDatasetDataSource
 from pretrain.data.sources.jsonl import JsonlDataSource
 from pretrain.data.sources.parquet import ParquetDataSource
 from pretrain.data.errors import DataError
-from pretrain.data.sources.sharded import FORMATS, ShardedTextSource, detect_format
+from pretrain.data.sources.sharded import (FORMATS, FileListSource, ShardedTextSource,
+                                           detect_format)
 from pretrain.data.sources.text_files import TRAIN, VALIDATION, TextFilesDataSource
 
-__all__ = ["FORMATS", "HfDatasetDataSource", "JsonlDataSource", "ParquetDataSource",
+__all__ = ["FORMATS", "FileListSource", "HfDatasetDataSource", "JsonlDataSource", "ParquetDataSource",
            "ShardedTextSource", "TRAIN", "TextFilesDataSource", "VALIDATION",
            "detect_format", "source_for"]
 

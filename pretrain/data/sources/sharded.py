@@ -150,7 +150,18 @@ def _in_validation(key: str, fraction: float) -> bool:
 
 
 class FileListSource(seqio.DataSource):
-  """A source whose input shards are its files (`files`, defined by subclasses)."""
+  """A source whose input shards are its files (`files`, defined by subclasses).
+
+  `files_setting` and `fraction_setting` name the Gin settings a user edits to change
+  the files and the held-out fraction, so errors point at the task's own knobs.
+  """
+  files_setting = "the task's files"
+  fraction_setting = "the task's validation_fraction"
+  _fraction = 0.0
+
+  @property
+  def validation_fraction(self) -> float:
+    return self._fraction
 
   @property
   def files(self) -> Tuple[str, ...]:
@@ -186,6 +197,9 @@ class ShardedTextSource(FileListSource):
     self._fraction = float(validation_fraction)
     self.skip_bad_shards = bool(skip_bad_shards)
     self._flag = flag
+    # The task's own settings, for messages: `corpus_task.files` (scoped in a mixture).
+    self.files_setting = f"{flag} (CORPUS)" if flag == "corpus_task.files" else flag
+    self.fraction_setting = flag.rsplit(".", 1)[0] + ".validation_fraction"
     usable, pieces = [], []
     for shard in self._list(location, flag):
       try:
@@ -289,7 +303,7 @@ class ShardedTextSource(FileListSource):
     if split not in self.splits:
       raise DataError(
           f"{self.FORMAT} source '{self._location}' has no split '{split}' (splits: "
-          f"{self.splits}); set corpus_task.validation_fraction > 0 for a validation split")
+          f"{self.splits}); set {self.fraction_setting} > 0 for a validation split")
     ds = tf.data.Dataset.from_generator(
         lambda: ({"text": t} for t in self.split_texts(split, shard_info)),
         output_signature={"text": tf.TensorSpec((), tf.string)})

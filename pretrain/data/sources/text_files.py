@@ -44,6 +44,8 @@ class TextFilesDataSource(FileListSource):
   is never held in memory: what is kept per JSONL document is one split flag (a byte).
   """
   SHUFFLE_BUFFER = 10_000  # JSONL documents shuffled together when `shuffle` is set
+  files_setting = "TRAIN_FILES (text_files_task.train_files)"
+  fraction_setting = "text_files_task.validation_fraction"
 
   def __init__(self, pattern: str, validation_fraction: float = 0.02,
                exclude: Sequence[str] = DEFAULT_EXCLUDE,
@@ -131,7 +133,7 @@ class TextFilesDataSource(FileListSource):
     if split not in self.splits:
       raise DataError(
           f"text files task has no split '{split}' (splits: {self.splits}); "
-          "set text_files_task.validation_fraction > 0 for a validation split")
+          f"set {self.fraction_setting} > 0 for a validation split")
     paths, selections = self._documents_by_split()[split]
     if shard_info is not None:
       paths = paths[shard_info.index::shard_info.num_shards]

@@ -1,0 +1,120 @@
+"""A Hugging Face `tokenizer.json` as the run's vocabulary: its ids and special tokens,
+the refusal of one without EOS, the token store's cache key, the checkpoint metadata
+that keeps it, and a run that trains on it and samples with it. The tokenizers are
+small byte-level BPEs trained here with `tokenizers` (nothing is downloaded)."""
+import os
+import random
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from pretrain.checkpoints.metadata import make_vocabulary, vocabulary_spec
+from pretrain.data import materialize, pipeline, tasks
+from pretrain.data.errors import DataError
+from pretrain.data.vocabularies import get_vocabulary
+from test_data_corpora import write_zst
+from trainer_helpers import assert_ok, trainer_env  # pylint: disable=unused-import  # noqa: F401
+
+WORDS = ("the quick brown fox jumps over lazy dog def return class self import for "
+         "while print value items").split()
+SPECIALS = ("<pad>", "<|endoftext|>")
+
+
+def texts(count=200, seed=0):
+  rng = random.Random(seed)
+  return [" ".join(rng.choice(WORDS) for _ in range(30)) for _ in range(count)]
+
+
+def train_bpe(directory, vocab_size=300, special_tokens=SPECIALS):
+  """A byte-level BPE (GPT-2 style) trained on a few hundred words; returns its path."""
+  tokenizer = Tokenizer(models.BPE())
+  tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tokenizer.decoder = decoders.ByteLevel()
+  tokenizer.train_from_iterator(texts(), trainers.BpeTrainer(
+      vocab_size=vocab_size, special_tokens=list(special_tokens),
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  os.makedirs(directory, exist_ok=True)
+  path = os.path.join(directory, "tokenizer.json")
+  tokenizer.save(path)
+  return path
+
+
+def test_ids_round_trip_and_special_tokens_map_onto_eos_and_padding(tmp_path):
+  path = train_bpe(tmp_path / "bpe")
+  vocabulary = get_vocabulary(tokenizer_json=str(tmp_path / "bpe"))   # the directory
+  assert vocabulary == get_vocabulary(tokenizer_json=path)            # or the file
+  reference = Tokenizer.from_file(path)
+  assert vocabulary.vocab_size == 300
+  assert vocabulary.eos_id == reference.token_to_id("<|endoftext|>") == 1
+  assert vocabulary.pad_id == 0 and vocabulary.unk_id is None
+  text = "the quick brown fox, héllo\n  print(value)"
+  ids = vocabulary.encode(text)
+  assert ids == reference.encode(text, add_special_tokens=False).ids   # no BOS added
+  assert vocabulary.decode(ids) == text
+  assert vocabulary.decode(ids + [vocabulary.eos_id] + ids) == text  # up to EOS
+  batched = vocabulary.encode_tf(np.array([text, "dog"])).to_list()
+  assert batched == [ids, vocabulary.encode("dog")]
+
+
+def test_a_tokenizer_without_end_of_text_is_refused_or_told_its_eos(tmp_path):
+  path = train_bpe(tmp_path / "plain", special_tokens=("<pad>", "<stop>"))
+  with pytest.raises(DataError, match=r"has no end-of-text special token .*set "
+                     r"get_vocabulary\.eos_token"):
+    get_vocabulary(tokenizer_json=path)
+  assert get_vocabulary(tokenizer_json=path, eos_token="<stop>").eos_id == 1
+  with pytest.raises(DataError, match="has no token '<end>' to use as EOS"):
+    get_vocabulary(tokenizer_json=path, eos_token="<end>")
+  with pytest.raises(DataError, match="neither a tokenizer.json file nor a directory"):
+    get_vocabulary(tokenizer_json=str(tmp_path / "missing"))
+
+
+def test_the_store_name_keys_on_the_tokenizer_content(tmp_path):
+  write_zst(tmp_path / "c.jsonl.zst", texts(20))
+  names = []
+  for vocabulary in (None, get_vocabulary(tokenizer_json=train_bpe(tmp_path / "a")),
+                     get_vocabulary(tokenizer_json=train_bpe(tmp_path / "b", 280))):
+    task = tasks.corpus_task(files=str(tmp_path / "c.jsonl.zst"), vocabulary=vocabulary,
+                             name="same_name")
+    names.append(materialize.store_name(materialize.get_provider(task), "train", 32, None))
+  assert len(set(names)) == 3
+
+
+def test_the_store_holds_the_tokenizer_ids_and_checkpoints_keep_it(tmp_path):
+  documents = texts(20)
+  write_zst(tmp_path / "c.jsonl.zst", documents)
+  vocabulary = get_vocabulary(tokenizer_json=train_bpe(tmp_path / "bpe"))
+  task = tasks.corpus_task(files=str(tmp_path / "c.jsonl.zst"), vocabulary=vocabulary)
+  data = pipeline.DataPipeline(task=task, sequence_length=64, batch_size=2,
+                               cache_dir=str(tmp_path / "cache"))
+  rows = data.train_store.read(np.arange(data.num_train_rows))
+  stored = rows["targets"][rows["segment_ids"] > 0]
+  expected = np.concatenate([ids + [1] for ids in vocabulary.encode_batch(documents)])
+  np.testing.assert_array_equal(stored, expected)
+
+  spec = vocabulary_spec(vocabulary, str(tmp_path / "workdir"))
+  assert spec == f"tokenizer.json:{vocabulary.digest}:<|endoftext|>"
+  assert os.listdir(tmp_path / "workdir" / "vocabulary") == [
+      f"{vocabulary.digest}.tokenizer.json"]
+  assert make_vocabulary(spec, str(tmp_path / "workdir")) == vocabulary
+
+
+@pytest.mark.slow
+def test_train_two_steps_on_a_tokenizer_json_then_sample(trainer_env, tmp_path):
+  path = train_bpe(tmp_path / "bpe")
+  config = tmp_path / "hf.gin"
+  config.write_text(open(trainer_env.gin, encoding="utf-8").read()
+                    .replace("ModelConfig.vocab_size = 259", "ModelConfig.vocab_size = 300")
+                    + f"get_vocabulary.tokenizer_json = '{path}'\n")
+  workdir = tmp_path / "run"
+  assert_ok(trainer_env.run(trainer_env.train_command(
+      str(workdir), "TRAIN_STEPS = 2", gin_files=[str(config)])))
+  digest = get_vocabulary(tokenizer_json=path).digest
+  os.remove(path)   # the workdir's own copy is what sample reads
+  result = trainer_env.run(trainer_env.command(
+      "pretrain.sample", f"--workdir={workdir}", "--prompt=the quick",
+      "--max_new_tokens=5", "--seed=1"))
+  assert_ok(result)
+  assert result.stdout.startswith("the quick")
+  # The checkpoint keeps the tokenizer by hash; sample ran without the original file.
+  assert os.listdir(workdir / "vocabulary") == [f"{digest}.tokenizer.json"]
