@@ -34,7 +34,7 @@ from pretrain.evaluation import loss as evaluation
 from pretrain import gin_config
 from pretrain.observability import metrics as metrics_lib
 from pretrain.data import synthetic
-from pretrain.data.hf_vocabulary import HfTokenizerVocabulary
+from pretrain.data import hf_vocabulary
 from pretrain.data.vocabularies import token_byte_lengths
 from pretrain.checkpoints.loading import LoadedModel, load
 from pretrain.train_config import TrainConfig
@@ -102,7 +102,7 @@ def validation_metrics(model: LoadedModel, workdir: str) -> dict[str, float]:
     # The run's config names the model file it trained with, which may be gone or on
     # another machine; the checkpoint's own copy has the same content.
     bindings.append(f"get_vocabulary.spm_path = '{model.vocabulary.sentencepiece_model_file}'")
-  if isinstance(model.vocabulary, HfTokenizerVocabulary):
+  if isinstance(model.vocabulary, hf_vocabulary.HfTokenizerVocabulary):
     bindings.append(f"get_vocabulary.tokenizer_json = '{model.vocabulary.source}'")
   gin_config.parse([storage.local_copy(config_path)], bindings)
   pipeline = gin_config.build_pipeline(gin_config.build(TrainConfig), model.runtime)

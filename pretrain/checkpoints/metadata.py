@@ -19,7 +19,7 @@ import jax
 from model.config import ModelConfig, model_config_from_dict, model_config_to_dict
 from plumbing import storage
 from plumbing.errors import UserError
-from pretrain.data.hf_vocabulary import HfTokenizerVocabulary
+from pretrain.data import hf_vocabulary
 from pretrain.data.vocabularies import get_vocabulary
 
 # SeqIO and TensorFlow load on first use (about 6 s): commands that only parse
@@ -68,10 +68,11 @@ def vocabulary_spec(vocabulary: seqio.Vocabulary, workdir: Optional[str] = None)
   `workdir/vocabulary/` (process 0; skipped when that file already exists); a
   `tokenizer.json` likewise, as 'tokenizer.json:<sha256>:<EOS token>'.
   """
-  if isinstance(vocabulary, (seqio.SentencePieceVocabulary, HfTokenizerVocabulary)):
+  file_vocabularies = (seqio.SentencePieceVocabulary, hf_vocabulary.HfTokenizerVocabulary)
+  if isinstance(vocabulary, file_vocabularies):
     if workdir is None:
       raise ValueError("a file vocabulary is stored in the workdir: pass workdir")
-  if isinstance(vocabulary, HfTokenizerVocabulary):
+  if isinstance(vocabulary, hf_vocabulary.HfTokenizerVocabulary):
     _store_once(_tokenizer_json_file(workdir, vocabulary.digest), vocabulary.tokenizer_json)
     return f"{_TOKENIZER_JSON_PREFIX}{vocabulary.digest}:{vocabulary.eos_token}"
   if isinstance(vocabulary, seqio.SentencePieceVocabulary):
@@ -99,8 +100,9 @@ def make_vocabulary(spec: str, workdir: Optional[str] = None) -> seqio.Vocabular
   if spec.startswith(_TOKENIZER_JSON_PREFIX):
     digest, _, eos_token = spec[len(_TOKENIZER_JSON_PREFIX):].partition(":")
     path = _tokenizer_json_file(workdir or ".", digest)
-    return HfTokenizerVocabulary(_read_checked(path, digest, workdir, "tokenizer.json"),
-                                 eos_token or None, source=path)
+    return hf_vocabulary.HfTokenizerVocabulary(
+        _read_checked(path, digest, workdir, "tokenizer.json"), eos_token or None,
+        source=path)
   if spec.startswith(_PASSTHROUGH_PREFIX):
     size = spec[len(_PASSTHROUGH_PREFIX):]
     if not size.isdigit() or int(size) < 1:

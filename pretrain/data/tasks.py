@@ -30,7 +30,7 @@ from etils import epy
 import gin
 
 from pretrain.data import corpus_files
-from pretrain.data.hf_vocabulary import HfTokenizerVocabulary
+from pretrain.data import hf_vocabulary
 from pretrain.data.vocabularies import short_vocabulary_name, vocabulary_fingerprint
 
 # SeqIO and TensorFlow load on first use (about 6 s): commands that only parse
@@ -59,7 +59,7 @@ def tokenize_targets(dataset: tf.data.Dataset,
   """`targets` text -> ids. A `tokenizer.json` vocabulary encodes 256 documents per call
   (its Rust threads, not one Python call per document); others as SeqIO does."""
   vocabulary = output_features["targets"].vocabulary
-  if not isinstance(vocabulary, HfTokenizerVocabulary):
+  if not isinstance(vocabulary, hf_vocabulary.HfTokenizerVocabulary):
     return seqio.preprocessors.tokenize(dataset, output_features,
                                         copy_pretokenized=False)
   return (dataset.batch(_TOKENIZE_BATCH)

@@ -17,7 +17,7 @@ import numpy as np
 
 from plumbing import storage
 from pretrain.data.errors import DataError
-from pretrain.data.hf_vocabulary import TOKENIZER_FILE, HfTokenizerVocabulary
+from pretrain.data import hf_vocabulary
 
 # SeqIO and TensorFlow load on first use (about 6 s): commands that only parse
 # configs, print help or plan memory never touch them.
@@ -51,8 +51,8 @@ def get_vocabulary(spm_path: Optional[str] = None, tokenizer_json: Optional[str]
     if spm_path:
       raise DataError("set get_vocabulary.spm_path or get_vocabulary.tokenizer_json, "
                       "not both")
-    return HfTokenizerVocabulary(_read_tokenizer_json(tokenizer_json), eos_token,
-                                 source=tokenizer_json)
+    return hf_vocabulary.HfTokenizerVocabulary(_read_tokenizer_json(tokenizer_json),
+                                               eos_token, source=tokenizer_json)
   if spm_path is None or spm_path in ("", "byte", "bytes"):
     return seqio.ByteVocabulary()
   if storage.is_url(spm_path) and storage.exists(spm_path):
@@ -69,7 +69,7 @@ def get_vocabulary(spm_path: Optional[str] = None, tokenizer_json: Optional[str]
 def _read_tokenizer_json(location: str) -> bytes:
   """The bytes of `location`, or of `location/tokenizer.json` for a directory."""
   path = location if storage.is_url(location) else os.path.expanduser(location)
-  for candidate in (path, storage.join(path, TOKENIZER_FILE)):
+  for candidate in (path, storage.join(path, hf_vocabulary.TOKENIZER_FILE)):
     if storage.exists(candidate) and not storage.isdir(candidate):
       return storage.read_bytes(candidate)
   raise DataError(
@@ -79,7 +79,7 @@ def _read_tokenizer_json(location: str) -> bytes:
 
 def vocabulary_fingerprint(vocabulary: seqio.Vocabulary) -> str:
   """A short string that changes whenever the token ids of some text would."""
-  if isinstance(vocabulary, HfTokenizerVocabulary):
+  if isinstance(vocabulary, hf_vocabulary.HfTokenizerVocabulary):
     return f"hf:{vocabulary.digest[:16]}:eos={vocabulary.eos_token}"
   if isinstance(vocabulary, seqio.ByteVocabulary):
     return f"byte:extra{vocabulary.extra_ids}"
