@@ -14,8 +14,9 @@ from typing import Optional, Sequence
 
 from absl import flags
 
+from launch.clusters import cluster_backend
 from launch.clusters import common
-from launch.sweeps import sweep_dispatch
+from launch.dispatch import sweep_dispatch
 from plumbing import storage
 from plumbing.errors import usage_error
 
@@ -75,7 +76,8 @@ def _recovery_lines(max_restarts: int) -> list[str]:
       '  case "$record" in',
       '    *" Reason=TimeLimit "*) on_signal TERM; return ;;',
       '    *" Restarts=$restarts "*) ;;',
-      '    *" Restarts="*) ended="requeued by SLURM (a preemption whose grace time ran out)" ;;',
+      '    *" Restarts="*) ended="requeued by SLURM (a preemption whose grace time ran '
+      'out)" ;;',
       "  esac",
       '  echo "launch.slurm: received SIGTERM: job $SLURM_JOB_ID was $ended; the training '
       'tasks save their current step if they can" >&2',
@@ -168,7 +170,7 @@ def batch_script(command: Sequence[str], *, job_name: str, nodes: int, gpus_per_
 
 
 @dataclasses.dataclass(frozen=True)
-class SweepBackend(sweep_dispatch.ClusterBackend):
+class SweepBackend(cluster_backend.ClusterBackend):
   """`launch.sweep --backend=slurm`: the study's runs as one sbatch job array, task i
   running job i, every task with the same resources (sweep_dispatch.Backend)."""
   nodes: int = 1
