@@ -13,6 +13,8 @@ After 1-3 every task saves the step they agree on and the job requeues; after 4 
 ends the step and the job requeues from the newest checkpoint. The job completes with
 the reference's losses at every step, and no step before a signal is trained twice.
 A job whose step keeps failing spends its restart budget and ends FAILED with one line.
+A job cancelled with `scancel JOB` or `scancel --full JOB` saves and ends CANCELLED,
+never requeued.
 
 Every run shares the session's token store and compilation cache.
 """
@@ -230,10 +232,10 @@ def test_readme_example_survives_warning_preemption_scancel_and_a_killed_task(
                          ids=["scancel", "scancel-full"])
 def test_a_cancelled_job_saves_and_stays_cancelled(cluster, run_env, reference, tmp_path,
                                                     how):
-  """`scancel JOB` and `scancel --full JOB` send SIGTERM to the batch shell as well as
-  to the tasks (and to srun, whose "forcing job termination" then finds the step
-  cancelled already): the tasks save the step they agree on, and the job ends CANCELLED,
-  never requeued."""
+  """`scancel JOB` and `scancel --full JOB` (no signal) are the same cancel: SIGTERM to
+  every process of the job, the tasks, srun (whose "forcing job termination" finds the
+  step cancelled already and leaves the tasks be) and the batch shell. The tasks save
+  the step they agree on, and the job ends CANCELLED, never requeued."""
   job, _, workdir = _submit_readme_example(run_env, tmp_path)
   _wait_for_step(cluster, job, workdir, tmp_path, 3)
   cluster.client(*how, job)

@@ -72,19 +72,26 @@ def _recovery_lines(max_restarts: int) -> list[str]:
       "}",
       "on_term() {",
       '  record=" $(scontrol show job --oneliner "$SLURM_JOB_ID" 2>/dev/null || true) "',
-      '  ended="cancelled"',
       '  case "$record" in',
-      '    *" Reason=TimeLimit "*) on_signal TERM; return ;;',
-      '    *" Restarts=$restarts "*) ;;',
+      '    *" Reason=TimeLimit "*) signalled="SIGTERM at the time limit" ;;',
+      '    *" Restarts=$restarts "*) ended="cancelled" ;;',
       '    *" Restarts="*) ended="requeued by SLURM (a preemption whose grace time ran '
       'out)" ;;',
+      '    *) ended="cancelled" ;;',
       "  esac",
-      '  echo "launch.slurm: received SIGTERM: job $SLURM_JOB_ID was $ended; the training '
-      'tasks save their current step if they can" >&2',
       "  interrupted=1",
+      # No `return` in a trap: under `set -e` it would return the status of the `wait`
+      # the signal interrupted (143) and end the shell.
+      '  if [ -z "$ended" ]; then',
+      '    echo "launch.slurm: received SIGTERM at the time limit; the training tasks save '
+      'their current step" >&2',
+      "  else",
+      '    echo "launch.slurm: received SIGTERM: job $SLURM_JOB_ID was $ended; the training '
+      'tasks save their current step if they can" >&2',
       # A cancel has signalled the tasks already (scancel then says the job is
       # completing); `scancel --signal=TERM --batch` reached this shell alone.
-      '  scancel --signal=TERM "$SLURM_JOB_ID" 2>/dev/null || true',
+      '    scancel --signal=TERM "$SLURM_JOB_ID" 2>/dev/null || true',
+      "  fi",
       "}",
       "trap 'on_signal USR1' USR1",
       "trap on_term TERM",
