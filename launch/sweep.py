@@ -26,8 +26,8 @@ in `DIR/runs/<name>` with the user's Gin files, the run's model and budget as bi
 then the user's bindings.
 
 `--backend` picks where the runs execute, by name among the registered backends
-(`launch.sweeps.sweep_dispatch`: N at a time here, one SLURM job array, a GKE JobSet per run,
-a TPU queued resource per run; each backend module defines its own flags); `--dry_run`
+(`launch.dispatch.sweep_dispatch`: N at a time here, one SLURM job array, a GKE JobSet per
+run, a TPU queued resource per run; each backend module defines its own flags); `--dry_run`
 prints the plan and every job spec; locally, a progress line with an ETA goes to
 stderr as runs start and end (`launch.sweeps.sweep_progress`). What a run needs is read from
 its directory (finished, running, interrupted, failed, pending), so running the same
@@ -46,7 +46,7 @@ optimizer's fixed default would make a short run all warm-up) and may get a comm
 This module is the command line (flags and main); the study is `launch.sweeps.study`
 (`StudyOptions`, `run_study`), whose parts live apart: the size rule and the designs in
 `launch.sweeps.sweep_design`, running the runs in `launch.sweeps.sweep_execute` (through
-the backends of `launch.sweeps.sweep_dispatch`), the results and plots in
+the backends of `launch.dispatch.sweep_dispatch`), the results and plots in
 `launch.sweeps.sweep_results`.
 """
 from __future__ import annotations
@@ -56,10 +56,10 @@ from typing import Sequence
 
 from absl import flags
 
+from launch.dispatch import sweep_dispatch
 from launch.scaling import scaling_fit
 from launch.sweeps import study
 from launch.sweeps import sweep_design
-from launch.sweeps import sweep_dispatch
 from launch.sweeps.sweep_design import FAMILY_PATTERNS
 from plumbing import cli
 

@@ -19,7 +19,7 @@ from typing import Sequence
 from absl import flags
 
 from launch.clusters import common
-from launch.sweeps import sweep_job
+from launch.dispatch import sweep_job
 from plumbing import cli
 
 

@@ -102,8 +102,12 @@ CLIENT_LOGGERS = ("urllib3", "requests", "botocore", "aiobotocore", "s3fs", "bot
                   "google.auth", "google_auth_httplib2", "google.api_core",
                   "google.cloud.storage", "gcsfs", "fsspec", "mlflow", "wandb")
 
+# The filter ends when the command closes the pipe. It ignores SIGTERM, which a
+# scheduler may send to every process of a job (SLURM's `scancel`, its time limit) while
+# the command saves: ended first, it would leave the command writing into a closed pipe.
 _FILTER_PROGRAM = """
-import re, sys
+import re, signal, sys
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
 noise = re.compile("|".join(sys.argv[1:]))
 out = sys.stdout.buffer
 for line in sys.stdin.buffer:

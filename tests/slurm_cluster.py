@@ -17,7 +17,7 @@ Each node declares 2 CPUs and 2 GPUs as GRES over placeholder character devices 
 processes run on CPU). `JobRequeue=1` with a 10 s requeue delay (`cred_expire`, which
 SLURM waits after a requeue before the job may start again), and two partitions:
 `gpu` (preemptible: `PreemptMode=REQUEUE`, `GraceTime=60`) and `urgent` (a higher
-`PriorityTier`, whose jobs preempt `gpu` jobs).
+`PriorityTier`, whose jobs preempt `gpu` jobs). `KillWait` is SLURM's default, 30 s.
 
 Client commands (`sbatch`, `squeue`, `scontrol`, `scancel`, `sacct`, `sinfo`) reach
 slurmctld through small wrappers that enter the controller's network namespace;
@@ -40,6 +40,9 @@ GPUS_PER_NODE = 2
 CLIENTS = ("sbatch", "squeue", "scontrol", "scancel", "sacct", "sinfo", "srun")
 REQUEUE_DELAY_S = 10
 GRACE_TIME_S = 60
+# SLURM's default: a cancelled job's tasks save, exit (a JAX process takes seconds to
+# finalize on a loaded host) and let the batch shell say so before SIGKILL.
+KILL_WAIT_S = 30
 DAEMONS = ("munged", "slurmctld", "slurmd")
 
 
@@ -146,7 +149,7 @@ class SlurmCluster:
           "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU",
           "SlurmdParameters=config_overrides", "ReturnToService=2",
           "JobRequeue=1", "PreemptType=preempt/partition_prio", "PreemptMode=REQUEUE",
-          "GresTypes=gpu", "KillWait=10", "InactiveLimit=0", "MinJobAge=3600",
+          "GresTypes=gpu", f"KillWait={KILL_WAIT_S}", "InactiveLimit=0", "MinJobAge=3600",
           *node_lines,
           f"PartitionName=gpu Nodes={nodes} Default=YES MaxTime=INFINITE State=UP "
           f"PriorityTier=1 PreemptMode=REQUEUE GraceTime={GRACE_TIME_S}",

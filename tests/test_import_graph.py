@@ -134,15 +134,15 @@ PRETRAIN_COMMANDS = ("pretrain.train", "pretrain.evaluate", "pretrain.sample",
                      "pretrain.extrapolation", "pretrain.data.prepare")
 
 
-# The wings of `launch`, in the same way. The sweeps wing has two halves: the contract
-# between a study and the backends that run it (the dispatcher's registry and run states,
-# and the wrapper every run starts through) below the cluster launchers, whose modules
-# each also define their sweep backend; the study's design, execution and results above
-# them. The launchers' shared pieces sit below both.
+# The wings of `launch`, in the same way, each one package on one floor
+# (`test_each_launch_wing_is_one_package`): the contract between a study and the backends
+# that run it (the dispatcher's registry and run states, and the wrapper every run
+# starts through) below the cluster launchers, whose modules each also define their
+# sweep backend; the study's design, execution and results above them.
 LAUNCH_WINGS = (
-    {"faults": ("launch.faults",), "scaling": ("launch.scaling",)},
-    {"clusters: shared pieces": ("launch", "launch.clusters.common")},
-    {"sweeps: dispatch": ("launch.sweeps.sweep_dispatch", "launch.sweeps.sweep_job")},
+    {"the package": ("launch",)},
+    {"faults": ("launch.faults",), "scaling": ("launch.scaling",),
+     "dispatch": ("launch.dispatch",)},
     {"clusters": ("launch.clusters",)},
     {"sweeps": ("launch.sweeps",)},
 )
@@ -242,6 +242,18 @@ def test_commands_are_the_modules_with_a_main_and_nothing_imports_them(package):
   assert not importers, "a library imports a command: " + ", ".join(importers)
 
 
+def test_each_launch_wing_is_one_package():
+  """Every folder of `launch/` is one wing on one floor, named by that package alone,
+  so that no wing sits both below and above another."""
+  packages = sorted(module for module, path in MODULES.items()
+                    if module.count(".") == 1 and module.startswith("launch.")
+                    and path.endswith("__init__.py"))
+  named = [prefix for peers in LAUNCH_WINGS for prefixes in peers.values()
+           for prefix in prefixes]
+  assert sorted(named) == ["launch", *packages], named
+  assert all(len(prefixes) == 1 for peers in LAUNCH_WINGS for prefixes in peers.values())
+
+
 def test_the_wing_check_finds_what_it_looks_for():
   assert _across_wings({"pretrain.checkpoints.loading": {"pretrain.trainer"}},
                        _pretrain_wing) == ["pretrain.checkpoints.loading -> pretrain.trainer"]
@@ -251,10 +263,13 @@ def test_the_wing_check_finds_what_it_looks_for():
                         "pretrain.export": {"pretrain.interchange.hf_export"}},
                        _pretrain_wing) == []
   assert _across_wings({"launch.clusters.slurm": {"launch.sweeps.sweep_execute"},
-                        "launch.sweeps.sweep_dispatch": {"launch.clusters.gke"},
+                        "launch.dispatch.sweep_dispatch": {"launch.clusters.gke",
+                                                           "launch.scaling.scaling_fit"},
                         "launch.sweeps.sweep_execute": {"launch.clusters.slurm"}},
-                       _launch_wing) == ["launch.clusters.slurm -> launch.sweeps.sweep_execute",
-                                         "launch.sweeps.sweep_dispatch -> launch.clusters.gke"]
+                       _launch_wing) == [
+      "launch.clusters.slurm -> launch.sweeps.sweep_execute",
+      "launch.dispatch.sweep_dispatch -> launch.clusters.gke",
+      "launch.dispatch.sweep_dispatch -> launch.scaling.scaling_fit"]
   assert _across_wings({"model.blocks.attention.spec": {"model.memory",
                                                         "model.blocks.recurrent.layer"},
                         "model.lm": {"model.blocks.recurrent.layer"},

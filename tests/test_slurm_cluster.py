@@ -13,6 +13,8 @@ After 1-3 every task saves the step they agree on and the job requeues; after 4 
 ends the step and the job requeues from the newest checkpoint. The job completes with
 the reference's losses at every step, and no step before a signal is trained twice.
 A job whose step keeps failing spends its restart budget and ends FAILED with one line.
+A job cancelled with `scancel JOB` or `scancel --full JOB` saves and ends CANCELLED,
+never requeued.
 
 Every run shares the session's token store and compilation cache.
 """
@@ -28,6 +30,8 @@ import time
 
 import pytest
 
+import slurm_cluster
+from pretrain.checkpoints.persistent import complete_steps
 from slurm_cluster import SlurmCluster, unavailable_reason
 from test_readme import PIECES
 from trainer_helpers import REPO, assert_ok, read_metrics, trainer_env  # pylint: disable=unused-import
@@ -155,18 +159,24 @@ def _trainer_pid(namespaces, workdir_flag):
   return None
 
 
-def test_readme_example_survives_warning_preemption_scancel_and_a_killed_task(
-    cluster, run_env, reference, tmp_path):
-  """The README's SLURM example, verbatim, interrupted four ways; it ends with the
-  reference's losses at every step."""
+def _submit_readme_example(run_env, cwd):
+  """Submits the README's SLURM example, verbatim, from `cwd`: (job id, its --workdir
+  flag, the workdir)."""
   assert len(README_SLURM) == 1, README_SLURM
-  os.symlink(os.path.join(REPO, "tests"), tmp_path / "tests")
-  result = subprocess.run(README_SLURM[0], shell=True, cwd=tmp_path, env=run_env,
+  os.symlink(os.path.join(REPO, "tests"), cwd / "tests")
+  result = subprocess.run(README_SLURM[0], shell=True, cwd=cwd, env=run_env,
                           capture_output=True, text=True, timeout=60)
   assert_ok(result)
   job = re.search(r"Submitted batch job (\d+)", result.stdout).group(1)
   workdir_flag = re.search(r"--workdir=\S+", README_SLURM[0]).group(0)
-  workdir = str(tmp_path / workdir_flag.split("=", 1)[1])
+  return job, workdir_flag, str(cwd / workdir_flag.split("=", 1)[1])
+
+
+def test_readme_example_survives_warning_preemption_scancel_and_a_killed_task(
+    cluster, run_env, reference, tmp_path):
+  """The README's SLURM example, verbatim, interrupted four ways; it ends with the
+  reference's losses at every step."""
+  job, workdir_flag, workdir = _submit_readme_example(run_env, tmp_path)
 
   def progress(steps):
     saved = _saved_steps(_output(tmp_path, job))
@@ -216,6 +226,41 @@ def test_readme_example_survives_warning_preemption_scancel_and_a_killed_task(
   restarts = [row for row in read_metrics(workdir) if row.get("kind") == "restart"]
   assert [row["step"] for row in restarts] == resumed, restarts
   assert [row["lost_steps"] for row in restarts[:3]] == [0, 0, 0], restarts
+
+
+@pytest.mark.parametrize("how", [["scancel"], ["scancel", "--full"]],
+                         ids=["scancel", "scancel-full"])
+def test_a_cancelled_job_saves_and_stays_cancelled(cluster, run_env, reference, tmp_path,
+                                                    how):
+  """`scancel JOB` and `scancel --full JOB` (no signal) are the same cancel: SIGTERM to
+  every process of the job, the tasks, srun (whose "forcing job termination" finds the
+  step cancelled already and leaves the tasks be) and the batch shell. The tasks save
+  the step they agree on, and the job ends CANCELLED, never requeued."""
+  job, _, workdir = _submit_readme_example(run_env, tmp_path)
+  _wait_for_step(cluster, job, workdir, tmp_path, 3)
+  cluster.client(*how, job)
+  cluster.wait_for(job, ["CANCELLED", "PENDING", "COMPLETED", "FAILED"], timeout_s=120)
+  # A requeue would have come from the batch shell before it exited, which the job
+  # waits for; watch for longer than SLURM holds a requeued job back all the same.
+  deadline = time.monotonic() + slurm_cluster.REQUEUE_DELAY_S + 5
+  while time.monotonic() < deadline:
+    record = cluster.job(job)
+    assert (record["JobState"], record["Restarts"]) == ("CANCELLED", "0"), record
+    assert not cluster.client("squeue", "--noheader", f"--jobs={job}").strip()
+    time.sleep(1)
+  output = _output(tmp_path, job)
+  saved = _saved_steps(output)
+  assert len(saved) == 1, output[-3000:]
+  saved = saved[0]
+  assert [line for line in output.splitlines() if line.startswith("launch.slurm:")] == [
+      f"launch.slurm: received SIGTERM: job {job} was cancelled; the training tasks save "
+      "their current step if they can",
+      f"launch.slurm: job {job} was cancelled; the run saved step {saved}; not requeueing "
+      "it"], output[-3000:]
+  losses = _train_rows(workdir)
+  assert saved >= 3 and max(losses) == saved, (saved, sorted(losses))
+  assert saved in complete_steps(os.path.join(workdir, "checkpoints")), saved
+  assert all(rows == [reference[step]] for step, rows in losses.items()), losses
 
 
 def test_spent_restart_budget_ends_the_job_with_one_line(cluster, run_env, tmp_path):

@@ -12,10 +12,10 @@ from typing import List, Sequence
 from absl import flags
 import pytest
 
+from launch.dispatch import sweep_dispatch
+from launch.dispatch import sweep_job
 from launch.sweeps import sweep_design
-from launch.sweeps import sweep_dispatch
 from launch.sweeps import sweep_execute
-from launch.sweeps import sweep_job
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -91,7 +91,7 @@ _SWEEP_WITH_TOY = f"""
 import sys
 sys.path.insert(0, {TESTS!r})
 from launch import sweep
-from launch.sweeps import sweep_dispatch
+from launch.dispatch import sweep_dispatch
 from plumbing import cli
 import test_sweep_backend
 sweep_dispatch.register(test_sweep_backend.ToyBackend())

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from launch.sweeps import sweep_dispatch
+from launch.dispatch import sweep_dispatch
 from launch.sweeps import sweep_local
 from launch.sweeps import sweep_progress
 

@@ -15,9 +15,9 @@ import time
 import pytest
 import yaml
 
+from launch.dispatch import sweep_dispatch
+from launch.dispatch import sweep_job
 from launch.sweeps import sweep_design
-from launch.sweeps import sweep_dispatch
-from launch.sweeps import sweep_job
 from launch.sweeps import sweep_local
 from pretrain.observability import flops as flops_lib
 from tiers import slow_after_first

@@ -17,13 +17,13 @@ import time
 import pytest
 import yaml
 
+from launch.dispatch import sweep_dispatch
+from launch.dispatch import sweep_job
 from launch.sweeps import fork as fork_lib
 from launch.sweeps import ladder
 from launch.sweeps import size_rule
 from launch.sweeps import sweep_design
-from launch.sweeps import sweep_dispatch
 from launch.sweeps import sweep_execute
-from launch.sweeps import sweep_job
 from launch.sweeps import sweep_local
 from launch.sweeps import wsd_design
 from plumbing.errors import UserError

@@ -14,8 +14,9 @@ from typing import Any, Optional, Sequence
 
 from absl import flags
 
+from launch.clusters import cluster_backend
 from launch.clusters import common
-from launch.sweeps import sweep_dispatch
+from launch.dispatch import sweep_dispatch
 from model import counting
 from model.config import ModelConfig
 from plumbing.errors import usage_error
@@ -170,7 +171,7 @@ def jobset_manifest(name: str, image: str, command: Sequence[str], tpu_slice: Tp
 
 
 @dataclasses.dataclass(frozen=True)
-class SweepBackend(sweep_dispatch.ClusterBackend):
+class SweepBackend(cluster_backend.ClusterBackend):
   """`launch.sweep --backend=gke`: one JobSet per run, each on one `tpu_type` slice
   and running `image` (sweep_dispatch.Backend)."""
   image: Optional[str] = None

@@ -14,28 +14,35 @@ from typing import Optional, Sequence
 
 from absl import flags
 
+from launch.clusters import cluster_backend
 from launch.clusters import common
-from launch.sweeps import sweep_dispatch
+from launch.dispatch import sweep_dispatch
 from plumbing import storage
 from plumbing.errors import usage_error
 
 
 def _recovery_lines(max_restarts: int) -> list[str]:
-  """Bash that saves and requeues the job on a preemption or time-limit signal, and
-  requeues it after a failed step, at most `max_restarts` times (SLURM counts requeues in
-  SLURM_RESTART_COUNT).
+  """Bash that saves and requeues the job on a preemption or time-limit signal, ends it
+  on a cancel, and requeues it after a failed step, at most `max_restarts` times (SLURM
+  counts requeues in SLURM_RESTART_COUNT).
 
   The trainer saves on SIGTERM, and it must get that signal itself: srun answers a
   SIGTERM by killing its tasks at once ("forcing job termination"), so the batch shell
-  never signals srun. Signals reach the tasks in two ways:
-  * SLURM sends them to the tasks directly (a preemption's SIGTERM at the start of its
-    grace time, `scancel --signal=TERM JOB`); the shell does not see them.
-  * The time-limit warning (`--signal=B:USR1@S`) and `scancel --batch` reach this
-    shell, which forwards SIGTERM to every task of the job's steps with
-    `scancel --signal=TERM $SLURM_JOB_ID` (steps only, not the batch shell or srun).
-  Either way each task saves the step all processes agree on and exits 0, and process 0
-  writes that step to $GRIFFIN_PREEMPTED_MARKER (pretrain.train), which tells this
-  shell to requeue the job rather than end it.
+  never signals srun. Who else gets a signal tells the three notices apart:
+  * a preemption (its SIGTERM at the start of the grace time) or `scancel --signal=TERM
+    JOB` reaches the tasks only; the shell does not see it. Each task saves the step all
+    processes agree on and exits 0, and process 0 writes that step to
+    $GRIFFIN_PREEMPTED_MARKER (pretrain.train), which tells this shell to requeue.
+  * the time-limit warning (`--signal=B:USR1@S`, or `scancel --signal=USR1 --batch`)
+    reaches only this shell, which forwards SIGTERM to every task of the job's steps
+    (`scancel --signal=TERM $SLURM_JOB_ID`: steps only, not this shell or srun) and
+    requeues once they have saved.
+  * a cancel (`scancel JOB`, with or without `--full`) sends SIGTERM to this shell as
+    well as to the tasks, and SIGKILL after KillWait: the tasks save if they can in that
+    time, and the job ends as SLURM cancelled it, not requeued. SLURM ends a job the
+    same way at its time limit, where slurmctld gives the reason `TimeLimit` and the
+    shell requeues as after the warning, and at the end of a preemption's grace time,
+    where SLURM has requeued the job itself (its restart count has grown).
   """
   return [
       f"max_restarts={max_restarts}",
@@ -54,6 +61,7 @@ def _recovery_lines(max_restarts: int) -> list[str]:
       "  exit 1",
       "}",
       'signalled=""',
+      'ended=""',
       'interrupted=""',
       "on_signal() {",
       '  echo "launch.slurm: received SIG$1; sending SIGTERM to the training tasks, which '
@@ -62,8 +70,31 @@ def _recovery_lines(max_restarts: int) -> list[str]:
       "  interrupted=1",
       '  scancel --signal=TERM "$SLURM_JOB_ID" || true',
       "}",
+      "on_term() {",
+      '  record=" $(scontrol show job --oneliner "$SLURM_JOB_ID" 2>/dev/null || true) "',
+      '  case "$record" in',
+      '    *" Reason=TimeLimit "*) signalled="SIGTERM at the time limit" ;;',
+      '    *" Restarts=$restarts "*) ended="cancelled" ;;',
+      '    *" Restarts="*) ended="requeued by SLURM (a preemption whose grace time ran '
+      'out)" ;;',
+      '    *) ended="cancelled" ;;',
+      "  esac",
+      "  interrupted=1",
+      # No `return` in a trap: under `set -e` it would return the status of the `wait`
+      # the signal interrupted (143) and end the shell.
+      '  if [ -z "$ended" ]; then',
+      '    echo "launch.slurm: received SIGTERM at the time limit; the training tasks save '
+      'their current step" >&2',
+      "  else",
+      '    echo "launch.slurm: received SIGTERM: job $SLURM_JOB_ID was $ended; the training '
+      'tasks save their current step if they can" >&2',
+      # A cancel has signalled the tasks already (scancel then says the job is
+      # completing); `scancel --signal=TERM --batch` reached this shell alone.
+      '    scancel --signal=TERM "$SLURM_JOB_ID" 2>/dev/null || true',
+      "  fi",
+      "}",
       "trap 'on_signal USR1' USR1",
-      "trap 'on_signal TERM' TERM",
+      "trap on_term TERM",
   ]
 
 
@@ -128,11 +159,17 @@ def batch_script(command: Sequence[str], *, job_name: str, nodes: int, gpus_per_
       '  [ "$status" -eq 127 ] || code=$status',
       '  [ -n "$interrupted" ] || break',
       "done",
-      'if [ "$code" -ne 0 ]; then',
+      'saved=$(cat "$GRIFFIN_PREEMPTED_MARKER" 2>/dev/null || echo "?")',
+      'rm -f "$GRIFFIN_PREEMPTED_MARKER"',
+      'if [ -n "$ended" ]; then',
+      '  if [ "$saved" = "?" ]; then saved="no step (the step exited with code $code)"; '
+      'else saved="step $saved"; fi',
+      '  echo "launch.slurm: job $SLURM_JOB_ID was $ended; the run saved $saved; not '
+      'requeueing it" >&2',
+      "  exit 143",
+      'elif [ "$code" -ne 0 ]; then',
       '  requeue "the training step exited with code $code"',
-      'elif [ -n "$signalled" ] || [ -e "$GRIFFIN_PREEMPTED_MARKER" ]; then',
-      '  saved=$(cat "$GRIFFIN_PREEMPTED_MARKER" 2>/dev/null || echo "?")',
-      '  rm -f "$GRIFFIN_PREEMPTED_MARKER"',
+      'elif [ -n "$signalled" ] || [ "$saved" != "?" ]; then',
       '  requeue "preempted (${signalled:-SIGTERM to the tasks}); the run saved step $saved"',
       "fi",
   ]
@@ -140,7 +177,7 @@ def batch_script(command: Sequence[str], *, job_name: str, nodes: int, gpus_per_
 
 
 @dataclasses.dataclass(frozen=True)
-class SweepBackend(sweep_dispatch.ClusterBackend):
+class SweepBackend(cluster_backend.ClusterBackend):
   """`launch.sweep --backend=slurm`: the study's runs as one sbatch job array, task i
   running job i, every task with the same resources (sweep_dispatch.Backend)."""
   nodes: int = 1

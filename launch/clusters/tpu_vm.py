@@ -13,8 +13,9 @@ from typing import Optional, Sequence
 
 from absl import flags
 
+from launch.clusters import cluster_backend
 from launch.clusters import common
-from launch.sweeps import sweep_dispatch
+from launch.dispatch import sweep_dispatch
 from sharding.tpu_slice import TpuSlice
 
 
@@ -75,7 +76,7 @@ def gcloud_argv(tpu: str, zone: str, project: Optional[str], remote: str) -> lis
 
 
 @dataclasses.dataclass(frozen=True)
-class SweepBackend(sweep_dispatch.ClusterBackend):
+class SweepBackend(cluster_backend.ClusterBackend):
   """`launch.sweep --backend=tpu_vm`: one `gcloud ... queued-resources create` per run,
   whose startup script runs it on every worker (`remote_command`: cd, setup, env,
   command) (sweep_dispatch.Backend)."""

@@ -16,9 +16,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import gin
 
 from launch.clusters import common
+from launch.dispatch import sweep_dispatch
 from launch.sweeps import ladder
 from launch.sweeps import size_rule
-from launch.sweeps import sweep_dispatch
 from launch.sweeps import sweep_execute
 from launch.sweeps import wsd_design
 from launch.sweeps.sweep_design import (FAMILY_PATTERNS, Run, budget_label,

@@ -1,12 +1,12 @@
 """Runs a study's runs through a backend: which runs to start, as what jobs, and what
 became of them.
 
-`execute` reads each run's state from its directory (`launch.sweeps.sweep_dispatch`), turns
-the runs left to do into jobs (the run's training command, `launch.sweeps.sweep_design`,
-inside `launch.sweep_job`) and hands them to the backend; `run_all` repeats that until
+`execute` reads each run's state from its directory (`launch.dispatch.sweep_dispatch`),
+turns the runs left to do into jobs (the run's training command,
+`launch.sweeps.sweep_design`, inside `launch.sweep_job`) and hands them to the backend; `run_all` repeats that until
 nothing is left to start. The built-in backends are registered here, in `--backend`'s
-order. This is apart from `launch.sweeps.sweep_dispatch` because it needs the design and the
-results, which the backend modules (importing `sweep_dispatch`) must not pull in.
+order. This is apart from `launch.dispatch.sweep_dispatch` because it needs the design
+and the results, which the backend modules (importing `sweep_dispatch`) must not pull in.
 """
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from typing import Callable, Dict, Sequence
 
 from launch.clusters import gke
 from launch.clusters import slurm
-from launch.sweeps import sweep_dispatch
-from launch.sweeps import sweep_job
-from launch.sweeps import sweep_local
 from launch.clusters import tpu_vm
+from launch.dispatch import sweep_dispatch
+from launch.dispatch import sweep_job
+from launch.sweeps import sweep_local
 from launch.sweeps.sweep_design import Run, command, non_embedding_params
 from launch.sweeps.sweep_results import collect, final_eval, write_results
 from plumbing.errors import UserError

@@ -18,7 +18,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from absl import flags
 
-from launch.sweeps import sweep_dispatch
+from launch.dispatch import sweep_dispatch
 from launch.sweeps import sweep_progress
 
 _POLL_S = 0.2

@@ -30,12 +30,11 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Any, Callable, ClassVar, Dict, List, Optional, Protocol, Sequence
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence
 
 from absl import flags
 
-from launch.clusters import common
-from launch.sweeps import sweep_job
+from launch.dispatch import sweep_job
 from plumbing.errors import usage_error
 
 FINISHED, RUNNING, INTERRUPTED, FAILED, PENDING = (
@@ -234,47 +233,6 @@ def dns_name(*parts: str, suffix: str = "") -> str:
   name = re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")
   tail = f"-{suffix}" if suffix else ""
   return name[:63 - len(tail)].rstrip("-") + tail
-
-
-@dataclasses.dataclass(frozen=True)
-class ClusterBackend:
-  """The base of the backends that submit to a cluster's queue: what their jobs share
-  (flags of `launch.sweep`: a job name prefix, a shell line run before each run, the
-  runs' environment) and `dispatch` through `submit_when_ready`; a subclass adds its
-  `name`, resources, flags and `submissions` (its spec builder)."""
-  job_name: str = "sweep"
-  setup: str = ""
-  env: Dict[str, str] = dataclasses.field(default_factory=dict)
-
-  name: ClassVar[str]
-  here: ClassVar[bool] = False
-
-  @staticmethod
-  def define_cluster_flags(tpu: bool = False) -> None:
-    """--job_name, --setup, --env (and --tpu_type with `tpu`), once for all backends."""
-    define_once(flags.DEFINE_string, "job_name", "sweep", "Cluster job name prefix.")
-    define_once(flags.DEFINE_string, "setup", "",
-                "Cluster: shell line before each run (venv, cd).")
-    define_once(flags.DEFINE_multi_string, "env", [],
-                "Cluster: NAME=VALUE environment of each run.")
-    if tpu:
-      define_once(flags.DEFINE_string, "tpu_type", None,
-                  "TPU backends: the slice of each run, e.g. v5p-8.")
-
-  @staticmethod
-  def cluster_flags(values: flags.FlagValues) -> Dict[str, Any]:
-    """The shared fields' values from the parsed flags."""
-    return dict(job_name=values.job_name, setup=values.setup,
-                env=common.parse_env_flags(values.env))
-
-  def dispatch(self, jobs: Sequence[Job], study: Study) -> List[str]:
-    return submit_when_ready(self.name, jobs, study, self.submissions)
-
-  def submissions(self, jobs: Sequence[Job], attempt: int,
-                  study_dir: str) -> List[Submission]:
-    """The commands that submit `jobs` (`attempt`: a time stamp that keeps the names of
-    resubmitted jobs apart; `study_dir`: where logs may go)."""
-    raise NotImplementedError
 
 
 @dataclasses.dataclass(frozen=True)
