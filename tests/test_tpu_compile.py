@@ -102,18 +102,25 @@ def test_train_step_compiles_for_tpu(model_file, bindings, mesh, pallas, request
 FUSED_SIZES = ["--gin_param=BATCH_SIZE=16", "--gin_param=SEQUENCE_LENGTH=256"]
 
 
+# The presets' own path: depth scanned one unit a trip (a while loop) with remat, whose
+# backward recomputes the forward launch.
+SCANNED = ["ModelConfig.depth=6", "ModelConfig.depth_scan_unroll=1",
+           'ModelConfig.remat="full"']
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("model_file,mesh,impl,attention_layers", [
-    (GRIFFIN, "fsdp:4,tensor:2", "splash", 1),            # local attention, heads split
-    ("configs/models/tiny_mqa.gin", "data:8", "splash", 2),  # global attention
-    ("configs/models/tiny_mqa.gin", "data:4,sequence:2", "xla", 2),  # time split
+@pytest.mark.parametrize("model_file,bindings,mesh,impl,launches", [
+    (GRIFFIN, [], "fsdp:4,tensor:2", "splash", (1, 1, 1)),  # local attention, heads split
+    (GRIFFIN, SCANNED, "fsdp:4,tensor:2", "splash", (2, 1, 1)),  # in the loop body
+    ("configs/models/tiny_mqa.gin", [], "data:8", "splash", (2, 2, 2)),  # global
+    ("configs/models/tiny_mqa.gin", [], "data:4,sequence:2", "xla", None),  # time split
 ])
-def test_fused_attention_compiles_for_tpu(model_file, mesh, impl, attention_layers):
+def test_fused_attention_compiles_for_tpu(model_file, bindings, mesh, impl, launches):
   """"auto" attention on TPU at 256 tokens a row: splash attention's forward, dq and dkv
-  launches are in the compiled program (inside shard_map), priced from the kernel's
-  block arithmetic and added to XLA's estimate; a mesh that splits time runs XLA's path
-  and the report says why."""
-  report, compiled = _compile(model_file, [], mesh, sizes=FUSED_SIZES)
+  launches are in the compiled program (inside shard_map, and inside the scanned depth
+  with remat), priced from the kernel's block arithmetic and added to XLA's estimate; a
+  mesh that splits time runs XLA's path and the report says why."""
+  report, compiled = _compile(model_file, bindings, mesh, sizes=FUSED_SIZES)
   text = compiled.as_text()
   assert report.attention["impl"] == impl
   if impl == "xla":
@@ -122,9 +129,9 @@ def test_fused_attention_compiles_for_tpu(model_file, mesh, impl, attention_laye
     return
   assert report.attention["reason"] == ""
   declared = report.declared_kernels
-  assert declared["launches"] == {"fwd": attention_layers, "dq": attention_layers,
-                                  "dkv": attention_layers}
+  assert declared["launches"] == dict(zip(("fwd", "dq", "dkv"), launches))
   assert declared["flops"] > 0 and declared["bytes"] > 0 and declared["seconds"] > 0
+  assert report.while_loops == (2 if bindings else 0)
   assert report.estimated_seconds == pytest.approx(
       report.xla_estimated_seconds + declared["seconds"])
   assert report.bytes_accessed == pytest.approx(report.xla_bytes_accessed + declared["bytes"])
