@@ -47,6 +47,7 @@ import jax
 from model import memory
 from plumbing import cli
 from pretrain import compile as compile_lib
+from pretrain.compilation import aot
 from pretrain import gin_config
 from pretrain.compilation import gpu_target
 from sharding.mesh import parse_mesh_flag
@@ -59,7 +60,8 @@ def compare(topology: str, gin_files: Sequence[str], gin_params: Sequence[str],
             mesh: str) -> dict[str, Any]:
   """Compiled and analytic per-chip memory (bytes, GiB) of the run the Gin files describe."""
   report, _ = compile_lib.compile_from_gin(topology, 1, gin_files, gin_params, mesh)
-  config = gin_config.build_model_config()
+  # Planned for the platform compiled for, whose kernels (fused attention) it follows.
+  config = aot.for_target(gin_config.build_model_config(), report.platform)
   plan = memory.plan_memory(config, parse_mesh_flag(mesh), report.batch_size,
                             report.sequence_length)
   compiled_activations = report.peak_bytes - report.argument_bytes - plan["gradients"]

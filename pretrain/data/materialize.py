@@ -295,11 +295,12 @@ def fill_store(writer, provider: seqio.DatasetProviderBase, split: str,
 def empty_split_error(provider: seqio.DatasetProviderBase, split: str) -> DataError:
   """The split holds no document with text: for a held-out split the usual cause is a
   fraction too small for the corpus (not empty documents), so the fix named is the
-  task's own fraction setting; for the train split, the task's files."""
+  task's own fraction setting, a configuration error (exit 2); for the train split, the
+  task's files, a data problem (exit 1, as the README's exit codes say)."""
   source = getattr(provider, "source", None)
   prefix = f"the '{split}' split of SeqIO task '{provider.name}' has no tokens"
   if not isinstance(source, sources.FileListSource):
-    return DataError(f"{prefix}: none of its documents has text", exit_code=EXIT_USAGE)
+    return DataError(f"{prefix}: none of its documents has text")
   if split == "validation":
     return DataError(
         f"{prefix}: {source.fraction_setting}={source.validation_fraction:g} held out no "
@@ -307,4 +308,4 @@ def empty_split_error(provider: seqio.DatasetProviderBase, split: str) -> DataEr
         f"{source.fraction_setting}, add documents, or set it to 0 (no validation "
         "split, no evaluation)", exit_code=EXIT_USAGE)
   return DataError(f"{prefix}: no document of {source.files_setting} has text; check "
-                   "that it matches files with text", exit_code=EXIT_USAGE)
+                   "that it matches files with text")
