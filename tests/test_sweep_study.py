@@ -266,3 +266,15 @@ def test_local_parallel_isoflop_study_is_killed_and_resumed(tmp_path):
     assert float(row["flops"]) == pytest.approx(float(row["flop_budget"]),
                                                 rel=0.5 * float(row["flops_per_token"])
                                                 * 64 / float(row["flop_budget"]) + 1e-9)
+
+
+def test_local_backend_gives_up_on_runs_that_never_record_their_status(tmp_path, monkeypatch):
+  """A launch.sweep_job that records nothing (here: the environment names it process 1,
+  which leaves the status to process 0) is started 1 + max_retries times, not forever."""
+  monkeypatch.setenv("SLURM_PROCID", "1")
+  job = sweep_dispatch.Job("mute", str(tmp_path / "mute"),
+                           [sys.executable, "-c", "print('boom'); exit(3)"])
+  assert sweep_local.run_local([job], parallel=1, max_retries=1,
+                               is_finished=lambda _: False, log=lambda _: None) == ["mute"]
+  assert (tmp_path / "mute" / "sweep_train.log").read_text().count("boom") == 2
+  assert sweep_job.read_status(job.run_dir) is None

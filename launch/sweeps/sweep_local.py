@@ -48,6 +48,7 @@ def run_local(jobs: Sequence[sweep_dispatch.Job], parallel: int, max_retries: in
     progress = sweep_progress.Progress({job.name: job.work for job in jobs}, parallel)
   queue, running, given_up = list(jobs), {}, []
   unfinished_exits: Dict[str, int] = {}
+  unrecorded_exits: Dict[str, int] = {}
 
   def stop(signum, _frame):
     for _, process in running.values():
@@ -81,6 +82,16 @@ def run_local(jobs: Sequence[sweep_dispatch.Job], parallel: int, max_retries: in
         if state == sweep_dispatch.FINISHED:
           log(f"[sweep] {job.name}: finished")
           progress.ended(job.name, "finished")
+        elif (state == sweep_dispatch.PENDING
+              and unrecorded_exits.get(job.name, 0) >= max_retries):
+          # Its launch.sweep_job ended without recording the run (no status: the run
+          # directory could not be written, or the environment named it a process other
+          # than 0): bounded like failures rather than started again forever.
+          log(f"[sweep] {job.name}: exited {process.returncode} {max_retries + 1} times "
+              "without recording its status; see "
+              f"{os.path.join(job.run_dir, 'sweep_train.log')}")
+          given_up.append(job.name)
+          progress.ended(job.name, "failed")
         elif state == sweep_dispatch.FAILED and failures > max_retries:
           log(f"[sweep] {job.name}: failed {failures} times, giving up; see "
               f"{os.path.join(job.run_dir, 'sweep_train.log')}")
@@ -96,6 +107,8 @@ def run_local(jobs: Sequence[sweep_dispatch.Job], parallel: int, max_retries: in
         else:
           if state == sweep_dispatch.INTERRUPTED:
             unfinished_exits[job.name] = unfinished_exits.get(job.name, 0) + 1
+          if state == sweep_dispatch.PENDING:
+            unrecorded_exits[job.name] = unrecorded_exits.get(job.name, 0) + 1
           log(f"[sweep] {job.name}: {state} (exit code {process.returncode}, "
               f"{failures} failures), starting again")
           queue.append(job)
