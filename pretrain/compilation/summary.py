@@ -114,6 +114,11 @@ def format_text(summary: dict[str, Any]) -> str:
       f"decode state per sequence:  {summary['decode_state_bytes']:,} bytes "
       f"({_human_bytes(summary['decode_state_bytes'])})",
   ]
+  if summary.get("attention"):
+    lines.append(f"attention at T={summary['seq']}:    " + "; ".join(
+        f"{platform.upper()} {choice['impl']}" + (f" ({choice['reason']})" if choice["reason"]
+                                                  else "")
+        for platform, choice in summary["attention"].items()))
   if "per_device_bytes" in summary:
     fits = {None: "", True: "; fits", False: "; does NOT fit"}[summary["memory_fits"]]
     lines.append(
@@ -121,11 +126,6 @@ def format_text(summary: dict[str, Any]) -> str:
         f"{summary['mesh']} ({summary['memory_method']}): " + ", ".join(
             f"{key} {_human_bytes(value)}" for key, value in summary["per_device_bytes"].items())
         + fits)
-  if summary.get("attention"):
-    lines.append(f"attention at T={summary['seq']}:    " + "; ".join(
-        f"{platform.upper()} {choice['impl']}" + (f" ({choice['reason']})" if choice["reason"]
-                                                  else "")
-        for platform, choice in summary["attention"].items()))
   if summary["flops_estimated"]:
     lines.append(f"  estimated: block types {', '.join(map(repr, summary['flops_estimated']))}"
                  " declare no counting (BlockSpec.counting); their FLOPs are 6 x their "
