@@ -17,7 +17,8 @@ Each node declares 2 CPUs and 2 GPUs as GRES over placeholder character devices 
 processes run on CPU). `JobRequeue=1` with a 10 s requeue delay (`cred_expire`, which
 SLURM waits after a requeue before the job may start again), and two partitions:
 `gpu` (preemptible: `PreemptMode=REQUEUE`, `GraceTime=60`) and `urgent` (a higher
-`PriorityTier`, whose jobs preempt `gpu` jobs). `KillWait` is SLURM's default, 30 s.
+`PriorityTier`, whose jobs preempt `gpu` jobs). `KillWait` is SLURM's default, 30 s;
+`MessageTimeout` is 60 s, not the default 10 (see MESSAGE_TIMEOUT_S).
 
 Client commands (`sbatch`, `squeue`, `scontrol`, `scancel`, `sacct`, `sinfo`) reach
 slurmctld through small wrappers that enter the controller's network namespace;
@@ -43,6 +44,13 @@ GRACE_TIME_S = 60
 # SLURM's default: a cancelled job's tasks save, exit (a JAX process takes seconds to
 # finalize on a loaded host) and let the batch shell say so before SIGKILL.
 KILL_WAIT_S = 30
+# On a loaded host a node's slurmd can take over SLURM's default 10 s to answer the
+# controller's REQUEST_SIGNAL_TASKS while a dying step's tasks abort (a task killed,
+# srun ending the step). The controller's agent then retries that signal about 60 s
+# later against the job's step 0, which after a requeue is the next run's: CI saw the
+# requeued job SIGTERMed twice that way, 50-70 s after each start, until its restart
+# budget ran out. Answers within this timeout are never retried.
+MESSAGE_TIMEOUT_S = 60
 DAEMONS = ("munged", "slurmctld", "slurmd")
 
 
@@ -149,7 +157,8 @@ class SlurmCluster:
           "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU",
           "SlurmdParameters=config_overrides", "ReturnToService=2",
           "JobRequeue=1", "PreemptType=preempt/partition_prio", "PreemptMode=REQUEUE",
-          "GresTypes=gpu", f"KillWait={KILL_WAIT_S}", "InactiveLimit=0", "MinJobAge=3600",
+          "GresTypes=gpu", f"KillWait={KILL_WAIT_S}",
+          f"MessageTimeout={MESSAGE_TIMEOUT_S}", "InactiveLimit=0", "MinJobAge=3600",
           *node_lines,
           f"PartitionName=gpu Nodes={nodes} Default=YES MaxTime=INFINITE State=UP "
           f"PriorityTier=1 PreemptMode=REQUEUE GraceTime={GRACE_TIME_S}",
