@@ -286,7 +286,8 @@ def test_corpus_training_commands_run_verbatim(tmp_path):
   """docs/data.md's "Train on your corpus": a Parquet directory, a two-corpus mixture
   (that Parquet and .jsonl.zst files with a `content` field), then a byte-level BPE
   tokenizer.json trained on the Parquet directory and a run on its ids, each run
-  shortened to 2 steps, on the files the commands name, written here."""
+  shortened to 2 steps, on the files the commands name, written here; then
+  `pretrain.sample` on the tokenizer's run, from the checkpoint's copy of the file."""
   from test_data_corpora import documents, write_parquet, write_zst  # pylint: disable=import-outside-toplevel
   (tmp_path / "corpus" / "web").mkdir(parents=True)
   (tmp_path / "corpus" / "code").mkdir()
@@ -320,6 +321,12 @@ def test_corpus_training_commands_run_verbatim(tmp_path):
       (tmp_path / "corpus" / "tokenizer" / "tokenizer.json").read_bytes()).hexdigest()
   assert os.listdir(tmp_path / "workdirs" / "web_bpe" / "vocabulary") == [
       f"{digest}.tokenizer.json"]
+  # Sampling reads that copy: the file the run was given may be gone.
+  os.remove(tmp_path / "corpus" / "tokenizer" / "tokenizer.json")
+  result = _run("python -m pretrain.sample --workdir=workdirs/web_bpe --prompt='the web' "
+                "--max_new_tokens=5 --seed=1", cwd=tmp_path, env=env)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert result.stdout.startswith("the web")
 
 
 @pytest.mark.slow

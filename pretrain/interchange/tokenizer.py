@@ -15,12 +15,18 @@ import io
 import os
 from typing import Iterator
 
+from etils import epy
 import sentencepiece as spm
 
 from plumbing import storage
 from plumbing.errors import usage_error
 from pretrain.data import corpus_files
 from pretrain.data.errors import DataError
+
+# The corpus sources build tf.data pipelines: TensorFlow (about 6 s) loads only when a
+# corpus in one of their formats is read.
+with epy.lazy_imports():
+  from pretrain.data import sources
 
 BPE_SPECIAL_TOKENS = ("<pad>", "<|endoftext|>")
 BPE_MIN_VOCAB_SIZE = len(BPE_SPECIAL_TOKENS) + 256
@@ -38,8 +44,6 @@ def corpus_texts(input_glob: str, text_field: str = "text") -> Iterator[str]:
   """
   fmt = corpus_files.corpus_format(input_glob)
   if fmt is not None:
-    # The sources build tf.data pipelines: TensorFlow loads only for these formats.
-    from pretrain.data import sources  # pylint: disable=import-outside-toplevel
     source = sources.source_for(fmt)(input_glob, text_field, flag="--input_glob")
     yield from source.split_texts(sources.TRAIN)
     return
