@@ -3,9 +3,10 @@ as it was, the export and the decoding cache of a μP model, and bad input as on
 
 The coordinate check (benchmarks/mup_coord_check.py) trains tiny models of two widths 4x
 apart for a few Adam steps at one learning rate and fits the slope of log RMS(move)
-against log width, for the logits and every block's output. The fast tier checks one
-model holding every block type (recurrent, attention, GateLoop); the full suite checks
-Griffin, Hawk, MQA and GateLoop each.
+against log width, for the logits and every block's output. The fast tier checks μP on
+one model holding every block type (recurrent, attention, GateLoop: two compiles); the
+full suite checks Griffin, Hawk, MQA, GateLoop and that model each, under μP and against
+the standard parametrisation.
 """
 import importlib.util
 import os
@@ -30,11 +31,14 @@ from pretrain.run_directory import RunDirectory
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WIDTHS = (64, 256)
-LEARNING_RATE = 3e-3
-STEPS = 3
-# |slope| of log RMS(move) against log width: flat under μP, growing under standard.
+LEARNING_RATE = 1e-2
+STEPS = 12
+# Slopes of log RMS(move) against log width: flat under μP; growing under standard, the
+# logits less than the blocks because the final RMSNorm bounds the state they read
+# (docs/model.md, "μP"; 0.22-0.55 measured).
 MUP_MAX_SLOPE = 0.25
-STANDARD_MIN_LOGIT_SLOPE = 0.5
+STANDARD_MIN_BLOCK_SLOPE = 1.0
+STANDARD_MIN_LOGIT_GAIN = 0.15   # over μP's logit slope (or 0, if that is negative)
 
 
 def _load_coord_check():
@@ -55,23 +59,27 @@ def _slopes(family: str, kind: str) -> dict[str, float]:
   return {name: coord_check.slope(WIDTHS, [run[name] for run in runs]) for name in runs[0]}
 
 
-def _assert_coordinates(family: str) -> None:
-  mup, standard = _slopes(family, "mup"), _slopes(family, "standard")
+def _assert_flat(family: str) -> dict[str, float]:
+  mup = _slopes(family, "mup")
+  print(f"{family} slopes under mup: {mup}")   # shown with -rA
   flat = {name: round(value, 2) for name, value in mup.items()}
   assert all(abs(value) < MUP_MAX_SLOPE for value in mup.values()), flat
-  assert standard["logits"] > STANDARD_MIN_LOGIT_SLOPE, standard
-  assert all(standard[name] > mup[name] for name in mup if name.startswith("block_")), (
-      standard, mup)
+  return mup
 
 
-def test_coordinate_check_every_block_type():
-  _assert_coordinates("mixed")
+def test_coordinate_check_every_block_type_is_flat_under_mup():
+  _assert_flat("mixed")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["griffin", "hawk", "mqa", "gateloop"])
+@pytest.mark.parametrize("family", ["griffin", "hawk", "mqa", "gateloop", "mixed"])
 def test_coordinate_check_families(family):
-  _assert_coordinates(family)
+  mup, standard = _assert_flat(family), _slopes(family, "standard")
+  print(f"{family} slopes under standard: {standard}")
+  grown = {name: round(value, 2) for name, value in standard.items()}
+  assert standard["logits"] > max(mup["logits"], 0.0) + STANDARD_MIN_LOGIT_GAIN, grown
+  assert all(value > STANDARD_MIN_BLOCK_SLOPE for name, value in standard.items()
+             if name != "logits"), grown
 
 
 # -- the standard parametrisation is what it was -------------------------------------------
