@@ -164,9 +164,11 @@ def test_decoding_cache_of_a_mup_model():
   params = init_params(config, jax.random.key(2))
   tokens = jnp.arange(3, 13, dtype=jnp.int32)[None]
   positions = jnp.arange(10, dtype=jnp.int32)[None]
-  whole = LanguageModel(config).apply({"params": params}, tokens, positions)[0]
-  _, cache = prefill(config, params, tokens[:, :-1], positions[:, :-1])
-  last, _ = decode_step(config, params, tokens[:, -1:], positions[:, -1:], cache)
+  whole = jax.jit(LanguageModel(config).apply)({"params": params}, tokens, positions)[0]
+  _, cache = jax.jit(prefill, static_argnums=0)(config, params, tokens[:, :-1],
+                                                positions[:, :-1])
+  last, _ = jax.jit(decode_step, static_argnums=0)(config, params, tokens[:, -1:],
+                                                   positions[:, -1:], cache)
   np.testing.assert_allclose(last[:, 0], whole[:, -1], atol=1e-5, rtol=1e-5)
 
 
