@@ -5,8 +5,8 @@ The coordinate check (benchmarks/mup_coord_check.py) trains tiny models of two w
 apart for a few Adam steps at one learning rate and fits the slope of log RMS(move)
 against log width, for the logits and every block's output. The fast tier checks μP on
 one model holding every block type (recurrent, attention, GateLoop: two compiles); the
-full suite checks Griffin, Hawk, MQA, GateLoop and that model each, under μP and against
-the standard parametrisation.
+full suite checks that model against the standard parametrisation too. The families one
+by one, at widths 64 to 1024, are the benchmark's.
 """
 import importlib.util
 import os
@@ -72,8 +72,11 @@ def test_coordinate_check_every_block_type_is_flat_under_mup():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["griffin", "hawk", "mqa", "gateloop", "mixed"])
-def test_coordinate_check_families(family):
+def test_coordinate_check_grows_under_the_standard_parametrization():
+  """The same check under the standard parametrisation, on the model of every block
+  type: its moves grow with width, so the bounds above can fail. (Each family apart, at
+  widths 64 to 1024: benchmarks/mup_coord_check.py.)"""
+  family = "mixed"
   mup, standard = _assert_flat(family), _slopes(family, "standard")
   print(f"{family} slopes under standard: {standard}")
   grown = {name: round(value, 2) for name, value in standard.items()}
