@@ -24,6 +24,9 @@ swept from its layer alone (`BlockSpec`): its `name`, its Flax `layer` and its
   memory: BlockMemory    `model.memory`: kept activations estimated from the widths of
                          its weights, and the plan names the block as estimated
   hf_export: HFExport    `model.hf_params`: export refused with one line naming it
+  param_roles            `model.parametrization`: {parameter path inside the block:
+                         ParamRole}; without it the block trains under the standard
+                         parametrisation only (μP is refused in one line naming it)
 
 The capabilities (counting, memory, hf_export) are protocols defined here, below the
 tools that read them, so a block's own package (`model/blocks/<name>/`) implements them
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import enum
 from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
 import numpy as np
@@ -46,6 +50,16 @@ from sharding import rules as rules_lib
 FLOP_TERMS = ("attention", "recurrence")
 # (path inside the RecurrentGemma layer sub-tree, transformers name, transpose?) of one leaf.
 HFLeaf = tuple[tuple[str, ...], str, bool]
+
+
+class ParamRole(str, enum.Enum):
+  """What a parameter is to μP (`model.parametrization`; docs/model.md, "μP"), which
+  fixes how its initialisation, Adam learning rate and forward multiplier scale with
+  width. The tied embedding is the one input-like parameter (and, tied, the output-like
+  readout); it is the language model's own, so blocks declare hidden and vector roles."""
+  INPUT = "input"     # the embedding: init std fixed in width, LR unchanged
+  HIDDEN = "hidden"   # a matrix whose fan-in grows with width: init var ∝ 1/fan-in, LR ∝ 1/m
+  VECTOR = "vector"   # biases, scales, per-channel parameters (fan-in fixed): LR unchanged
 
 
 class BlockSpec(Protocol):
@@ -125,6 +139,7 @@ class Block:
   counting: Optional[BlockCounting]
   memory: Optional[BlockMemory]
   hf_export: Optional[HFExport]
+  param_roles: Optional[Mapping[str, ParamRole]]
 
   @property
   def name(self) -> str:
@@ -155,7 +170,20 @@ def _block(spec: BlockSpec) -> Block:
                init_cache=getattr(spec, "init_cache", None),
                counting=getattr(spec, "counting", None),
                memory=getattr(spec, "memory", None),
-               hf_export=getattr(spec, "hf_export", None))
+               hf_export=getattr(spec, "hf_export", None),
+               param_roles=_param_roles(spec))
+
+
+def _param_roles(spec: BlockSpec) -> Optional[dict[str, ParamRole]]:
+  """The spec's `param_roles` with each role checked (a typo fails at registration)."""
+  roles = getattr(spec, "param_roles", None)
+  if roles is None:
+    return None
+  try:
+    return {path: ParamRole(role) for path, role in roles.items()}
+  except ValueError as error:
+    raise ValueError(f"block type {spec.name!r} declares a parameter role that is not one "
+                     f"of {[r.value for r in ParamRole]}: {error}") from None
 
 
 _BLOCKS: dict[str, Block] = {}

@@ -31,6 +31,7 @@ REMAT_POLICIES = ("none", "full", "save_matmuls")
 SCAN_IMPLS = ("auto", "lax", "associative", "pallas")
 DTYPES = ("float32", "bfloat16", "float16")
 LRU_VARIANTS = ("real", "complex")
+PARAMETRIZATIONS = ("standard", "mup")
 # `depth_scan_unroll=None` unrolls models up to this many layers (griffin_100m's 12).
 AUTO_UNROLL_MAX_DEPTH = 12
 
@@ -58,6 +59,14 @@ class ModelConfig:
     logits_soft_cap: c in logits = c * tanh(logits / c); None disables.
     embeddings_scale_by_sqrt_dim: multiply embeddings by sqrt(D) (RecurrentGemma).
     dtype: compute dtype; parameters are always float32 masters.
+    parametrization: "standard" (the reference implementation's initialisation and
+      one learning rate for every parameter) or "mup", the maximal update
+      parametrisation (`model.parametrization`; docs/model.md, "μP"), under which
+      hyper-parameters tuned at `mup_base_width` hold at any width. It changes what
+      the weights mean, so checkpoints record it and a resume may not change it.
+    mup_base_width: under "mup", the width of the proxy model the hyper-parameters
+      were tuned at; it must divide `width` (the proxy has the same heads and gate
+      blocks, every other width divided by width / mup_base_width). None otherwise.
     scan_impl: linear-recurrence engine, see `model.scan.linear_scan`.
     scan: the scan engines' tunables and target platform (`model.scan.ScanOptions`);
       entry points build them from Gin's `ScanOptions.*` bindings
@@ -108,6 +117,8 @@ class ModelConfig:
   logits_soft_cap: Optional[float] = None
   embeddings_scale_by_sqrt_dim: bool = False
   dtype: str = "float32"
+  parametrization: str = "standard"
+  mup_base_width: Optional[int] = None
   scan_impl: str = "auto"
   remat: str = "none"
   depth_scan_unroll: Optional[int] = None
@@ -159,6 +170,7 @@ class ModelConfig:
           "imaginary halves, and each half is split into the gates' blocks")
     for block in dict.fromkeys(self.block_pattern):   # each type's own constraints
       block_registry.get(block).validate(self)
+    self._validate_parametrization()
     if self.dtype not in DTYPES:
       raise ValueError(f"ModelConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
     if self.scan_impl not in SCAN_IMPLS:
@@ -175,6 +187,30 @@ class ModelConfig:
     if self.logits_soft_cap is not None and self.logits_soft_cap <= 0:
       raise ValueError(f"ModelConfig.logits_soft_cap must be > 0 or None, "
                        f"got {self.logits_soft_cap}")
+
+  def _validate_parametrization(self) -> None:
+    if self.parametrization not in PARAMETRIZATIONS:
+      raise ValueError(f"ModelConfig.parametrization must be one of {PARAMETRIZATIONS}, "
+                       f"got {self.parametrization!r}")
+    if self.parametrization == "standard":
+      if self.mup_base_width is not None:
+        raise ValueError(f"ModelConfig.mup_base_width={self.mup_base_width} is set but "
+                         "parametrization is 'standard'; set parametrization = 'mup' or "
+                         "remove it")
+      return
+    base = self.mup_base_width
+    if not isinstance(base, int) or base < 1:
+      raise ValueError("ModelConfig.parametrization='mup' needs mup_base_width, the width "
+                       f"the hyper-parameters were tuned at (a positive integer), got {base!r}")
+    if self.width % base:
+      raise ValueError(f"ModelConfig.mup_base_width={base} must divide width={self.width}: "
+                       "the tuned proxy is this model with every width divided by "
+                       "width / mup_base_width")
+    for block in dict.fromkeys(self.block_pattern):
+      if block_registry.get(block).param_roles is None:
+        raise ValueError(f"ModelConfig.parametrization='mup': block type {block!r} declares "
+                         "no parameter roles (param_roles in its registry entry), so μP "
+                         "cannot scale its parameters")
 
   # -- derived sizes ----------------------------------------------------------
   @property
@@ -227,16 +263,22 @@ class ModelConfig:
 
 # Fields that describe the machine a run executes on rather than the trained model.
 _MACHINE_FIELDS = ("scan", "attention")
+# Fields recorded only when they differ from their default, so that a standard model's
+# metadata stays what earlier versions wrote and read.
+_RECORDED_IF_SET = {"parametrization": "standard", "mup_base_width": None}
 
 
 def model_config_to_dict(config: ModelConfig) -> dict[str, Any]:
   """The JSON-ready form of `config` that checkpoints record.
 
   Leaves out `scan` and `attention`: a checkpoint written on a TPU must load on a CPU,
-  where the TPU's kernel options would not apply.
+  where the TPU's kernel options would not apply. The parametrisation is recorded only
+  when it is μP (a standard model's dict is what it was before μP existed).
   """
   values = {f.name: getattr(config, f.name) for f in dataclasses.fields(ModelConfig)
-            if f.name not in _MACHINE_FIELDS}
+            if f.name not in _MACHINE_FIELDS
+            and not (f.name in _RECORDED_IF_SET
+                     and getattr(config, f.name) == _RECORDED_IF_SET[f.name])}
   values["block_pattern"] = list(config.block_pattern)
   return values
 
@@ -258,3 +300,15 @@ def model_config_from_dict(values: Mapping[str, Any]) -> ModelConfig:
     raise ValueError(f"ModelConfig has no fields {unknown}; the config was written by "
                      "another version of this code")
   return ModelConfig(**{k: v for k, v in values.items() if k not in _MACHINE_FIELDS})
+
+
+def recorded_parametrization(values: Mapping[str, Any]) -> str:
+  """The parametrisation a `model_config_to_dict` dict records, as `describe_parametrization`
+  writes it (read without building the config, which may fail for other reasons)."""
+  return describe_parametrization(values.get("parametrization", "standard"),
+                                  values.get("mup_base_width"))
+
+
+def describe_parametrization(kind: str, base_width: Optional[int]) -> str:
+  """'standard' or 'mup (base width W)'."""
+  return kind if kind == "standard" else f"{kind} (base width {base_width})"

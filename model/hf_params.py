@@ -31,6 +31,13 @@ Where the two models' conventions differ, the export adapts the config, never th
   exports an untied `lm_head` (our table) and an input table divided by that scale, so
   the product equals our embedding to within one rounding; import takes `lm_head` back,
   bit for bit.
+* μP (`model.parametrization`): the attention queries' multiplier 1/√m is folded into
+  `q_proj` (the scores are linear in W_q and RoPE is a rotation). The readout's 1/m and
+  the input's √D_base cannot both live in one tied table, so a μP model of m ≠ 1
+  exports untied: `lm_head` = E/m and the input table E · (its input scale) / √D, each
+  within one float32 rounding (exact when m is a power of 2; the input scale is 1
+  without `embeddings_scale_by_sqrt_dim`). Such an export imports back only as that
+  untied table, which our tied models refuse in one line.
 * No soft cap: transformers always caps, so `NO_SOFT_CAP` (c = 1e30: tanh(x/c)·c = x
   to float32 rounding).
 * Decoding cache: transformers' cache counts the tokens it has seen in its attention
@@ -55,6 +62,7 @@ from typing import Any, Mapping, Optional
 import numpy as np
 
 from model import block_registry
+from model import parametrization
 from model import recurrentgemma_params as rg
 from model.config import BlockType, ModelConfig
 from model.embedder import embedding_scale
@@ -94,6 +102,13 @@ def uses_cache(config: ModelConfig) -> bool:
   return _has(config, BlockType.ATTENTION)
 
 
+def ties_embeddings(config: ModelConfig) -> bool:
+  """Whether the export's input table is its `lm_head`: with our √D input scale (which
+  transformers applies too) and no μP output multiplier other than 1."""
+  return (config.embeddings_scale_by_sqrt_dim
+          and parametrization.logit_multiplier(config) in (None, 1.0))
+
+
 def hf_config(config: ModelConfig) -> dict[str, Any]:
   """The `config.json` fields of transformers' RecurrentGemmaConfig for `config`."""
   check_exportable(config)
@@ -121,7 +136,7 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
                           "partial_rotary_factor": 0.5},
       "block_types": list(config.block_pattern),
       "attention_bias": False,
-      "tie_word_embeddings": bool(config.embeddings_scale_by_sqrt_dim),
+      "tie_word_embeddings": ties_embeddings(config),
       "use_cache": uses_cache(config),
       # Our documents start with input 0 (the pad id): that is the "beginning" token.
       "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 0,
@@ -199,11 +214,15 @@ def ours_to_hf(params: Mapping[str, Any], config: ModelConfig) -> dict[str, np.n
   tree = rg.ours_to_recurrentgemma(params, config)
   state: dict[str, np.ndarray] = {}
   embedding = np.asarray(tree["embedder"]["input_embedding"], np.float32)
-  if config.embeddings_scale_by_sqrt_dim:
+  if ties_embeddings(config):
     state["model.embed_tokens.weight"] = embedding
   else:
-    state["lm_head.weight"] = embedding
-    state["model.embed_tokens.weight"] = embedding / np.float32(embedding_scale(config.width))
+    state["lm_head.weight"] = _times(embedding, parametrization.logit_multiplier(config))
+    input_scale = (embedding_scale(parametrization.input_scale_width(config))
+                   if config.embeddings_scale_by_sqrt_dim else None)
+    state["model.embed_tokens.weight"] = (_times(embedding, input_scale)
+                                          / np.float32(embedding_scale(config.width)))
+  query = parametrization.query_multiplier(config)
   state["model.final_norm.weight"] = np.asarray(tree["final_norm"]["scale"])
   for layer, block_type in enumerate(config.block_types):
     block = tree[f"blocks.{layer}"]
@@ -217,7 +236,15 @@ def ours_to_hf(params: Mapping[str, Any], config: ModelConfig) -> dict[str, np.n
       state[prefix + f"mlp_block.{name}.bias"] = np.asarray(up_b[i, 0, 0])
     for name, value in block_registry.get(block_type).hf_export.to_hf(block).items():
       state[prefix + name] = value
+    if query is not None and block_type == BlockType.ATTENTION.value:
+      name = prefix + "temporal_block.q_proj.weight"
+      state[name] = _times(state[name], query)
   return state
+
+
+def _times(table: np.ndarray, multiplier: Optional[float]) -> np.ndarray:
+  """`table` times a float32 `multiplier`; `table` itself (no copy) when there is none."""
+  return table if multiplier is None else table * np.float32(multiplier)
 
 
 def hf_to_ours(state: Mapping[str, np.ndarray], config: ModelConfig) -> dict:

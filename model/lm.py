@@ -1,7 +1,7 @@
 """The language model: tied embedding, a scanned stack of residual blocks, RMSNorm, logits.
 
     x = Embed(tokens) [· √D];  x = Block_l(x, positions) for l = 1..depth;
-    logits = RMSNorm(x) · Eᵀ  [→ c · tanh(logits / c)]
+    logits = RMSNorm(x) · Eᵀ [· 1/m under μP]  [→ c · tanh(logits / c)]
 
 Document boundaries come only from `positions` (each token's position in its document;
 0 starts one): every temporal block derives what it needs from them, so packed rows work.
@@ -78,7 +78,7 @@ import jax.numpy as jnp
 
 from model import partitioning as P
 from model.config import ModelConfig
-from model.embedder import Embedder, tied_logits
+from model.embedder import Embedder, readout
 from model.norms import RMSNorm
 from model.residual_block import ResidualBlock
 
@@ -166,8 +166,9 @@ class LanguageModel(nn.Module):
 
 
 def output_logits(config: ModelConfig, embedding: jax.Array, x: jax.Array) -> jax.Array:
-  """Final normalised states [B, T, D] -> float32 logits [B, T, V] (tied, soft-capped)."""
-  logits = tied_logits(x, embedding)
+  """Final normalised states [B, T, D] -> float32 logits [B, T, V] (tied, times μP's
+  output multiplier, soft-capped)."""
+  logits = readout(config, x, embedding)
   if config.logits_soft_cap is not None:
     cap = config.logits_soft_cap
     logits = jnp.tanh(logits / cap) * cap

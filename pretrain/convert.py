@@ -4,12 +4,15 @@ r"""Imports a RecurrentGemma Flax or transformers checkpoint as a step-0 checkpo
       [--preset=NAME | --window=W --logits_soft_cap=C --embeddings_scale_by_sqrt_dim=BOOL] \
       [--vocab=byte|PATH.model]
   python -m pretrain.convert hf --checkpoint=DIR|HUB_CACHE_DIR --workdir=DIR \
-      [--vocab=byte|PATH.model]
+      [--vocab=byte|PATH.model|PATH/tokenizer.json]
 
 hf reads a transformers RecurrentGemmaForCausalLM directory (google/recurrentgemma-2b's
 layout, a `save_pretrained` output or a `pretrain.export`); its config.json says
 everything, including the window and soft cap (`model.hf_params.config_from_hf`, which
-also undoes the export's conventions, so export then import is bit-identical).
+also undoes the export's conventions, so export then import is bit-identical). Its
+vocabulary is the checkpoint's own: `tokenizer.model` (SentencePiece) when there is one,
+else its `tokenizer.json` (bytes when that is the byte table; otherwise the file itself,
+EOS as `tokenizer_config.json` names it), which the run keeps in DIR/vocabulary/.
 
 PATH is an Orbax PyTree holding {"params": ...}, as `recurrentgemma.jax.utils.
 save_parameters` writes it. Widths, heads, depth, Conv1D width and block pattern are read
@@ -59,9 +62,10 @@ def define_flags() -> None:
   flags.DEFINE_string("window", None, "Local attention window; 'none' = global.")
   flags.DEFINE_float("logits_soft_cap", None, "Logit soft cap c; 0 disables.")
   flags.DEFINE_bool("embeddings_scale_by_sqrt_dim", None, "Scale embeddings by sqrt(D).")
-  flags.DEFINE_string("vocab", None, "'byte' or a SentencePiece .model path. Default: "
-                      "byte for recurrentgemma; for hf the checkpoint's tokenizer.model, "
-                      "or byte when its tokenizer.json is the byte table.")
+  flags.DEFINE_string("vocab", None, "'byte', a SentencePiece .model path or (hf) a "
+                      "tokenizer.json path. Default: byte for recurrentgemma; for hf the "
+                      "checkpoint's tokenizer.model, else its tokenizer.json (byte when "
+                      "that is the byte table).")
   flags.DEFINE_integer("sequence_length", 2048, "Chunk length evaluate uses for text files.",
                        lower_bound=1)
   flags.mark_flags_as_required(["checkpoint", "workdir"])

@@ -14,6 +14,12 @@ step S and trains on to T (a cooldown fork, `launch.sweeps.wsd_design`) follows 
 curve of a run trained to T from the start: before its cooldown starts, every WSD run
 with the same warm-up and peak has the same learning rate.
 
+Under μP (`model.parametrization`) each parameter's learning rate is the schedule's
+times its multiplier (1/m for hidden matrices): the whole AdamW update, decoupled decay
+included, is scaled per parameter after AdamW, as a per-group learning rate scales it
+in PyTorch's AdamW (and in the `mup` package's MuAdamW). The standard parametrisation
+adds nothing to the chain, so its optimizer state is what it always was.
+
 Gradient accumulation is not an optax wrapper here: the train step scans over
 microbatches itself (pretrain/steps.py), which keeps the loss and the gradient exactly
 those of the big batch.
@@ -27,6 +33,10 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import optax
+
+from model import parametrization
+from model.config import ModelConfig
+from plumbing.errors import usage_error
 
 # Path components (matched as whole names, case-insensitive) of parameters that get no
 # weight decay: biases, RMSNorm scales (`*_norm/scale`), the tied embedding, the RG-LRU's
@@ -166,11 +176,28 @@ def weight_decay_mask(params: Any, patterns: Sequence[str] = NO_DECAY_PATTERNS) 
   return jax.tree_util.tree_map_with_path(decays, params)
 
 
-def make_optimizer(config: OptimizerConfig, total_steps: int) -> optax.GradientTransformation:
-  """Clip by global norm, then AdamW with the schedule and the weight-decay mask.
+def scale_per_parameter(multipliers: Any) -> optax.GradientTransformation:
+  """Multiplies each parameter's update by its entry of `multipliers` (a tree of floats
+  structured like the params); stateless."""
+  def scale(updates, params=None):
+    del params
+    return jax.tree.map(lambda update, multiplier: update * multiplier, updates, multipliers)
+  return optax.stateless(scale)
+
+
+def make_optimizer(config: OptimizerConfig, total_steps: int,
+                   learning_rate_multipliers: Any = None) -> optax.GradientTransformation:
+  """Clip by global norm, then AdamW with the schedule and the weight-decay mask, then
+  (under μP) each parameter's learning-rate multiplier.
 
   The mask is a callable of the params, so the same transformation serves any model
   tree (and abstract trees for sharding the optimizer state).
+
+  Args:
+    config: the hyper-parameters.
+    total_steps: the run's length (the schedule's).
+    learning_rate_multipliers: a tree like the params of per-parameter multipliers
+      (`model.parametrization.learning_rate_multipliers`); None adds no transformation.
   """
   schedule = learning_rate_schedule(config, total_steps)
   patterns = config.no_decay_patterns
@@ -181,4 +208,18 @@ def make_optimizer(config: OptimizerConfig, total_steps: int) -> optax.GradientT
       learning_rate=schedule, b1=config.b1, b2=config.b2, eps=config.eps,
       weight_decay=config.weight_decay,
       mask=lambda params: weight_decay_mask(params, patterns)))
+  if learning_rate_multipliers is not None:
+    parts.append(scale_per_parameter(learning_rate_multipliers))
   return optax.chain(*parts)
+
+
+def model_optimizer(config: OptimizerConfig, total_steps: int, model_config: ModelConfig,
+                    abstract_params: Any) -> optax.GradientTransformation:
+  """`make_optimizer` with the learning-rate multipliers of the model's parametrisation
+  (none under the standard one). A parameter μP has no role for is a usage error, one
+  line naming it, before anything is compiled."""
+  try:
+    multipliers = parametrization.learning_rate_multipliers(model_config, abstract_params)
+  except ValueError as error:
+    raise usage_error(str(error)) from None
+  return make_optimizer(config, total_steps, multipliers)

@@ -40,7 +40,7 @@ from pretrain.data.vocabularies import token_byte_lengths
 from pretrain.checkpoints.metadata import RunMetadata, vocabulary_spec
 from pretrain.observability.metrics import MetricsWriter, format_duration
 from pretrain.observability.trackers import run_info as tracker_run_info
-from pretrain.optimizer import OptimizerConfig, learning_rate_schedule, make_optimizer
+from pretrain.optimizer import OptimizerConfig, learning_rate_schedule, model_optimizer
 from pretrain.checkpoints.outage import FLUSH_TIMEOUT_S, StorageConfig
 from pretrain.run_directory import RunDirectory
 from pretrain.runtime import Runtime, host_scalar
@@ -139,7 +139,8 @@ class Trainer:
     self.pipeline = pipeline
     self.checkpointer = checkpointer
     self.writer = writer
-    self.optimizer = make_optimizer(optimizer_config, config.train_steps)
+    self.optimizer = model_optimizer(optimizer_config, config.train_steps, runtime.config,
+                                     runtime.abstract_params)
     program = jit_train_step(runtime, self.optimizer,
                              learning_rate_schedule(optimizer_config, config.train_steps),
                              config.microbatches, config.z_loss_weight,
@@ -487,5 +488,5 @@ def _build_trainer(run: RunDirectory, config: TrainConfig, runtime: Runtime,
     writer.info(partition.format_sharding_table(runtime.abstract_params,
                                                 runtime.param_shardings))
   # A checkpoint of another model fails before anything is written.
-  checkpointer.check_newest_matches(runtime.abstract_params)
+  checkpointer.check_newest_matches(runtime.abstract_params, runtime.config)
   return trainer

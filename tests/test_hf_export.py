@@ -32,6 +32,7 @@ from pretrain import extras, gin_config
 from pretrain.evaluation import downstream, generation
 from pretrain.interchange import tokenizer as tokenizer_lib
 from pretrain.checkpoints.metadata import make_vocabulary
+from pretrain.data.vocabularies import get_vocabulary
 from trainer_helpers import (LM_EVAL_TASKS, REPO, assert_ok,  # pylint: disable=unused-import
                              storage_env, trainer_env)
 
@@ -196,11 +197,17 @@ def test_lm_evals_hf_backend_with_default_model_args_scores_like_ours(exported):
   """lm_eval's `hf` backend given only the export (`model_args="pretrained=DIR"`; the
   device is this machine's) gives each choice of a local task our backend's
   log-likelihood. (The full task, on a trained Griffin: test_lm_eval_backend.py.)"""
-  from lm_eval import evaluator  # pylint: disable=import-outside-toplevel
   name, _, _, workdir, output, _ = exported
   if name == PRESET:
     pytest.skip("the tiny Griffin covers the family; this would compile our backend "
                 "for a 100M model")
+  assert_lm_evals_hf_backend_scores_like_ours(workdir, output, name)
+
+
+def assert_lm_evals_hf_backend_scores_like_ours(workdir: str, output: str, name: str):
+  """lm_eval's `hf` backend on the export `output` of `workdir`, given only
+  `pretrained=DIR`, gives each LM_EVAL_DOCS choice our backend's log-likelihood."""
+  from lm_eval import evaluator  # pylint: disable=import-outside-toplevel
   manager = downstream.task_manager(["tiny_mc"], LM_EVAL_TASKS)
 
   def scores(**backend: Any) -> dict[int, list[float]]:
@@ -365,3 +372,66 @@ def test_sentencepiece_vocabulary_exports_id_for_id(tmp_path):
     assert tokenizer.decode([0] + ids, skip_special_tokens=True) == vocabulary.decode(ids)
   convert.convert_hf(str(tmp_path / "hf"), str(tmp_path / "back"))
   assert pretrain.load(str(tmp_path / "back")).vocabulary_spec.startswith("sentencepiece:")
+
+
+@pytest.mark.slow
+def test_tokenizer_json_vocabulary_exports_id_for_id_and_lm_eval_agrees(tmp_path):
+  """A run on a byte-level BPE `tokenizer.json` (`pretrain.tokenizer`'s, trained here):
+  the export's tokenizer gives training's ids after the document-start 0 (its `<pad>`,
+  named BOS and pad), lm_eval's `hf` backend scores the local task as ours does, and
+  import reads the tokenizer back with its EOS."""
+  corpus = tmp_path / "corpus"
+  corpus.mkdir()
+  (corpus / "a.txt").write_text(TEXT * 20 + "import os\nprint(1234, 'héllo ✓')\n" * 10)
+  vocabulary = get_vocabulary(tokenizer_json=tokenizer_lib.train_byte_level_bpe(
+      str(corpus / "*.txt"), 300, str(tmp_path / "bpe")))
+  config = CONFIGS["mqa"]
+  workdir, output = str(tmp_path / "run"), str(tmp_path / "hf")
+  convert.write_step0(workdir, config, perturbed_params(config), vocabulary, 64)
+  export.export(workdir, output)
+  tokenizer = transformers.AutoTokenizer.from_pretrained(output)
+  for text in (TEXT, "  two  spaces\n\n\tand tabs 12345 ✓ 日本", "x"):
+    ids = list(vocabulary.encode(text))
+    assert tokenizer(text).input_ids == [0] + ids
+    assert tokenizer.decode([0] + ids, skip_special_tokens=True) == text
+  assert (tokenizer.bos_token, tokenizer.pad_token_id, tokenizer.eos_token_id) == (
+      "<pad>", 0, vocabulary.eos_id)
+  assert_lm_evals_hf_backend_scores_like_ours(workdir, output, "byte-level BPE")
+  convert.convert_hf(output, str(tmp_path / "back"))
+  restored = pretrain.load(str(tmp_path / "back"))
+  assert restored.vocabulary_spec.startswith("tokenizer.json:")
+  assert restored.vocabulary.eos_token == "<|endoftext|>"
+  assert restored.vocabulary.encode(TEXT) == vocabulary.encode(TEXT)
+
+
+def test_a_tokenizer_json_whose_id_0_is_text_exports_its_ids_and_eos(tmp_path):
+  """GPT-2's layout: id 0 is "!", the EOS comes after the merges (here named `<|stop|>`,
+  which only `get_vocabulary.eos_token` makes the EOS). The export still starts every
+  text with id 0 but names no BOS (a named one would become special and be cut out of
+  texts: "!!" would no longer encode as training did), config.json's EOS is the
+  tokenizer's, and import takes the EOS tokenizer_config.json names."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # pylint: disable=import-outside-toplevel
+  bpe = Tokenizer(models.BPE())
+  bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  bpe.decoder = decoders.ByteLevel()
+  bpe.train_from_iterator([TEXT.replace(":", "!!")] * 20, trainers.BpeTrainer(
+      vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+      show_progress=False))
+  bpe.add_special_tokens(["<|stop|>"])
+  (tmp_path / "bpe").mkdir()
+  bpe.save(str(tmp_path / "bpe" / "tokenizer.json"))
+  vocabulary = get_vocabulary(tokenizer_json=str(tmp_path / "bpe"), eos_token="<|stop|>")
+  assert bpe.id_to_token(0) == "!" and bpe.token_to_id("!!") is not None
+  assert vocabulary.eos_id == 300
+  config = CONFIGS["hawk"].replace(vocab_size=320)
+  workdir, output = str(tmp_path / "run"), str(tmp_path / "hf")
+  convert.write_step0(workdir, config, perturbed_params(config), vocabulary, 64)
+  export.export(workdir, output)
+  tokenizer = transformers.AutoTokenizer.from_pretrained(output)
+  text = "def items(self)!! return 1 ✓!"
+  assert tokenizer(text).input_ids == [0] + vocabulary.encode(text)
+  assert tokenizer.bos_token is None and tokenizer.eos_token_id == 300
+  with open(os.path.join(output, "config.json")) as f:
+    assert json.load(f)["eos_token_id"] == 300
+  convert.convert_hf(output, str(tmp_path / "back"))
+  assert pretrain.load(str(tmp_path / "back")).vocabulary.eos_id == 300

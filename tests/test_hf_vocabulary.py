@@ -1,7 +1,8 @@
 """A Hugging Face `tokenizer.json` as the run's vocabulary: its ids and special tokens,
 the refusal of one without EOS, the token store's cache key, the checkpoint metadata
-that keeps it, and a run that trains on it and samples with it. The tokenizers are
-small byte-level BPEs trained here with `tokenizers` (nothing is downloaded)."""
+that keeps it. The tokenizers are small byte-level BPEs trained here with `tokenizers`
+(nothing is downloaded). A run that trains on one and samples with it is docs/data.md's
+(tests/test_readme.py, test_corpus_training_commands_run_verbatim)."""
 import os
 import random
 
@@ -14,7 +15,6 @@ from pretrain.data import materialize, pipeline, tasks
 from pretrain.data.errors import DataError
 from pretrain.data.vocabularies import get_vocabulary
 from test_data_corpora import write_zst
-from trainer_helpers import assert_ok, trainer_env  # pylint: disable=unused-import  # noqa: F401
 
 WORDS = ("the quick brown fox jumps over lazy dog def return class self import for "
          "while print value items").split()
@@ -97,24 +97,3 @@ def test_the_store_holds_the_tokenizer_ids_and_checkpoints_keep_it(tmp_path):
   assert os.listdir(tmp_path / "workdir" / "vocabulary") == [
       f"{vocabulary.digest}.tokenizer.json"]
   assert make_vocabulary(spec, str(tmp_path / "workdir")) == vocabulary
-
-
-@pytest.mark.slow
-def test_train_two_steps_on_a_tokenizer_json_then_sample(trainer_env, tmp_path):
-  path = train_bpe(tmp_path / "bpe")
-  config = tmp_path / "hf.gin"
-  config.write_text(open(trainer_env.gin, encoding="utf-8").read()
-                    .replace("ModelConfig.vocab_size = 259", "ModelConfig.vocab_size = 300")
-                    + f"get_vocabulary.tokenizer_json = '{path}'\n")
-  workdir = tmp_path / "run"
-  assert_ok(trainer_env.run(trainer_env.train_command(
-      str(workdir), "TRAIN_STEPS = 2", gin_files=[str(config)])))
-  digest = get_vocabulary(tokenizer_json=path).digest
-  os.remove(path)   # the workdir's own copy is what sample reads
-  result = trainer_env.run(trainer_env.command(
-      "pretrain.sample", f"--workdir={workdir}", "--prompt=the quick",
-      "--max_new_tokens=5", "--seed=1"))
-  assert_ok(result)
-  assert result.stdout.startswith("the quick")
-  # The checkpoint keeps the tokenizer by hash; sample ran without the original file.
-  assert os.listdir(workdir / "vocabulary") == [f"{digest}.tokenizer.json"]

@@ -19,6 +19,7 @@ backslash continuations joined; ```python blocks), so a documented command canno
 A command of a kind not listed here fails the test, so a new README or docs command
 needs a check before it can be documented.
 """
+import hashlib
 import os
 import re
 import shlex
@@ -140,6 +141,8 @@ def _kind(piece):
     return "compile"  # run verbatim by tests/test_tpu_compile.py and test_gpu_compile.py
   if piece.startswith("python -m pretrain.summary"):
     return "summary"
+  if piece.startswith("python -m pretrain.tokenizer"):
+    return "corpus_train"   # a tokenizer of the corpus files the test writes
   if piece.startswith("python -m pretrain.train") and "configs/data/corpus.gin" in piece:
     return "corpus_train"   # on corpus files the test writes
   if piece.startswith("python -m pretrain.train"):
@@ -280,9 +283,11 @@ def test_local_training_commands_and_python_snippet_run_verbatim(tmp_path):
 
 @pytest.mark.slow
 def test_corpus_training_commands_run_verbatim(tmp_path):
-  """docs/data.md's "Train on your corpus": a Parquet directory, then a two-corpus
-  mixture (that Parquet and .jsonl.zst files with a `content` field), each shortened to 2
-  steps, on the files the commands name, written here."""
+  """docs/data.md's "Train on your corpus": a Parquet directory, a two-corpus mixture
+  (that Parquet and .jsonl.zst files with a `content` field), then a byte-level BPE
+  tokenizer.json trained on the Parquet directory and a run on its ids, each run
+  shortened to 2 steps, on the files the commands name, written here; then
+  `pretrain.sample` on the tokenizer's run, from the checkpoint's copy of the file."""
   from test_data_corpora import documents, write_parquet, write_zst  # pylint: disable=import-outside-toplevel
   (tmp_path / "corpus" / "web").mkdir(parents=True)
   (tmp_path / "corpus" / "code").mkdir()
@@ -300,7 +305,7 @@ def test_corpus_training_commands_run_verbatim(tmp_path):
                  "TRAIN_STEPS = 2", "CHECKPOINT_EVERY = 2", "EVAL_EVERY = 0", "LOG_EVERY = 1",
                  "TrainConfig.eval_batches = 1"]))
   pieces = [piece for piece in PIECES if _kind(piece) == "corpus_train"]
-  assert len(pieces) == 2, pieces
+  assert len(pieces) == 4, pieces
   for piece in pieces:
     result = _run(piece, cwd=tmp_path, env=env)
     assert result.returncode == 0, (piece, result.stdout[-2000:], result.stderr[-2000:])
@@ -311,6 +316,17 @@ def test_corpus_training_commands_run_verbatim(tmp_path):
             if row.get("kind") == "mixture"]
   assert [row["step"] for row in shares] == [1, 2], shares
   assert shares[0]["weight/web"] == 0.7 and shares[0]["weight/code"] == 0.3
+  # The tokenizer's run trained on its ids, and its checkpoint keeps the file.
+  digest = hashlib.sha256(
+      (tmp_path / "corpus" / "tokenizer" / "tokenizer.json").read_bytes()).hexdigest()
+  assert os.listdir(tmp_path / "workdirs" / "web_bpe" / "vocabulary") == [
+      f"{digest}.tokenizer.json"]
+  # Sampling reads that copy: the file the run was given may be gone.
+  os.remove(tmp_path / "corpus" / "tokenizer" / "tokenizer.json")
+  result = _run("python -m pretrain.sample --workdir=workdirs/web_bpe --prompt='the web' "
+                "--max_new_tokens=5 --seed=1", cwd=tmp_path, env=env)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert result.stdout.startswith("the web")
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
-"""`python -m pretrain.tokenizer` trains a usable SentencePiece model locally."""
+"""`python -m pretrain.tokenizer` trains a usable SentencePiece model, or a byte-level BPE
+`tokenizer.json` that the pipeline reads with no further settings, locally."""
 import json
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import seqio
 from pretrain.interchange import tokenizer
 from pretrain.data import DataError
 from pretrain.data.vocabularies import get_vocabulary, token_byte_lengths
+from test_data_corpora import write_parquet, write_zst
 
 
 def write_code_corpus(directory):
@@ -65,6 +67,50 @@ def test_cli_errors_are_one_line(tmp_path):
                                   str(tmp_path / "m"))
 
 
+def test_byte_level_bpe_of_a_corpus_loads_as_the_runs_vocabulary(tmp_path):
+  """A `.jsonl.zst` corpus (text in `content`) and a text-file glob (`.jsonl` lines
+  included) train a tokenizer.json whose special tokens are the pipeline's: `<pad>` at
+  id 0 (padding, document start), `<|endoftext|>` the EOS get_vocabulary finds itself."""
+  write_code_corpus(tmp_path / "corpus")
+  texts = [(tmp_path / "corpus" / f"m{i}.py").read_text() for i in range(6)]
+  write_zst(tmp_path / "code.jsonl.zst", texts, field="content")
+  path = tokenizer.train_byte_level_bpe(str(tmp_path / "code.jsonl.zst"), 400,
+                                        str(tmp_path / "out"), text_field="content")
+  assert path == str(tmp_path / "out" / "tokenizer.json")
+  vocabulary = get_vocabulary(tokenizer_json=str(tmp_path / "out"))
+  assert (vocabulary.pad_id, vocabulary.eos_id, vocabulary.eos_token) == (
+      0, 1, "<|endoftext|>")
+  assert vocabulary.tokenizer.id_to_token(0) == "<pad>"
+  assert 258 < vocabulary.vocab_size <= 400
+  text = "def f():\n\tvalue  =  items[0]  # é 中\n    return value\n"
+  assert vocabulary.decode(vocabulary.encode(text)) == text   # exact, no UNK
+  assert len(vocabulary.encode(texts[0])) < 0.5 * len(texts[0].encode())
+  # The text-file glob: each .py file one document, the .jsonl file one per line.
+  glob_path = tokenizer.train_byte_level_bpe(f"{tmp_path}/corpus/*", 300,
+                                             str(tmp_path / "glob.json"))
+  assert glob_path == str(tmp_path / "glob.json")
+  assert get_vocabulary(tokenizer_json=glob_path).vocab_size == 300
+
+
+def test_bad_corpora_for_a_byte_level_bpe_are_one_line(tmp_path):
+  (tmp_path / "blank.txt").write_text("\n  \n")
+  with pytest.raises(DataError, match="blank.txt' hold no text; point --input_glob"):
+    tokenizer.train_byte_level_bpe(str(tmp_path / "blank.txt"), 300, str(tmp_path / "m"))
+  write_parquet(tmp_path / "empty.parquet", ["", "  "])
+  with pytest.raises(DataError, match="hold no text"):
+    tokenizer.train_byte_level_bpe(str(tmp_path / "empty.parquet"), 300, str(tmp_path / "m"))
+  write_parquet(tmp_path / "web.parquet", ["some text"], field="body")
+  with pytest.raises(DataError, match=r"has no column 'text' \(it has: id, body\); set "
+                     "--text_field to the column"):
+    tokenizer.train_byte_level_bpe(str(tmp_path / "web.parquet"), 300, str(tmp_path / "m"))
+  (tmp_path / "bad").mkdir()
+  (tmp_path / "bad" / "part-0.parquet").write_bytes(b"not parquet")
+  with pytest.raises(DataError, match=r"is not a readable Parquet file .*; replace or "
+                     r"delete that shard$"):
+    tokenizer.train_byte_level_bpe(str(tmp_path / "bad"), 300, str(tmp_path / "m"))
+  assert not (tmp_path / "m").exists()
+
+
 def test_byte_lengths_of_the_byte_vocabulary():
   """Special ids 0..2 and ids past 258 stand for no text; every byte id for one byte."""
   vocabulary = seqio.ByteVocabulary()
@@ -103,6 +149,8 @@ def test_byte_lengths_of_a_sentencepiece_model(tmp_path):
      "--model_type"),
     (["--input_glob=x", "--vocab_size=100"], "--output"),
     (["--input_glob=x", "--vocab_size=100", "--output=m", "extra"], "Unexpected arguments"),
+    (["--input_glob=x", "--vocab_size=100", "--output=m", "--model_type=byte_level_bpe"],
+     "--vocab_size=100 is too small for a byte-level BPE"),
 ])
 def test_bad_flag_value_is_one_line_and_exit_code_2(tmp_path, args, fragment):
   result = subprocess.run([sys.executable, "-m", "pretrain.tokenizer", *args], cwd=tmp_path,

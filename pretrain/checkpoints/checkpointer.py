@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import jax
 from jax.experimental import multihost_utils
 
+from model.config import ModelConfig
 from plumbing.errors import UnreadableCheckpointError
 from pretrain.checkpoints.local import MAX_LOCAL_KEEP, LocalTier
 from pretrain.checkpoints.outage import StorageConfig
@@ -129,12 +130,13 @@ class Checkpointer:
     return [policy for policy in self._policies if isinstance(policy, BestEffort)]
 
   # -- restore ---------------------------------------------------------------------
-  def check_newest_matches(self, abstract_params: Any) -> None:
+  def check_newest_matches(self, abstract_params: Any, config: ModelConfig) -> None:
     """Raises CheckpointMismatchError, before anything is written, when a tier that
-    records the model (`ModelCheck`) holds a newest step of another one."""
+    records the model (`ModelCheck`) holds a newest step of another one: other
+    parameters, or the same ones under another parametrisation."""
     for tier in self.tiers:
       if isinstance(tier, ModelCheck):
-        tier.check_newest_matches(abstract_params)
+        tier.check_newest_matches(abstract_params, config)
 
   def restore_newest(self, *, abstract_params: Any, abstract_opt_state: Any
                      ) -> tuple[Optional[Restored], list[UnreadableCheckpointError]]:

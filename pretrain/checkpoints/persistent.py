@@ -42,6 +42,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
+from model.config import ModelConfig, describe_parametrization, recorded_parametrization
 from plumbing import storage
 from plumbing.errors import (CheckpointMismatchError, CheckpointSaveError,
                              UnreadableCheckpointError, UserError, warn)
@@ -230,13 +231,30 @@ class PersistentTier:
           f"configuration; these parameters differ:\n{problem}\nUse the Gin config the "
           "checkpoint was trained with, or a fresh --workdir.")
 
-  def check_newest_matches(self, abstract_params: Any) -> None:
-    """`check_params_match` on the newest checkpoint that can be read, before anything
-    is written; unreadable ones are left to `restore_newest`, which sets them aside."""
+  def check_parametrization_matches(self, step: int, config: ModelConfig) -> None:
+    """Raises CheckpointMismatchError, one line, when `step` was trained under another
+    parametrisation than `config`'s: the weights are the same shapes but mean another
+    model, and the optimizer's per-parameter rates would change mid-run."""
+    recorded = recorded_parametrization(self.metadata(step).get("model_config", {}))
+    wanted = describe_parametrization(config.parametrization, config.mup_base_width)
+    if recorded != wanted:
+      raise CheckpointMismatchError(
+          f"Checkpoint {self.directory / str(step)} was trained under the {recorded} "
+          f"parametrization, but the configuration asks for {wanted}; set "
+          "ModelConfig.parametrization and mup_base_width as the checkpoint was trained, "
+          "or use a fresh --workdir (the checkpoint is kept as it is)")
+
+  def check_newest_matches(self, abstract_params: Any, config: ModelConfig) -> None:
+    """`check_params_match` and `check_parametrization_matches` on the newest checkpoint
+    that can be read, before anything is written; unreadable ones are left to
+    `restore_newest`, which sets them aside."""
     for step in reversed(self.all_steps()):
       try:
         self.check_params_match(step, abstract_params)
+        self.check_parametrization_matches(step, config)
         return
+      except UnreadableCheckpointError:
+        continue
       except Exception as error:  # pylint: disable=broad-except
         if integrity.read_problem(error) is None:
           raise

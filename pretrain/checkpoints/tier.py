@@ -109,9 +109,10 @@ class CheckpointTier(Protocol):
 class ModelCheck(Protocol):
   """A tier whose steps record the model they were written for."""
 
-  def check_newest_matches(self, abstract_params: Any) -> None:
+  def check_newest_matches(self, abstract_params: Any, config: Any) -> None:
     """Raises CheckpointMismatchError when the newest readable step was written for
-    parameters other than `abstract_params` (paths or shapes)."""
+    parameters other than `abstract_params` (paths or shapes), or under a
+    parametrisation other than the ModelConfig `config`'s."""
 
 
 def ended_save_failure(in_flight: Optional[int], manager: Any,

@@ -22,7 +22,7 @@ from plumbing.resident import ResidentPeak
 from pretrain.observability import flops as flops_lib
 from pretrain.compilation import kernel_estimates
 from pretrain.compilation.gpu_target import GpuTarget
-from pretrain.optimizer import OptimizerConfig, learning_rate_schedule, make_optimizer
+from pretrain.optimizer import OptimizerConfig, learning_rate_schedule, model_optimizer
 from pretrain.runtime import Runtime
 from pretrain.steps import abstract_batch, jit_train_step
 from pretrain.compilation.tpu_target import HBM_BANDWIDTH, TpuTarget
@@ -190,7 +190,8 @@ def compile_train_step(runtime: Runtime, train_config: TrainConfig,
                        optimizer_config: OptimizerConfig) -> tuple[Any, CompileCost]:
   """(the compiled train step, its cost on this host): the trainer's program, lowered
   on the abstract state and batch and compiled for the runtime's devices."""
-  optimizer = make_optimizer(optimizer_config, train_config.train_steps)
+  optimizer = model_optimizer(optimizer_config, train_config.train_steps, runtime.config,
+                              runtime.abstract_params)
   program = jit_train_step(runtime, optimizer,
                            learning_rate_schedule(optimizer_config, train_config.train_steps),
                            train_config.microbatches, train_config.z_loss_weight,

@@ -3,7 +3,8 @@
 A glob selects the corpus: every matched file is one document, except `.jsonl` files,
 where every line is a JSON object whose `text` field is one document. The placeholder
 `{stdlib}` expands to the running Python's standard-library directory, a real corpus
-present on every machine (the quickstart's).
+present on every machine (the quickstart's). `corpus_format` tells the shipped corpus
+formats (`pretrain.data.sources`) from their names.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import os
 import sysconfig
 from typing import Iterable, Iterator, List, Optional, Sequence
 
+from plumbing import storage
 from pretrain.data.errors import DataError
 
 # Third-party packages installed into the interpreter live under the standard-library
@@ -28,12 +30,40 @@ DEFAULT_SHARD_BYTES = 4 << 20
 # CPU-second), so a shard holds enough text to keep that under a tenth.
 PARQUET_SHARD_BYTES = 256 << 20
 _GLOB_CHARS = "*?["
+# format -> the file-name suffixes it reads from a directory (`pretrain.data.sources`)
+FORMATS = {
+    "parquet": (".parquet",),
+    "jsonl": (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".json.zst"),
+    "hf_dataset": (),
+}
 
 
 def expand_pattern(pattern: str) -> str:
   """Expands `{stdlib}` and `~` in a glob pattern."""
   stdlib = sysconfig.get_paths()["stdlib"]
   return os.path.expanduser(pattern.replace("{stdlib}", stdlib))
+
+
+def corpus_format(location: str) -> Optional[str]:
+  """The corpus format a location names (`FORMATS`), or None when its name does not say:
+  `.parquet` or `.jsonl[.gz|.zst]` files (a glob, one file, or a directory holding
+  them), or a `datasets` `save_to_disk` directory (it holds `state.json` or
+  `dataset_dict.json`)."""
+  name = expand_pattern(location).rstrip("/")
+  for fmt, suffixes in FORMATS.items():
+    if any(name.endswith(s) for s in suffixes):
+      return fmt
+  if any(c in name for c in _GLOB_CHARS):
+    return None
+  if (storage.exists(storage.join(name, "state.json"))
+      or storage.exists(storage.join(name, "dataset_dict.json"))):
+    return "hf_dataset"
+  if storage.isdir(name):
+    names = storage.list_files(name)
+    for fmt, suffixes in FORMATS.items():
+      if suffixes and any(n.endswith(s) for n in names for s in suffixes):
+        return fmt
+  return None
 
 
 def glob_root(pattern: str) -> str:
@@ -94,11 +124,11 @@ def assign_validation(keys: Sequence[str], fraction: float) -> List[bool]:
   return is_validation
 
 
-def iter_jsonl_texts(path: str) -> Iterator[str]:
-  """The `text` field of every non-blank line of a JSONL file, one line in memory at a
+def iter_jsonl_texts(path: str, field: str = "text") -> Iterator[str]:
+  """The `field` of every non-blank line of a JSONL file, one line in memory at a
   time (a corpus file may be many gigabytes)."""
   with open(path, "r", encoding="utf-8") as f:
-    yield from jsonl_texts(f, path, allow_null=False)
+    yield from jsonl_texts(f, path, field, allow_null=False)
 
 
 def jsonl_texts(lines: Iterable[str], path: str, field: str = "text",

@@ -22,6 +22,7 @@ from pretrain.interchange import hf_import
 from pretrain.checkpoints.persistent import (PersistentTier, complete_steps,
                                              describe_mismatch, shapes_by_path)
 from pretrain.checkpoints.metadata import RunMetadata, make_vocabulary, vocabulary_spec
+from pretrain.data.vocabularies import get_vocabulary
 from pretrain.run_directory import RunDirectory
 from pretrain.runtime import Runtime
 from sharding.mesh import MeshConfig
@@ -137,8 +138,18 @@ def convert_hf(checkpoint: str, workdir: str, vocab: Optional[str] = None,
                     f"converter understands: {error}") from None
   vocab = vocab or hf_import.vocabulary_source(directory)
   if vocab is None:
-    raise usage_error(f"{directory} has no tokenizer.model and its tokenizer is not the byte "
-                      "table: pass --vocab=byte or --vocab=PATH.model")
+    raise usage_error(f"{directory} has no tokenizer.model or tokenizer.json: pass "
+                      "--vocab=byte, --vocab=PATH.model or --vocab=PATH/tokenizer.json")
   length = sequence_length or hf_import.model_max_length(directory) or 2048
-  write_step0(workdir, config, params, make_vocabulary(vocab), length)
+  write_step0(workdir, config, params, _vocabulary(vocab), length)
   return config
+
+
+def _vocabulary(vocab: str) -> Any:
+  """The vocabulary of a --vocab value: 'byte', a SentencePiece `.model`, or a
+  `tokenizer.json` whose EOS is the one its directory's `tokenizer_config.json` names
+  (else found by name, `pretrain.data.hf_vocabulary`)."""
+  if not vocab.endswith(".json"):
+    return make_vocabulary(vocab)
+  return get_vocabulary(tokenizer_json=vocab,
+                        eos_token=hf_import.eos_token(os.path.dirname(vocab)))

@@ -18,6 +18,7 @@ from model import hf_params
 from plumbing import storage
 from plumbing.errors import UserError, usage_error
 from pretrain import extras
+from pretrain.data import hf_vocabulary
 from pretrain.interchange import hf_tokenizer
 from pretrain.interchange import safetensors_writer
 from pretrain.checkpoints.loading import LoadedModel, load
@@ -180,6 +181,8 @@ def _write_export(model: LoadedModel, directory: str, dtype: str) -> dict[str, A
   """
   hf_config = hf_params.hf_config(model.config)
   hf_config["torch_dtype"] = dtype
+  if isinstance(model.vocabulary, hf_vocabulary.HfTokenizerVocabulary):
+    hf_config["eos_token_id"] = model.vocabulary.eos_id   # its own, not the byte one's 1
   state = hf_params.ours_to_hf(jax.device_get(model.params), model.config)
   model.params = None   # the mapped tree (views where no copy is needed) holds them
   write_weights(state, directory, dtype)

@@ -69,11 +69,12 @@ def read_weights(directory: str) -> dict[str, np.ndarray]:
 
 
 def vocabulary_source(directory: str) -> Optional[str]:
-  """'byte', a SentencePiece model path, or None when the tokenizer files do not tell.
+  """'byte', a SentencePiece model path, a `tokenizer.json` path, or None without either.
 
   A `tokenizer.model` (SentencePiece; Google's checkpoints and our SentencePiece
   exports ship it) wins; a `tokenizer.json` holding exactly the byte table of
-  `pretrain.interchange.hf_tokenizer` means the byte vocabulary.
+  `pretrain.interchange.hf_tokenizer` means the byte vocabulary; any other
+  `tokenizer.json` is the model's own vocabulary (`get_vocabulary.tokenizer_json`).
   """
   model = os.path.join(directory, "tokenizer.model")
   if os.path.isfile(model):
@@ -86,7 +87,21 @@ def vocabulary_source(directory: str) -> Optional[str]:
     if (spec.get("type") == "BPE" and len(vocab) == BYTE_TOKENIZER_SIZE
         and not spec.get("merges") and vocab.get("<pad>") == 0 and vocab.get("</s>") == 1):
       return "byte"
+    return tokenizer
   return None
+
+
+def eos_token(directory: str) -> Optional[str]:
+  """The EOS token `tokenizer_config.json` names (a string or an AddedToken's fields),
+  when it names one."""
+  path = os.path.join(directory, "tokenizer_config.json")
+  if not os.path.isfile(path):
+    return None
+  with open(path) as f:
+    token = json.load(f).get("eos_token")
+  if isinstance(token, dict):
+    token = token.get("content")
+  return token if isinstance(token, str) and token else None
 
 
 def model_max_length(directory: str) -> Optional[int]:

@@ -13,6 +13,16 @@ score every context with a stray EOS and cut the continuation's first byte.
   score, as SentencePiece applies them), with SentencePiece's "▁" word-start marker and
   byte-fallback decoding. A model trained with other normalisation rules is refused,
   since the fast tokenizer would not reproduce them.
+* A Hugging Face `tokenizer.json` (`pretrain.data.hf_vocabulary`): the file itself, its
+  post-processor (which training never ran: it encodes without special tokens) replaced
+  by the document start, and its EOS the one training appended. Its id 0 is the BOS
+  and padding token when it is a special token, as in `pretrain.tokenizer`'s byte-level
+  BPEs (`<pad>`), GPT-NeoX's or Mistral's. When id 0 is text (GPT-2's, Llama 3's and
+  Qwen's `!`), the tokenizer still starts every text with it, as training did, but
+  names no BOS: transformers would make a named one special, so it would cut it out of
+  every text before encoding and drop it from every decoding. Decodings then begin with
+  that text, and lm_eval's `hf` backend (which starts an empty context with the BOS, or
+  else EOS) needs `prefix_token_id=0` in its model_args for empty contexts.
 """
 from __future__ import annotations
 
@@ -22,6 +32,7 @@ from typing import Any
 from etils import epy
 
 from plumbing.errors import UserError
+from pretrain.data import hf_vocabulary
 
 # SeqIO and TensorFlow load on first use (about 6 s).
 with epy.lazy_imports():
@@ -87,22 +98,39 @@ def _sentencepiece_tokenizer(model_proto: bytes) -> Any:
   return tokenizer
 
 
+def _tokenizer_json(vocabulary: Any) -> tuple[Any, dict[str, str]]:
+  """(the tokenizer of a `tokenizer.json` vocabulary, its special tokens as transformers
+  names them): EOS always, BOS and padding when id 0 is a special token."""
+  from tokenizers import Tokenizer  # pylint: disable=import-outside-toplevel
+  tokenizer = Tokenizer.from_str(vocabulary.tokenizer_json.decode())
+  special = {"eos_token": vocabulary.eos_token}
+  start = tokenizer.id_to_token(0)
+  added = tokenizer.get_added_tokens_decoder().get(0)
+  if added is not None and added.special:
+    special.update(bos_token=start, pad_token=start)
+  return tokenizer, special
+
+
 def build(vocabulary: Any, model_max_length: int) -> Any:
-  """A `PreTrainedTokenizerFast` for a seqio byte or SentencePiece vocabulary, or None
-  for vocabularies without text (the pass-through ids of synthetic tasks)."""
+  """A `PreTrainedTokenizerFast` for a seqio byte or SentencePiece vocabulary or a
+  `tokenizer.json`, or None for vocabularies without text (the pass-through ids of
+  synthetic tasks)."""
   from tokenizers import processors  # pylint: disable=import-outside-toplevel
   from transformers import PreTrainedTokenizerFast  # pylint: disable=import-outside-toplevel
-  if isinstance(vocabulary, seqio.SentencePieceVocabulary):
+  special = SPECIAL
+  if isinstance(vocabulary, hf_vocabulary.HfTokenizerVocabulary):
+    tokenizer, special = _tokenizer_json(vocabulary)
+  elif isinstance(vocabulary, seqio.SentencePieceVocabulary):
     tokenizer = _sentencepiece_tokenizer(vocabulary.sp_model)
   elif isinstance(vocabulary, seqio.ByteVocabulary):
     tokenizer = _byte_tokenizer()
   else:
     return None
+  start = tokenizer.id_to_token(0)
   tokenizer.post_processor = processors.TemplateProcessing(
-      single=f"{DOCUMENT_START} $A", pair=f"{DOCUMENT_START} $A $B",
-      special_tokens=[(DOCUMENT_START, 0)])
+      single=f"{start} $A", pair=f"{start} $A $B", special_tokens=[(start, 0)])
   return PreTrainedTokenizerFast(tokenizer_object=tokenizer, model_max_length=model_max_length,
-                                 **SPECIAL)
+                                 **special)
 
 
 def save(vocabulary: Any, directory: str, model_max_length: int) -> bool:

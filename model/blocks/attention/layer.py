@@ -3,6 +3,7 @@
     q = x W_q  (H heads of size d = D/H),  k = x W_k,  v = x W_v  (one shared head),
     q, k <- RoPE(q, k) on the first half of each head, positions restarting per document,
     s_{t,u} = q_t · k_u / √d   if  u ≤ t,  u ≥ start of t's document,  and t - u ≤ window,
+                               (√d_base / d in place of 1/√d under μP: q is scaled by 1/√m)
     y_t = W_out Σ_u softmax_u(s_{t,u}) v_u + b_out.
 
 With `attention_window = w`, a query sees the keys t-w … t (w+1 of them), as in
@@ -40,6 +41,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from model import parametrization
 from model import partitioning as P
 from model.blocks.attention import fused
 from model.config import ModelConfig
@@ -229,8 +231,11 @@ class AttentionBlock(nn.Module):
                       name="q")(x).reshape(batch, length, heads, head_dim)
     keys = P.Dense(head_dim, (P.EMBED, P.KV), use_bias=False, dtype=cfg.dtype, name="k")(x)
     values = P.Dense(head_dim, (P.EMBED, P.KV), use_bias=False, dtype=cfg.dtype, name="v")(x)
-    queries = P.constrain(apply_rope(queries, segment_pos),
-                          (P.BATCH, P.LENGTH, P.ACT_HEADS, None))
+    queries = apply_rope(queries, segment_pos)
+    query_multiplier = parametrization.query_multiplier(cfg)
+    if query_multiplier is not None:   # μP: scores q·k·√d_base/d, not q·k/√d
+      queries = queries * jnp.asarray(query_multiplier, queries.dtype)
+    queries = P.constrain(queries, (P.BATCH, P.LENGTH, P.ACT_HEADS, None))
     keys = apply_rope(keys[:, :, None], segment_pos)[:, :, 0]
 
     if cache is None:

@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping, Optional
 import numpy as np
 
 from model import partitioning as P
-from model.block_registry import HFLeaf
+from model.block_registry import HFLeaf, ParamRole
 from model.blocks.attention import fused
 from model.blocks.attention.layer import AttentionBlock, AttentionCache
 from model.config import BlockType, ModelConfig
@@ -116,6 +116,11 @@ class AttentionSpec:
   counting = _AttentionCounting()
   memory = _AttentionMemory()
   hf_export = _AttentionHFExport()
+  # μP (docs/model.md): the projections are hidden; the scores' 1/d is the layer's
+  # (`model.parametrization.query_multiplier`).
+  param_roles = {"q/kernel": ParamRole.HIDDEN, "k/kernel": ParamRole.HIDDEN,
+                 "v/kernel": ParamRole.HIDDEN, "out/kernel": ParamRole.HIDDEN,
+                 "out/bias": ParamRole.VECTOR}
 
   def validate(self, config: ModelConfig) -> None:
     if config.head_dim % 4:

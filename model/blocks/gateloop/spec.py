@@ -11,6 +11,7 @@ from typing import Any, Optional
 import jax
 
 from model import partitioning as P
+from model.block_registry import ParamRole
 from model.blocks.gateloop.layer import GateLoopBlock
 from model.config import BlockType, ModelConfig
 
@@ -55,6 +56,15 @@ class GateLoopSpec:
   logical_axes = (P.EMBED, P.RNN, P.BATCH, P.LENGTH, P.ACT_RNN)
   counting = _GateLoopCounting()
   memory = _GateLoopMemory()
+  # μP (docs/model.md): the D x D projections are hidden; the transitions' biases and
+  # the ablation's fixed transitions are per state row, so they are vectors.
+  param_roles = {
+      "query/kernel": ParamRole.HIDDEN, "key/kernel": ParamRole.HIDDEN,
+      "value/kernel": ParamRole.HIDDEN, "output/kernel": ParamRole.HIDDEN,
+      "magnitude/kernel": ParamRole.HIDDEN, "magnitude/bias": ParamRole.VECTOR,
+      "phase/kernel": ParamRole.HIDDEN, "phase/bias": ParamRole.VECTOR,
+      "fixed_magnitude": ParamRole.VECTOR, "fixed_phase": ParamRole.VECTOR,
+  }
 
   def validate(self, config: ModelConfig) -> None:
     if config.width % config.gateloop_head_dim:

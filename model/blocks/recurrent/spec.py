@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping, Optional
 import numpy as np
 
 from model import partitioning as P
-from model.block_registry import HFLeaf
+from model.block_registry import HFLeaf, ParamRole
 from model.blocks.recurrent.layer import RecurrentBlock, RecurrentCache
 from model.config import BlockType, ModelConfig
 
@@ -98,6 +98,18 @@ class RecurrentSpec:
   counting = _RecurrentCounting()
   memory = _RecurrentMemory()
   hf_export = _RecurrentHFExport()
+  # μP (docs/model.md): the gates are block-diagonal matrices whose blocks' fan-in
+  # (D_RNN / H, H fixed) grows with width, so they are hidden; Λ, θ and the depthwise
+  # Conv1D's taps act on each channel alone (fan-in W or 1), so they are vectors.
+  param_roles = {
+      "linear_x/kernel": ParamRole.HIDDEN, "linear_x/bias": ParamRole.VECTOR,
+      "linear_y/kernel": ParamRole.HIDDEN, "linear_y/bias": ParamRole.VECTOR,
+      "linear_out/kernel": ParamRole.HIDDEN, "linear_out/bias": ParamRole.VECTOR,
+      "conv1d/kernel": ParamRole.VECTOR, "conv1d/bias": ParamRole.VECTOR,
+      "rg_lru/input_gate/kernel": ParamRole.HIDDEN, "rg_lru/input_gate/bias": ParamRole.VECTOR,
+      "rg_lru/a_gate/kernel": ParamRole.HIDDEN, "rg_lru/a_gate/bias": ParamRole.VECTOR,
+      "rg_lru/a_param": ParamRole.VECTOR, "rg_lru/theta": ParamRole.VECTOR,
+  }
 
   def validate(self, config: ModelConfig) -> None:
     del config  # the gate blocks and the CG-LRU's halves are checked for every model

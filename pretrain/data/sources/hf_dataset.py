@@ -51,7 +51,7 @@ class HfDatasetDataSource(ShardedTextSource):
     with open_binary(shard.path) as f:
       names = pa.ipc.open_stream(f).schema.names
     if self.text_field not in names:
-      raise missing_field(shard.path, self.text_field, names, self._flag.split(".")[0])
+      raise missing_field(shard.path, self.text_field, names, self.setting("text_field"))
     return [Piece(shard)]   # an Arrow stream has no footer to find its batches by
 
   def _texts(self, piece: Piece) -> Iterator[Optional[str]]:

@@ -91,7 +91,7 @@ class JsonlDataSource(ShardedTextSource):
     return [Piece(shard)]
 
   def _texts(self, piece: Piece) -> Iterator[Optional[str]]:
-    task = self._flag.split(".")[0]
     with open_text_lines(piece.shard.path) as lines:
-      yield from jsonl_texts(lines, piece.shard.path, self.text_field,
-                             f"set {task}.text_field to the field that holds the text")
+      yield from jsonl_texts(
+          lines, piece.shard.path, self.text_field,
+          f"set {self.setting('text_field')} to the field that holds the text")

@@ -40,13 +40,14 @@ class ParquetDataSource(ShardedTextSource):
     with self._open(shard) as parquet:
       names = parquet.schema_arrow.names
       if self.text_field not in names:
-        raise missing_field(shard.path, self.text_field, names, self._flag.split(".")[0])
+        raise missing_field(shard.path, self.text_field, names,
+                            self.setting("text_field"))
       kind = parquet.schema_arrow.field(self.text_field).type
       if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
               or pa.types.is_string_view(kind)):
         raise DataError(
             f"{shard.path}: column '{self.text_field}' holds {kind}, not text; set "
-            f"{self._flag.split('.')[0]}.text_field to the column that holds the text")
+            f"{self.setting('text_field')} to the column that holds the text")
       metadata = parquet.metadata
     column = next(j for j in range(metadata.num_columns)
                   if metadata.schema.column(j).path == self.text_field)

@@ -31,7 +31,7 @@ import tensorflow as tf
 
 from plumbing import storage
 from plumbing.errors import warn
-from pretrain.data.corpus_files import expand_pattern, glob_root
+from pretrain.data.corpus_files import FORMATS, corpus_format, expand_pattern, glob_root
 from pretrain.data.errors import DataError
 
 TRAIN = "train"
@@ -39,12 +39,6 @@ VALIDATION = "validation"
 MAX_SHARDS = 4096
 SHUFFLE_BUFFER = 10_000
 _GLOB_CHARS = "*?["
-# format -> the file-name suffixes it reads from a directory
-FORMATS = {
-    "parquet": (".parquet",),
-    "jsonl": (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".json.zst"),
-    "hf_dataset": (),
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,26 +61,15 @@ class Piece:
 
 
 def detect_format(location: str) -> str:
-  """The format of a source from its name: `.parquet`, `.jsonl[.gz|.zst]`, or a
-  `save_to_disk` directory (it holds `state.json` or `dataset_dict.json`)."""
-  expanded = expand_pattern(location)
-  name = expanded.rstrip("/")
-  for fmt, suffixes in FORMATS.items():
-    if any(name.endswith(s) for s in suffixes):
-      return fmt
-  if not any(c in name for c in _GLOB_CHARS) and (
-      storage.exists(storage.join(name, "state.json"))
-      or storage.exists(storage.join(name, "dataset_dict.json"))):
-    return "hf_dataset"
-  if not any(c in name for c in _GLOB_CHARS) and storage.isdir(name):
-    names = storage.list_files(name)
-    for fmt, suffixes in FORMATS.items():
-      if suffixes and any(n.endswith(s) for n in names for s in suffixes):
-        return fmt
-  raise DataError(
-      f"cannot tell the format of corpus '{location}'; name .parquet or .jsonl[.gz|.zst] "
-      "files (a glob or a directory of them) or a `save_to_disk` directory, or set "
-      "corpus_task.format to one of " + ", ".join(sorted(FORMATS)))
+  """The format of a source from its name (`corpus_files.corpus_format`), or a DataError
+  asking for `corpus_task.format`."""
+  fmt = corpus_format(location)
+  if fmt is None:
+    raise DataError(
+        f"cannot tell the format of corpus '{location}'; name .parquet or .jsonl[.gz|.zst] "
+        "files (a glob or a directory of them) or a `save_to_disk` directory, or set "
+        "corpus_task.format to one of " + ", ".join(sorted(FORMATS)))
+  return fmt
 
 
 def _is_glob(path: str) -> bool:
@@ -222,9 +205,19 @@ class ShardedTextSource(FileListSource):
   def _list(self, location: str, flag: str) -> List[Shard]:
     return list_shards(location, self.SUFFIXES, flag)
 
+  def setting(self, name: str) -> str:
+    """Where a user sets the source's option `name`: beside its files setting
+    (`web/corpus_task.text_field`), or a command's flag (`--text_field`) when the files
+    came from one (`flag='--input_glob'`)."""
+    if self._flag.startswith("--"):
+      return f"--{name}"
+    return f"{self._flag.rsplit('.', 1)[0]}.{name}"
+
   def _bad_shard_message(self, problem: str) -> str:
+    if self._flag.startswith("--"):   # a command reads every shard or stops
+      return f"{problem}; replace or delete that shard"
     return (f"{problem}; replace or delete that shard, or set "
-            f"{self._flag.split('.')[0]}.skip_bad_shards=True to train without it")
+            f"{self.setting('skip_bad_shards')}=True to train without it")
 
   def _problem(self, shard: Shard, error: Exception) -> str:
     """One line naming the shard and what reading it raised."""
@@ -317,9 +310,10 @@ def open_binary(path: str):
   return open(path, "rb") if not storage.is_url(path) else storage.open_read(path)
 
 
-def missing_field(path: str, field: str, available: Sequence[str], flag: str) -> DataError:
+def missing_field(path: str, field: str, available: Sequence[str], setting: str
+                  ) -> DataError:
   return DataError(
       f"{path} has no column '{field}' (it has: {', '.join(available) or 'none'}); set "
-      f"{flag}.text_field to the column that holds the text")
+      f"{setting} to the column that holds the text")
 
 
