@@ -10,19 +10,26 @@ a random lexicon) as Parquet files (`--files`, row groups of `--row_group_rows`)
 - `zstd+json`: the `.jsonl.zst` files decoded by hand (zstandard's stream reader, a text
   wrapper, `json.loads` per line);
 - `source`: our source (`ParquetDataSource`, `JsonlDataSource`) yielding every text;
-- `tokenize/bytes`, `tokenize/spm`: the corpus task as the trainer builds its store
-  (`materialize.packed_groups`: the source in tf.data, SeqIO's tokenizer and packing
-  into rows of `--sequence_length`), with the byte vocabulary and with a SentencePiece
-  model (`--spm_vocab`, trained on the first 2,000 documents by `python -m
-  pretrain.tokenizer` in a child process, as a user trains one; 0 skips it).
+- `tokenize/bytes`, `tokenize/spm`, `tokenize/bpe32k`, ...: the corpus task as the
+  trainer builds its store (`materialize.packed_groups`: the source in tf.data, the
+  vocabulary's tokenizer and packing into rows of `--sequence_length`), with the byte
+  vocabulary, a SentencePiece model (`--spm_vocab`) and byte-level BPE `tokenizer.json`s
+  (`--bpe_vocabs`), each trained on the first `--train_documents` documents by `python
+  -m pretrain.tokenizer` in a child process, as a user trains one (0 or empty skips);
+- `encode/<vocabulary>` (format `text`): the same documents tokenized by the vocabulary
+  alone, already in memory and in batches where the library has a batch API (a
+  `tokenizer.json`'s `encode_batch`, SentencePiece's list input), with no reading,
+  tf.data or packing. Its CPU seconds over the store build's say what bounds the build
+  (the `bound by` line under the table).
 
 The readers that load no TensorFlow run first, then the tokenizing ones. Each measure
 runs `--repeats` times and keeps the fastest. Rows per second per core
 divides by the process's CPU seconds (all threads, user + system), not wall seconds, so
 a shared machine's load moves it less, and a reader that uses several threads is
-charged for all of them; `vs baseline` is rows per CPU-second over the baseline's
-(pyarrow's Arrow read for Parquet, the hand decoder for `.jsonl.zst`). Prints a Markdown
-table, then one JSON line with every measure.
+charged for all of them; MB/s/core is the same for the documents' UTF-8 bytes; `vs
+baseline` is rows per CPU-second over the baseline's (pyarrow's Arrow read for Parquet,
+the hand decoder for `.jsonl.zst`, the byte vocabulary for `encode`). Prints a Markdown
+table, what bounds each store build, then one JSON line with every measure.
 
   nice -n 19 python benchmarks/corpus_throughput.py --rows=40000
 """
@@ -49,6 +56,7 @@ from absl import flags
 
 from plumbing import cli
 from pretrain.data import materialize, sources, tasks
+from pretrain.data import vocabularies as vocabularies_lib
 
 flags.DEFINE_integer("rows", 40_000, "Documents in the corpus.")
 flags.DEFINE_integer("chars", 2_000, "Mean characters per document.")
@@ -57,17 +65,27 @@ flags.DEFINE_integer("row_group_rows", 2_000, "Rows per Parquet row group.")
 flags.DEFINE_integer("repeats", 2, "Runs of each measure; the fastest is kept.")
 flags.DEFINE_integer("sequence_length", 1024, "Packed row length when tokenizing.")
 flags.DEFINE_integer("spm_vocab", 4096, "SentencePiece vocabulary size (0: skip).")
+flags.DEFINE_list("bpe_vocabs", ["32768", "131072"], "Byte-level BPE vocabulary sizes "
+                  "(empty: none).")
+flags.DEFINE_integer("train_documents", 4000, "Documents the vocabularies are trained on.")
+flags.DEFINE_integer("lexicon", 500_000, "Words of the synthetic documents' lexicon.")
+flags.DEFINE_float("zipf", 1.1, "Zipf exponent of the words' frequencies. With the "
+                   "default lexicon, 4,000 documents hold enough distinct words for a "
+                   "byte-level BPE to learn about 128K tokens.")
 flags.DEFINE_string("workdir", None, "Where the files go (default: a fresh temporary "
                     "directory).")
 FLAGS = flags.FLAGS
 
 
-def synthetic_documents(rows: int, chars: int, seed: int = 0) -> List[str]:
+def synthetic_documents(rows: int, chars: int, lexicon_size: int = 5000,
+                        zipf: float = 1.3, seed: int = 0) -> List[str]:
   """Documents of Zipf-distributed words from a random lexicon, lengths log-normal."""
   rng = np.random.default_rng(seed)
   letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
-  lexicon = ["".join(rng.choice(letters, size=int(n))) for n in rng.integers(2, 10, 5000)]
-  words = np.array(lexicon)[np.minimum(rng.zipf(1.3, size=100_000), len(lexicon)) - 1]
+  lengths = rng.integers(2, 10, lexicon_size)
+  lexicon = ["".join(word) for word in
+             np.split(rng.choice(letters, size=int(lengths.sum())), np.cumsum(lengths)[:-1])]
+  words = np.array(lexicon)[np.minimum(rng.zipf(zipf, size=1_000_000), len(lexicon)) - 1]
   lengths = np.clip(rng.lognormal(np.log(chars / 6) - 0.5, 1.0, rows), 1,
                     len(words) // 2).astype(int)
   starts = rng.integers(0, len(words) - lengths)
@@ -135,7 +153,43 @@ def tokenized_rows(task: str, sequence_length: int) -> int:
                  shard=seqio.ShardInfo(index, shards)))
 
 
-def measure(root: str, spm_model: str | None) -> List[Dict]:
+def encoded_rows(vocabulary: seqio.Vocabulary, texts: List[str], batch: int = 256) -> int:
+  """Documents tokenized by `vocabulary` alone (module docstring, `encode/`)."""
+  if hasattr(vocabulary, "encode_batch"):              # a tokenizer.json
+    for start in range(0, len(texts), batch):
+      vocabulary.encode_batch(texts[start:start + batch])
+  elif isinstance(vocabulary, seqio.SentencePieceVocabulary):
+    for start in range(0, len(texts), batch):
+      vocabulary.tokenizer.EncodeAsIds(texts[start:start + batch])
+  else:
+    for text in texts:
+      vocabulary.encode(text)
+  return len(texts)
+
+
+def trained_vocabularies(root: str, texts: List[str]) -> Dict[str, seqio.Vocabulary]:
+  """The byte vocabulary and those `python -m pretrain.tokenizer` trains, by name."""
+  vocabularies = {"bytes": seqio.ByteVocabulary()}
+  sample = os.path.join(root, "vocabulary_sample.txt")
+  with open(sample, "w", encoding="utf-8") as f:
+    f.write("\n".join(texts[:FLAGS.train_documents]))
+  def train(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "pretrain.tokenizer", f"--input_glob={sample}",
+                    *args], check=True, capture_output=True)
+  if FLAGS.spm_vocab:
+    model = os.path.join(root, "spm.model")
+    train(f"--vocab_size={FLAGS.spm_vocab}", f"--output={model}")
+    vocabularies["spm"] = seqio.SentencePieceVocabulary(model)
+  for size in map(int, FLAGS.bpe_vocabs):
+    directory = os.path.join(root, f"bpe{size}")
+    train("--model_type=byte_level_bpe", f"--vocab_size={size}", f"--output={directory}")
+    vocabularies[f"bpe{size // 1024}k" if size >= 1024 else f"bpe{size}"] = (
+        vocabularies_lib.get_vocabulary(tokenizer_json=directory))
+  return vocabularies
+
+
+def measure(root: str, texts: List[str],
+            vocabularies: Dict[str, seqio.Vocabulary]) -> List[Dict]:
   """Every measure of the module docstring, as rows of the table (by format)."""
   repeats, length = FLAGS.repeats, FLAGS.sequence_length
   locations = {"parquet": os.path.join(root, "parquet"),
@@ -148,49 +202,65 @@ def measure(root: str, spm_model: str | None) -> List[Dict]:
       "jsonl.zst": [("zstd+json", lambda: zstd_json_rows(root)),
                     ("source", lambda: source_rows(
                         sources.JsonlDataSource(locations["jsonl.zst"])))]}
-  vocabularies = {"bytes": seqio.ByteVocabulary()}
-  if spm_model:
-    vocabularies["spm"] = seqio.SentencePieceVocabulary(spm_model)
   measured = {fmt: [(name, timed(count, repeats)) for name, count in counts]
               for fmt, counts in readers.items()}
+  measured["text"] = [(f"encode/{name}", timed(lambda: encoded_rows(vocabulary, texts),
+                                               repeats))
+                      for name, vocabulary in vocabularies.items()]
   for fmt, location in locations.items():
     for name, vocabulary in vocabularies.items():
       task = tasks.corpus_task(location, vocabulary=vocabulary)
       measured[fmt].append((f"tokenize/{name}",
                             timed(lambda: tokenized_rows(task, length), repeats)))
+  mb = sum(len(t.encode()) for t in texts) / 1e6
   results = []
   for fmt, rows in measured.items():
-    base = rows[0][1]["rows_per_cpu_s"]   # the library's own reader
+    base = rows[0][1]["rows_per_cpu_s"]   # the library's own reader, or bytes
     for reader_name, result in rows:
       results.append({"format": fmt, "reader": reader_name, **result,
+                      "mb_per_cpu_s": mb / result["cpu_s"] if result["cpu_s"] else 0.0,
                       "vs_baseline": result["rows_per_cpu_s"] / base})
   return results
 
 
+def bounds(results: List[Dict]) -> List[str]:
+  """For each store build, the share of its CPU time the tokenizer alone takes."""
+  encode = {r["reader"].split("/", 1)[1]: r["cpu_s"] for r in results
+            if r["reader"].startswith("encode/")}
+  lines = []
+  for r in results:
+    if r["reader"].startswith("tokenize/"):
+      name = r["reader"].split("/", 1)[1]
+      share = encode[name] / r["cpu_s"]
+      what = ("tokenizing" if share >= 0.5 else
+              "reading, tf.data and packing (the tokenizer is not)")
+      lines.append(f"bound by: {r['format']} {name}: the tokenizer alone is {share:.0%} of "
+                   f"the store build's CPU time: {what}")
+  return lines
+
+
 def main(_) -> None:
   root = FLAGS.workdir or tempfile.mkdtemp(prefix="corpus_throughput_")
-  texts = synthetic_documents(FLAGS.rows, FLAGS.chars)
+  texts = synthetic_documents(FLAGS.rows, FLAGS.chars, FLAGS.lexicon, FLAGS.zipf)
   write_corpus(root, texts, FLAGS.files, FLAGS.row_group_rows)
-  spm_model = None
-  if FLAGS.spm_vocab:
-    sample = os.path.join(root, "spm_sample.txt")
-    with open(sample, "w", encoding="utf-8") as f:
-      f.write("\n".join(texts[:2000]))
-    spm_model = os.path.join(root, "spm.model")
-    subprocess.run([sys.executable, "-m", "pretrain.tokenizer", f"--input_glob={sample}",
-                    f"--vocab_size={FLAGS.spm_vocab}", f"--output={spm_model}"],
-                   check=True, capture_output=True)
-  results = measure(root, spm_model)
+  vocabularies = trained_vocabularies(root, texts)
+  results = measure(root, texts, vocabularies)
   mb = sum(len(t.encode()) for t in texts) / 1e6
+  sizes = ", ".join(f"{name} {vocabulary.vocab_size:,}"
+                    for name, vocabulary in vocabularies.items())
   print(f"{FLAGS.rows} documents, {mb:.1f} MB of text, {FLAGS.files} files per format, "
-        f"{os.cpu_count()} cores")
-  print("| format | reader | rows | wall s | CPU s | rows/s | rows/s/core | vs baseline |")
-  print("|---|---|---|---|---|---|---|---|")
+        f"{os.cpu_count()} cores; vocabulary sizes: {sizes}")
+  print("| format | reader | rows | wall s | CPU s | rows/s | rows/s/core | MB/s/core | "
+        "vs baseline |")
+  print("|---|---|---|---|---|---|---|---|---|")
   for r in results:
     print(f"| {r['format']} | {r['reader']} | {r['rows']} | {r['wall_s']:.2f} | "
           f"{r['cpu_s']:.2f} | {r['rows_per_s']:,.0f} | {r['rows_per_cpu_s']:,.0f} | "
-          f"{r['vs_baseline']:.3f} |")
-  print(json.dumps({"rows": FLAGS.rows, "text_mb": mb, "results": results}))
+          f"{r['mb_per_cpu_s']:.2f} | {r['vs_baseline']:.3f} |")
+  print("\n".join(bounds(results)))
+  print(json.dumps({"rows": FLAGS.rows, "text_mb": mb, "results": results,
+                    "vocab_sizes": {name: vocabulary.vocab_size
+                                    for name, vocabulary in vocabularies.items()}}))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from plumbing.errors import UserError
@@ -244,15 +245,23 @@ def test_corpus_throughput_script_measures_every_reader(tmp_path):
   every row, and the tokenizing ones pack every document."""
   run = _run_benchmark("corpus_throughput.py", "--rows=300", "--files=2",
                        "--row_group_rows=50", "--repeats=1", "--spm_vocab=300",
-                       "--sequence_length=128", f"--workdir={tmp_path}")
+                       "--bpe_vocabs=400", "--lexicon=5000", "--sequence_length=128",
+                       f"--workdir={tmp_path}")
   assert run.returncode == 0, run.stderr[-3000:]
-  results = json.loads(run.stdout.strip().splitlines()[-1])["results"]
+  report = json.loads(run.stdout.strip().splitlines()[-1])
+  results = report["results"]
   assert [(r["format"], r["reader"]) for r in results] == [
       ("parquet", "pyarrow"), ("parquet", "pyarrow+pylist"), ("parquet", "source"),
       ("parquet", "tokenize/bytes"), ("parquet", "tokenize/spm"),
+      ("parquet", "tokenize/bpe400"),
       ("jsonl.zst", "zstd+json"), ("jsonl.zst", "source"),
-      ("jsonl.zst", "tokenize/bytes"), ("jsonl.zst", "tokenize/spm")]
-  assert all(r["rows"] == 300 and r["rows_per_cpu_s"] > 0 for r in results), results
+      ("jsonl.zst", "tokenize/bytes"), ("jsonl.zst", "tokenize/spm"),
+      ("jsonl.zst", "tokenize/bpe400"),
+      ("text", "encode/bytes"), ("text", "encode/spm"), ("text", "encode/bpe400")]
+  assert all(r["rows"] == 300 and r["rows_per_cpu_s"] > 0 and r["mb_per_cpu_s"] > 0
+             for r in results), results
+  assert report["vocab_sizes"] == {"bytes": 259, "spm": 300, "bpe400": 400}, report
+  assert run.stdout.count("bound by: ") == 6, run.stdout
 
 
 def test_wsd_three_families_script_prints_the_recorded_study():
@@ -409,3 +418,21 @@ def test_step_bytes_script_splits_a_train_step_by_part(tmp_path):
   moved = sum(p["bytes"] for p in result["parts"])
   assert 0.1 * result["report"]["bytes_accessed"] < moved <= result["report"]["bytes_accessed"]
   assert "XLA's bytes accessed" in run.stdout
+
+
+@pytest.mark.slow
+def test_mup_transfer_script_sweeps_rates_at_each_width(tmp_path):
+  """benchmarks/mup_transfer.py, shrunk to one family, one width (one compile per
+  parametrisation), three rates and a few steps: every rate gets a finite held-out loss
+  and the width a best rate."""
+  output = tmp_path / "transfer.json"
+  run = _run_benchmark("mup_transfer.py", "--families=mqa", "--widths=16", "--steps=4",
+                       "--min_log2_rate=-8", "--max_log2_rate=-6", f"--output={output}")
+  assert run.returncode == 0, run.stderr[-3000:]
+  results = json.loads(output.read_text())
+  for kind in ("standard", "mup"):
+    runs = results["families"]["mqa"][kind]
+    assert len(runs["losses"]) == 1 and len(runs["losses"][0]) == 3, runs
+    assert all(np.isfinite(loss) for row in runs["losses"] for loss in row), runs
+    assert runs["drift"] == max(abs(b - runs["best"][0]) for b in runs["best"]), runs
+  assert (tmp_path / "transfer.png").exists()
