@@ -287,7 +287,9 @@ def test_corpus_training_commands_run_verbatim(tmp_path):
   (that Parquet and .jsonl.zst files with a `content` field), then a byte-level BPE
   tokenizer.json trained on the Parquet directory and a run on its ids, each run
   shortened to 2 steps, on the files the commands name, written here; then
-  `pretrain.sample` on the tokenizer's run, from the checkpoint's copy of the file."""
+  `pretrain.sample` on the tokenizer's run, from the checkpoint's copy of the file, and
+  its export, whose tokenizer and log-likelihoods transformers and lm_eval's `hf`
+  backend reproduce."""
   from test_data_corpora import documents, write_parquet, write_zst  # pylint: disable=import-outside-toplevel
   (tmp_path / "corpus" / "web").mkdir(parents=True)
   (tmp_path / "corpus" / "code").mkdir()
@@ -327,6 +329,18 @@ def test_corpus_training_commands_run_verbatim(tmp_path):
                 "--max_new_tokens=5 --seed=1", cwd=tmp_path, env=env)
   assert result.returncode == 0, result.stderr[-2000:]
   assert result.stdout.startswith("the web")
+  # The run leaves the framework with its tokenizer: the export's tokenizer gives the
+  # ids training saw, and lm_eval's own `hf` backend scores the export as ours does.
+  from test_hf_export import assert_lm_evals_hf_backend_scores_like_ours  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+  import pretrain  # pylint: disable=import-outside-toplevel
+  from pretrain.interchange import hf_export  # pylint: disable=import-outside-toplevel
+  run, output = str(tmp_path / "workdirs" / "web_bpe"), str(tmp_path / "web_bpe_hf")
+  hf_export.export(run, output)
+  tokenizer = transformers.AutoTokenizer.from_pretrained(output)
+  text = "the web page\n\n  says: déjà vu 42"
+  assert tokenizer(text).input_ids == [0] + list(pretrain.load(run).vocabulary.encode(text))
+  assert_lm_evals_hf_backend_scores_like_ours(run, output, "the docs' tokenizer.json run")
 
 
 @pytest.mark.slow
