@@ -26,7 +26,7 @@ quiet.setup()  # first, before JAX or TensorFlow load: see plumbing/quiet.py
 # pylint: disable=wrong-import-position
 import json
 import os
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from absl import flags
 import jax
@@ -136,25 +136,36 @@ def slope(widths: Sequence[int], values: Sequence[float]) -> float:
   return float(np.polyfit(np.log(widths), np.log(values), 1)[0])
 
 
-def _plot(results: dict[str, Any], path: str) -> None:
+def plot_panels(results: dict[str, Any], path: str, xlabel: str, ylabel: str,
+                draw: Callable[[Any, dict[str, Any]], str]) -> None:
+  """A panel per family (columns) and parametrisation (rows) of `results["families"]`:
+  `draw(axis, runs)` plots one panel's runs and returns its title's detail."""
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
   from matplotlib import pyplot as plt  # pylint: disable=import-outside-toplevel
   families = list(results["families"])
-  figure, axes = plt.subplots(2, len(families), figsize=(4 * len(families), 7),
-                              squeeze=False, sharex=True)
+  figure, axes = plt.subplots(len(PARAMETRIZATIONS), len(families),
+                              figsize=(4.5 * len(families), 7), squeeze=False,
+                              sharex=True)
   for column, family in enumerate(families):
     for row, kind in enumerate(PARAMETRIZATIONS):
-      axis, runs = axes[row][column], results["families"][family][kind]
-      for name in runs["rms"][0]:
-        axis.loglog(results["widths"], [rms[name] for rms in runs["rms"]], marker="o",
-                    label=f"{name} ({runs['slopes'][name]:+.2f})")
-      axis.set_title(f"{family}, {kind}")
-      axis.set_xlabel("width")
+      axis = axes[row][column]
+      detail = draw(axis, results["families"][family][kind])
+      axis.set_title(f"{family}, {kind}{detail}")
+      axis.set_xlabel(xlabel)
       axis.legend(fontsize=7)
-    axes[0][column].set_ylabel("RMS of the move")
+    axes[0][column].set_ylabel(ylabel)
   figure.tight_layout()
   figure.savefig(path, dpi=110)
+
+
+def _plot(results: dict[str, Any], path: str) -> None:
+  def draw(axis: Any, runs: dict[str, Any]) -> str:
+    for name in runs["rms"][0]:
+      axis.loglog(results["widths"], [rms[name] for rms in runs["rms"]], marker="o",
+                  label=f"{name} ({runs['slopes'][name]:+.2f})")
+    return ""
+  plot_panels(results, path, "width", "RMS of the move", draw)
 
 
 def main(argv: Sequence[str]) -> None:

@@ -124,26 +124,13 @@ def best_index(losses: Sequence[float]) -> int:
   return int(np.argmin(finite))
 
 
-def _plot(results: dict[str, Any], path: str) -> None:
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use("Agg")
-  from matplotlib import pyplot as plt  # pylint: disable=import-outside-toplevel
-  families = list(results["families"])
-  figure, axes = plt.subplots(len(PARAMETRIZATIONS), len(families),
-                              figsize=(4.5 * len(families), 7), squeeze=False,
-                              sharex=True)
-  for column, family in enumerate(families):
-    for row, kind in enumerate(PARAMETRIZATIONS):
-      axis, runs = axes[row][column], results["families"][family][kind]
-      for width, losses in zip(results["widths"], runs["losses"]):
-        axis.semilogx(results["rates"], np.minimum(losses, 8.0), marker="o",
-                      label=f"width {width}", base=2)
-      axis.set_title(f"{family}, {kind}: best-rate drift {runs['drift']} steps")
-      axis.set_xlabel("learning rate")
-      axis.legend(fontsize=7)
-    axes[0][column].set_ylabel("held-out loss")
-  figure.tight_layout()
-  figure.savefig(path, dpi=110)
+def _plot(coord_check: Any, results: dict[str, Any], path: str) -> None:
+  def draw(axis: Any, runs: dict[str, Any]) -> str:
+    for width, losses in zip(results["widths"], runs["losses"]):
+      axis.semilogx(results["rates"], np.minimum(losses, 8.0), marker="o",
+                    label=f"width {width}", base=2)
+    return f": best-rate drift {runs['drift']} steps"
+  coord_check.plot_panels(results, path, "learning rate", "held-out loss", draw)
 
 
 def main(argv: Sequence[str]) -> None:
@@ -173,7 +160,7 @@ def main(argv: Sequence[str]) -> None:
   os.makedirs(os.path.dirname(os.path.abspath(FLAGS.output)), exist_ok=True)
   with open(FLAGS.output, "w", encoding="utf-8") as f:
     json.dump(results, f, indent=1)
-  _plot(results, os.path.splitext(FLAGS.output)[0] + ".png")
+  _plot(coord_check, results, os.path.splitext(FLAGS.output)[0] + ".png")
   print(f"wrote {FLAGS.output} and its .png")
 
 
