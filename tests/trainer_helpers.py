@@ -9,11 +9,13 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
 
+import filelock
 import pytest
 
 from plumbing import storage
@@ -65,14 +67,22 @@ DataPipeline.cache_dir = '{cache}'
 
 
 def make_corpus(directory, documents=24, words=400, seed=0):
-  """Small text files drawn from a Python-ish word list (learnable in a few steps)."""
-  if os.path.isdir(directory):   # written once per session (the token store keys on it)
+  """Small text files drawn from a Python-ish word list (learnable in a few steps).
+
+  Written once per session (the token store keys on it) and published with one rename,
+  so a second xdist worker asking for the same directory never reads a partial corpus."""
+  if os.path.isdir(directory):
     return directory
-  os.makedirs(directory)
+  staging = f"{directory}.{os.getpid()}.partial"
+  os.makedirs(staging)
   rng = random.Random(seed)
   for i in range(documents):
-    with open(os.path.join(directory, f"doc{i:03d}.txt"), "w", encoding="utf-8") as f:
+    with open(os.path.join(staging, f"doc{i:03d}.txt"), "w", encoding="utf-8") as f:
       f.write(" ".join(rng.choice(WORDS) for _ in range(words)))
+  try:
+    os.rename(staging, directory)
+  except OSError:   # the other worker published the same corpus first
+    shutil.rmtree(staging)
   return directory
 
 
@@ -84,8 +94,10 @@ class TrainerEnv:
     self.corpus = make_corpus(os.path.join(self.root, "corpus"))
     self.cache = os.path.join(self.root, "token_cache")
     self.gin = os.path.join(self.root, "tiny.gin")
-    with open(self.gin, "w", encoding="utf-8") as f:
+    staging = f"{self.gin}.{os.getpid()}"
+    with open(staging, "w", encoding="utf-8") as f:
       f.write(TINY_GIN.format(corpus=self.corpus, cache=self.cache))
+    os.replace(staging, self.gin)   # the same text from either worker, never half of it
     env = dict(os.environ)
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
     env["JAX_PLATFORMS"] = "cpu"
@@ -198,10 +210,15 @@ def assert_ok(result):
 
 
 def _shared_root(tmp_path_factory):
-  """One directory per test session. Test modules import these fixtures, which gives
-  each module its own fixture instance; keeping their state on disk under a fixed path
-  of the session still lets all modules share one corpus, caches and trained run."""
-  root = tmp_path_factory.getbasetemp() / "trainer_shared"
+  """One directory per test session, shared by the xdist workers. Test modules import
+  these fixtures, which gives each module (and each worker) its own fixture instance;
+  keeping their state on disk under a fixed path of the session still lets all of them
+  share one corpus, token store, compilation cache and trained run (each built once, not
+  once per worker)."""
+  base = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    base = base.parent   # pytest-N/, above the workers' popen-gwK/
+  root = base / "trainer_shared"
   root.mkdir(exist_ok=True)
   return root
 
@@ -226,14 +243,16 @@ def trained_workdir(trainer_env):
   training state)."""
   workdir = os.path.join(trainer_env.root, "trained")
   finished = os.path.join(trainer_env.root, "trained_run.json")
-  if not os.path.exists(finished):
-    result = trainer_env.run(trainer_env.train_command(
-        workdir, "EVAL_EVERY=12", "TrainConfig.final_eval=True",
-        "TrainConfig.sample_prompt='def '", "TrainConfig.sample_tokens=16",
-        "TrainConfig.profile_steps=(2, 3)", *DOWNSTREAM_SETTINGS))
-    assert_ok(result)
-    with open(finished, "w", encoding="utf-8") as f:
-      json.dump({"stdout": result.stdout, "stderr": result.stderr}, f)
+  with filelock.FileLock(finished + ".lock"):   # the other worker may be training it
+    if not os.path.exists(finished):
+      shutil.rmtree(workdir, ignore_errors=True)   # what a failed attempt left
+      result = trainer_env.run(trainer_env.train_command(
+          workdir, "EVAL_EVERY=12", "TrainConfig.final_eval=True",
+          "TrainConfig.sample_prompt='def '", "TrainConfig.sample_tokens=16",
+          "TrainConfig.profile_steps=(2, 3)", *DOWNSTREAM_SETTINGS))
+      assert_ok(result)
+      with open(finished, "w", encoding="utf-8") as f:
+        json.dump({"stdout": result.stdout, "stderr": result.stderr}, f)
   with open(finished, encoding="utf-8") as f:
     outputs = json.load(f)
   return workdir, subprocess.CompletedProcess([], 0, outputs["stdout"], outputs["stderr"])
