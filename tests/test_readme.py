@@ -20,6 +20,7 @@ A command of a kind not listed here fails the test, so a new README or docs comm
 needs a check before it can be documented.
 """
 import hashlib
+import math
 import os
 import re
 import shlex
@@ -38,6 +39,7 @@ from plumbing import storage
 from pretrain import gin_config
 from pretrain.checkpoints.checkpointer import CheckpointConfig
 from pretrain.data import pipeline
+from pretrain.data.vocabularies import token_byte_lengths
 from pretrain.optimizer import OptimizerConfig
 from pretrain.train_config import TrainConfig
 from sharding.mesh import MeshConfig
@@ -286,7 +288,8 @@ def test_corpus_training_commands_run_verbatim(tmp_path):
   """docs/data.md's "Train on your corpus": a Parquet directory, a two-corpus mixture
   (that Parquet and .jsonl.zst files with a `content` field), then a byte-level BPE
   tokenizer.json trained on the Parquet directory and a run on its ids, each run
-  shortened to 2 steps, on the files the commands name, written here; then
+  shortened to 2 steps, on the files the commands name, written here (the tokenizer's
+  run reports bits per byte, as `pretrain.evaluate` of it would); then
   `pretrain.sample` on the tokenizer's run, from the checkpoint's copy of the file, and
   its export, whose tokenizer and log-likelihoods transformers and lm_eval's `hf`
   backend reproduce."""
@@ -323,6 +326,12 @@ def test_corpus_training_commands_run_verbatim(tmp_path):
       (tmp_path / "corpus" / "tokenizer" / "tokenizer.json").read_bytes()).hexdigest()
   assert os.listdir(tmp_path / "workdirs" / "web_bpe" / "vocabulary") == [
       f"{digest}.tokenizer.json"]
+  # Its final evaluation has bits per byte: the scored text has more bytes than tokens.
+  final = [row for row in read_metrics(str(tmp_path / "workdirs" / "web_bpe"))
+           if "eval_loss" in row][-1]
+  scored_bytes = final["eval_loss"] * final["eval_tokens"] / (
+      math.log(2) * final["eval_bits_per_byte"])
+  assert final["eval_tokens"] < scored_bytes < 10 * final["eval_tokens"], final
   # Sampling reads that copy: the file the run was given may be gone.
   os.remove(tmp_path / "corpus" / "tokenizer" / "tokenizer.json")
   result = _run("python -m pretrain.sample --workdir=workdirs/web_bpe --prompt='the web' "
@@ -336,10 +345,12 @@ def test_corpus_training_commands_run_verbatim(tmp_path):
   import pretrain  # pylint: disable=import-outside-toplevel
   from pretrain.interchange import hf_export  # pylint: disable=import-outside-toplevel
   run, output = str(tmp_path / "workdirs" / "web_bpe"), str(tmp_path / "web_bpe_hf")
+  loaded = pretrain.load(run)   # pretrain.evaluate's byte table, from the checkpoint's copy
+  assert token_byte_lengths(loaded.vocabulary, loaded.config.vocab_size) is not None
   hf_export.export(run, output)
   tokenizer = transformers.AutoTokenizer.from_pretrained(output)
   text = "the web page\n\n  says: déjà vu 42"
-  assert tokenizer(text).input_ids == [0] + list(pretrain.load(run).vocabulary.encode(text))
+  assert tokenizer(text).input_ids == [0] + list(loaded.vocabulary.encode(text))
   assert_lm_evals_hf_backend_scores_like_ours(run, output, "the docs' tokenizer.json run")
 
 

@@ -9,8 +9,9 @@ import pytest
 import sentencepiece as spm
 import seqio
 
-from pretrain.interchange import tokenizer
+from pretrain.interchange import hf_tokenizer, tokenizer
 from pretrain.data import DataError
+from pretrain.data.hf_vocabulary import HfTokenizerVocabulary
 from pretrain.data.vocabularies import get_vocabulary, token_byte_lengths
 from test_data_corpora import write_parquet, write_zst
 
@@ -126,7 +127,9 @@ def test_byte_lengths_of_the_byte_vocabulary():
 def test_byte_lengths_of_a_sentencepiece_model(tmp_path):
   """Learned pieces count their text's bytes ('▁' a space), byte-fallback pieces one,
   control and unknown pieces and extra ids none; over an encoded text the sum is the
-  text's UTF-8 length plus the one dummy-prefix space SentencePiece adds."""
+  text's UTF-8 length plus the one dummy-prefix space SentencePiece adds. The model as
+  a tokenizer.json (the export's, Llama 2's layout: '▁' and byte-fallback decoders, the
+  special tokens added ones) counts the same."""
   write_code_corpus(tmp_path / "corpus")
   vocabulary = get_vocabulary(tokenizer.train_sentencepiece(
       f"{tmp_path}/corpus/*", 320, str(tmp_path / "code")))
@@ -141,6 +144,9 @@ def test_byte_lengths_of_a_sentencepiece_model(tmp_path):
   ids = vocabulary.encode(text)
   assert any(lengths[i] > 1 for i in ids) and any(processor.is_byte(i) for i in ids)
   assert lengths[ids].sum() == len(text.encode()) + 1
+  exported = hf_tokenizer.build(vocabulary, 64).backend_tokenizer.to_str().encode()
+  as_json = HfTokenizerVocabulary(exported)
+  np.testing.assert_array_equal(token_byte_lengths(as_json, pieces + 4), lengths)
 
 
 @pytest.mark.parametrize("args, fragment", [

@@ -15,11 +15,17 @@ How its tokens map onto the pipeline's conventions:
   encoded without the tokenizer's post-processor (`add_special_tokens=False`).
 - Documents are encoded in batches (`encode_batch`, the library's Rust threads), see
   `encode_batch` and `pretrain.data.tasks`.
+- Bits per byte need the bytes each token stands for (`token_byte_lengths`): known for
+  byte-level BPEs and for tokenizers whose tokens are text with a space marker ('▁')
+  and byte-fallback tokens; None for the rest (WordPiece, say).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
-from typing import Iterable, List, Optional, Sequence
+import json
+import re
+from typing import Callable, Iterable, List, Optional, Sequence
 
 from etils import epy
 import numpy as np
@@ -34,6 +40,7 @@ with epy.lazy_imports():
 TOKENIZER_FILE = "tokenizer.json"
 EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>",
              "<|eot_id|>")
+_BYTE_FALLBACK_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")   # what ByteFallback decodes
 
 
 def __getattr__(name: str):
@@ -145,3 +152,104 @@ def _find_eos(tokenizer, source: str) -> str:
   raise DataError(
       f"{source} has no end-of-text special token (none of {', '.join(EOS_NAMES)}); "
       "set get_vocabulary.eos_token to the token that ends a document")
+
+
+def token_byte_lengths(tokenizer: tokenizers.Tokenizer, size: int) -> Optional[np.ndarray]:
+  """Bytes of text each id of `tokenizer` stands for, int32 [size]; None when unknown.
+
+  Special tokens (EOS, padding, BOS), the model's unknown token (special or not: the
+  text it replaced is lost) and ids past the tokenizer count 0 bytes; a non-special
+  added token its content's UTF-8 bytes (the literal text it matches). The
+  others follow the decoder, the one place a tokenizer.json says what text a token is:
+  - ByteLevel (GPT-2, NeoX, Llama 3, Qwen): a token of the 256-character byte alphabet
+    stands for one raw byte per character, so over an encoded text the counts sum to
+    its UTF-8 length (its normalised text's where a normaliser rewrites it: Qwen's NFC).
+  - Metaspace / Replace, ByteFallback, Fuse, Strip (SentencePiece conversions: Llama 2,
+    Mistral, T5): the token's UTF-8 bytes with the space marker read as a space, 1 for
+    a byte-fallback token `<0xNN>`. As for a SentencePiece model this is the text the
+    normaliser and pre-tokeniser left, so the dummy-prefix space counts one byte.
+  - Anything else is None: no decoder (tokens are joined with spaces the text may not
+    have had), WordPiece's '##' or a '</w>' word-end suffix (markers, not text, and the
+    spaces between words are guessed), regex replacements or CTC, whose output depends
+    on the neighbouring tokens.
+  """
+  config = json.loads(tokenizer.to_str())
+  length = _length_rule(config)
+  if length is None:
+    return None
+  lengths = np.zeros(size, np.int32)
+  added = tokenizer.get_added_tokens_decoder()
+  unknown = _unknown_id(tokenizer, config["model"])
+  for token, i in tokenizer.get_vocab(with_added_tokens=True).items():
+    if i >= size or i == unknown or (i in added and added[i].special):
+      continue
+    lengths[i] = len(added[i].content.encode()) if i in added else length(token)
+  return lengths
+
+
+def _length_rule(config: dict) -> Optional[Callable[[str], int]]:
+  """token -> bytes for a tokenizer.json's model and decoder (see `token_byte_lengths`)."""
+  model, decoder = config["model"], config["decoder"]
+  if decoder is None or model.get("continuing_subword_prefix") or model.get(
+      "end_of_word_suffix"):
+    return None
+  steps = _decoder_steps(decoder)
+  if [step["type"] for step in steps] == ["ByteLevel"]:
+    return _byte_level_length
+  return _text_length_rule(steps)
+
+
+def _unknown_id(tokenizer: tokenizers.Tokenizer, model: dict) -> Optional[int]:
+  """The id of the model's unknown token: named by BPE and WordPiece, numbered by
+  Unigram; None when it has none (byte-level and byte-fallback models need none)."""
+  if model.get("unk_token"):
+    return tokenizer.token_to_id(model["unk_token"])
+  return model.get("unk_id")
+
+
+def _decoder_steps(decoder: dict) -> List[dict]:
+  """A decoder as the list of decoders it applies in order (Sequences flattened)."""
+  if decoder["type"] != "Sequence":
+    return [decoder]
+  return [step for inner in decoder["decoders"] for step in _decoder_steps(inner)]
+
+
+def _byte_level_length(token: str) -> int:
+  """A ByteLevel token's raw bytes: one per byte-alphabet character. A token outside
+  the alphabet the decoder passes through as its UTF-8 text, so it counts those."""
+  if set(token) <= _byte_alphabet():
+    return len(token)
+  return len(token.encode())
+
+
+@functools.cache
+def _byte_alphabet() -> frozenset:
+  """The 256 characters a ByteLevel pre-tokeniser writes bytes as."""
+  return frozenset(tokenizers.pre_tokenizers.ByteLevel.alphabet())
+
+
+def _text_length_rule(steps: Sequence[dict]) -> Optional[Callable[[str], int]]:
+  """token -> bytes for decoders that rewrite each token on its own (space markers,
+  byte fallback) and then join them (Fuse), at most trimming the joined text's ends
+  (Strip: the dummy-prefix space); None for any other decoder."""
+  replacements, byte_fallback, fused = [], False, False
+  for step in steps:
+    kind = step["type"]
+    if kind == "Metaspace" and not fused:
+      replacements.append((step["replacement"], " "))
+    elif kind == "Replace" and "String" in step["pattern"] and not fused:
+      replacements.append((step["pattern"]["String"], step["content"]))
+    elif kind == "ByteFallback" and not fused:
+      byte_fallback = True
+    elif kind == "Fuse":
+      fused = True
+    elif not (kind == "Strip" and fused):   # a Strip before Fuse trims every token
+      return None
+
+  def length(token: str) -> int:
+    if byte_fallback and _BYTE_FALLBACK_TOKEN.fullmatch(token):
+      return 1
+    for old, new in replacements:
+      token = token.replace(old, new)
+    return len(token.encode())
+  return length

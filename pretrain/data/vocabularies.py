@@ -104,7 +104,9 @@ def token_byte_lengths(vocabulary: seqio.Vocabulary, size: int) -> Optional[np.n
   runs with different vocabularies comparable; the eval step sums this table over the
   weighted targets. Special ids (padding, EOS, UNK, SentencePiece control pieces, extra
   ids) and ids past the vocabulary count 0 bytes. Returns None for vocabularies whose
-  ids stand for no text (the pass-through vocabulary of the synthetic tasks).
+  ids stand for no text (the pass-through vocabulary of the synthetic tasks) or whose
+  tokens' bytes the file does not say (a WordPiece tokenizer.json; see
+  `hf_vocabulary.token_byte_lengths`, which counts the tokenizer.json ones).
 
   SentencePiece: a piece counts the UTF-8 bytes of its text with '▁' read as a space,
   a byte-fallback piece `<0xNN>` one byte. This is the length of the *normalised* text
@@ -119,6 +121,8 @@ def token_byte_lengths(vocabulary: seqio.Vocabulary, size: int) -> Optional[np.n
     return lengths
   if isinstance(vocabulary, seqio.SentencePieceVocabulary):
     return _sentencepiece_byte_lengths(vocabulary.tokenizer, size)
+  if isinstance(vocabulary, hf_vocabulary.HfTokenizerVocabulary):
+    return hf_vocabulary.token_byte_lengths(vocabulary.tokenizer, size)
   return None
 
 
