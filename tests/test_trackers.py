@@ -4,7 +4,8 @@ real `mlflow server` on a loopback port, SQLite store) each hold one run for a r
 restarted twice, with every step once, read back with their own tools (`wandb leet
 inspect`, `MlflowClient`); a tracker that cannot be reached costs one line, the run goes
 on, and the tracker gets what it missed once it answers. An MLflow server that is down
-or accepts and never answers (a real socket on loopback) costs one line at a session's
+or accepts and never answers (a real socket on loopback), or refuses the client's
+password (the server's basic authentication), costs one line at a session's
 end, which waits for it at most `delivery.EXIT_WAIT_S`, and keeps its client's retry
 warnings in the workdir's `clients.log`; the reported case (the trainer, a closed port)
 end to end in a subprocess."""
@@ -89,8 +90,11 @@ def mlflow_process(tmp_path_factory):
 
 
 @pytest.fixture
-def mlflow_url(mlflow_process):  # pylint: disable=redefined-outer-name
+def mlflow_url(mlflow_process, monkeypatch):  # pylint: disable=redefined-outer-name
+  """The server's URL once it answers; the test's MLflow clients log in to it."""
   tracker_tools.wait_until_up(*mlflow_process)
+  for name, value in tracker_tools.CREDENTIALS.items():
+    monkeypatch.setenv(name, value)
   return mlflow_process[1]
 
 
@@ -314,14 +318,17 @@ def _mlflow_session(workdir):
 
 
 @pytest.mark.parametrize("server", ["closed port", "never answers",
-                                    "never answers, client retrying"])
-def test_mlflow_down_or_silent_costs_one_line_a_bounded_end_and_gets_its_rows_later(
+                                    "never answers, client retrying", "wrong password"])
+def test_mlflow_down_silent_or_refusing_costs_one_line_a_bounded_end_and_gets_its_rows_later(
     server, tmp_path, monkeypatch, capfd, client_log, mlflow_url):  # pylint: disable=redefined-outer-name
   from mlflow.tracking import MlflowClient  # pylint: disable=import-outside-toplevel
   monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "outages")
   with contextlib.ExitStack() as stack:
     if server == "closed port":
       url = f"http://127.0.0.1:{free_port()}"
+    elif server == "wrong password":   # the real server, refusing with 401
+      url = mlflow_url
+      monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "not-the-password")
     else:
       url = stack.enter_context(tracker_tools.silent_server())
     if server.endswith("client retrying"):   # 4 attempts of 5 s: longer than the bound
@@ -331,16 +338,23 @@ def test_mlflow_down_or_silent_costs_one_line_a_bounded_end_and_gets_its_rows_la
   err = capfd.readouterr().err
   lines = err.splitlines()
   assert len(lines) == 1, err   # the project's line; no client library's
-  assert lines[0].startswith(f"warning: mlflow tracker: no answer from the MLflow server "
-                             f"at {url} (MLFLOW_TRACKING_URI)"), err
+  service = f"the MLflow server at {url} (MLFLOW_TRACKING_URI)"
+  if server == "wrong password":   # the service, and MLflow's text: the status, the fix
+    assert lines[0].startswith(f"warning: mlflow tracker: error from {service}: "), err
+    assert "error code 401" in lines[0] and "not authenticated" in lines[0], err
+  else:
+    assert lines[0].startswith(f"warning: mlflow tracker: no answer from {service}"), err
   assert waited_s <= delivery.EXIT_WAIT_S + 1, waited_s
   assert _tracker_state(tmp_path)["mlflow"]["unsent_rows"] == len(_ROWS)
   if server.endswith("client retrying"):
     assert "Retrying (Retry(" in client_log.read_text()
     assert lines[0].endswith(f"its client's log: {client_log}"), err
 
-  # The server answers again: the next session in the workdir sends what was kept.
+  # The server answers again (and takes the password): the next session in the workdir
+  # sends what was kept.
   monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_url)
+  monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD",
+                     tracker_tools.CREDENTIALS["MLFLOW_TRACKING_PASSWORD"])
   _mlflow_session(tmp_path)
   assert capfd.readouterr().err == ""
   state = _tracker_state(tmp_path)["mlflow"]

@@ -1,5 +1,5 @@
 """The tracker tests' tools: a real `mlflow server` on a loopback port with a SQLite
-store, a loopback server that accepts connections and never answers, and W&B's own
+store and MLflow's basic authentication (so that a test can be refused), a loopback server that accepts connections and never answers, and W&B's own
 reader of an offline run.
 
 The server's start-up (imports, the store's migrations) takes several seconds of CPU, so
@@ -18,21 +18,35 @@ import time
 import urllib.request
 from typing import Iterator
 
-# The environment of a test's `mlflow server`: no job runner (see `start_mlflow`).
-QUIET_SERVER = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+# The environment of a test's `mlflow server`: no job runner (see `start_mlflow`), and
+# the key basic authentication's CSRF protection demands.
+QUIET_SERVER = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+                "MLFLOW_FLASK_SERVER_SECRET_KEY": "test-only-key"}
+# The server's admin, created at its first start; a client logs in with these variables.
+CREDENTIALS = {"MLFLOW_TRACKING_USERNAME": "admin",
+               "MLFLOW_TRACKING_PASSWORD": "test-only-password"}
 
 
 def start_mlflow(root: str, port: int) -> subprocess.Popen:
-  """`mlflow server` in `root` (its store `root/mlflow.db`), in a process group of its
-  own (it starts workers), output in `root/server.log`. Its job runner (three task-queue
-  consumers, about 10 s of CPU to start) is off: tracking needs none of it."""
+  """`mlflow server` in `root` (its store `root/mlflow.db`, its users `root/auth.db`),
+  with basic authentication (`CREDENTIALS`), in a process group of its own (it starts
+  workers), output in `root/server.log`. Its job runner (three task-queue consumers,
+  about 10 s of CPU to start) is off: tracking needs none of it."""
   mlflow = os.path.join(os.path.dirname(sys.executable), "mlflow")
+  auth_config = os.path.join(root, "auth.ini")
+  with open(auth_config, "w", encoding="utf-8") as f:
+    f.write("[mlflow]\ndefault_permission = READ\n"
+            f"database_uri = sqlite:///{os.path.join(root, 'auth.db')}\n"
+            f"admin_username = {CREDENTIALS['MLFLOW_TRACKING_USERNAME']}\n"
+            f"admin_password = {CREDENTIALS['MLFLOW_TRACKING_PASSWORD']}\n"
+            "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
   with open(os.path.join(root, "server.log"), "w", encoding="utf-8") as log:
     return subprocess.Popen(
-        [mlflow, "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+        [mlflow, "server", "--app-name", "basic-auth", "--host", "127.0.0.1",
+         "--port", str(port), "--workers", "1",
          "--backend-store-uri", f"sqlite:///{os.path.join(root, 'mlflow.db')}"],
         cwd=root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        env={**os.environ, **QUIET_SERVER})
+        env={**os.environ, **QUIET_SERVER, "MLFLOW_AUTH_CONFIG_PATH": auth_config})
 
 
 def wait_until_up(process: subprocess.Popen, url: str, log_path: str,
