@@ -41,6 +41,9 @@ MODEL = ModelConfig(vocab_size=260, width=32, rnn_width=32, num_heads=2, depth=2
                     block_pattern=("recurrent", "attention"), attention_window=8,
                     scan_impl="lax")
 STEPS = 6
+# The most a process with a W&B server that does not answer takes, imports and W&B's own
+# exit handlers included, with WANDB_INIT_TIMEOUT=3 (measured: 26 s on 2 shared cores).
+WANDB_PROCESS_S = 45
 
 
 class _Crash(Exception):
@@ -393,3 +396,38 @@ def test_the_trainer_with_mlflow_down_prints_one_line_and_exits_at_once(
   assert len(lines) == 1 and lines[0].startswith(
       "warning: mlflow tracker: no answer from the MLflow server at "), err
   assert _tracker_state(workdir)["mlflow"]["unsent_rows"] > 0
+
+
+@pytest.mark.slow   # a W&B session in a process of its own per case: 10-30 s
+@pytest.mark.parametrize("server", ["never answers", "refuses the key"])
+def test_wandb_silent_or_refusing_costs_one_line_and_a_bounded_end(server, tmp_path):
+  """W&B online (a key set, not offline) against a loopback server that accepts and
+  never answers, or answers 401: one line on the console from the whole process (W&B's
+  exit and telemetry included), the session's end within `delivery.EXIT_WAIT_S`, the
+  process's within W&B's own exit, and every row kept for the next session."""
+  workdir = str(tmp_path / "run")
+  os.makedirs(workdir)
+  with contextlib.ExitStack() as stack:
+    url = stack.enter_context(tracker_tools.silent_server() if server == "never answers"
+                              else tracker_tools.refusing_server())
+    env = {name: value for name, value in os.environ.items()
+           if not name.startswith("WANDB_")}
+    env.update(PYTHONPATH=REPO, WANDB_BASE_URL=url, WANDB_API_KEY="0" * 40,
+               WANDB_INIT_TIMEOUT="3", WANDB_DIR=str(tmp_path),
+               **{name: str(tmp_path / "wandb_home") for name in
+                  ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR")})
+    began = time.monotonic()
+    result = subprocess.run(tracker_tools.session_command(workdir, "wandb"), env=env,
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    took_s = time.monotonic() - began
+  assert result.returncode == 0, result.stderr
+  lines = result.stderr.splitlines()
+  assert len(lines) == 1, result.stderr   # the project's line; no client library's
+  assert lines[0].startswith(f"warning: wandb tracker: error from W&B at {url} "
+                             "(WANDB_BASE_URL, WANDB_API_KEY): "), result.stderr
+  if server == "refuses the key":
+    assert "401" in lines[0], result.stderr
+  close_s = float(result.stdout.split("close took ")[1].split()[0])
+  assert close_s <= delivery.EXIT_WAIT_S + 1, result.stdout
+  assert took_s <= WANDB_PROCESS_S, took_s
+  assert _tracker_state(workdir)["wandb"]["unsent_rows"] == len(tracker_tools.SESSION_ROWS)
