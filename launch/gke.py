@@ -23,7 +23,6 @@ docs/contracts.md "Preemption per launcher") and printed by `--dry_run`.
 """
 from __future__ import annotations
 
-import subprocess
 import sys
 from typing import Sequence
 
@@ -31,6 +30,7 @@ from absl import flags
 
 from launch.clusters import common
 from launch.clusters import gke
+from launch.dispatch import scheduler
 from plumbing import cli
 from sharding.tpu_slice import TpuSlice
 
@@ -99,8 +99,7 @@ def main(argv: Sequence[str]) -> None:
   if FLAGS.dry_run:
     sys.stdout.write(manifest)
     return
-  sys.exit(subprocess.run(["kubectl", "apply", "-f", "-"], input=manifest, text=True,
-                          check=False).returncode)
+  sys.exit(scheduler.run(["kubectl", "apply", "-f", "-"], stdin=manifest).returncode)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ submitting.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import tempfile
 from typing import Sequence
@@ -25,6 +24,7 @@ from absl import flags
 
 from launch.clusters import common
 from launch.clusters import slurm
+from launch.dispatch import scheduler
 from plumbing import cli
 
 
@@ -69,7 +69,7 @@ def main(argv: Sequence[str]) -> None:
   with tempfile.NamedTemporaryFile("w", suffix=".sbatch", delete=False) as handle:
     handle.write(script)
   try:
-    code = subprocess.run(["sbatch", handle.name], check=False).returncode
+    code = scheduler.run(["sbatch", handle.name]).returncode
   finally:
     os.unlink(handle.name)
   sys.exit(code)

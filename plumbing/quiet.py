@@ -100,7 +100,8 @@ LOG_NOISE = ("Given directory is read only", "Waiting for previous save to compl
 # The loggers of the clients of outside services (`keep_client_logs`).
 CLIENT_LOGGERS = ("urllib3", "requests", "botocore", "aiobotocore", "s3fs", "boto3",
                   "google.auth", "google_auth_httplib2", "google.api_core",
-                  "google.cloud.storage", "gcsfs", "fsspec", "mlflow", "wandb")
+                  "google.cloud.storage", "gcsfs", "fsspec", "mlflow", "wandb",
+                  "opentelemetry")   # W&B's telemetry exporter: 401s, timeouts
 
 # The filter ends when the command closes the pipe. It ignores SIGTERM, which a
 # scheduler may send to every process of a job (SLURM's `scancel`, its time limit) while

@@ -32,6 +32,7 @@ import hashlib
 import logging
 import re
 import socket
+import ssl
 import tempfile
 import time
 import urllib.parse
@@ -46,6 +47,10 @@ from orbax.checkpoint._src.serialization import tensorstore_utils as _orbax_ts_u
 from plumbing.errors import UserError, usage_error
 
 SCHEMES = ("gs://", "s3://")
+# The most a command's start-up check of its bucket's endpoint waits for it to connect and
+# answer (`check_writable`): a storage that is not there fails in one line before any
+# compute, not after the clients' own timeouts and retries.
+STARTUP_PROBE_S = 5.0
 # gcsfs logs each request that ran out of retries with a traceback; `guarded` reports the
 # failure itself, in one line.
 logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
@@ -246,7 +251,7 @@ def check_writable(directory: str, flag: str = "--workdir") -> None:
   if not is_url(directory) and os.path.exists(directory) and not os.path.isdir(directory):
     raise usage_error(f"{flag} {directory} is a file, not a directory; choose a "
                       "directory (it is created if missing)")
-  check_reachable(directory, schemes=SCHEMES)
+  check_reachable(directory, STARTUP_PROBE_S, schemes=SCHEMES, answer=True)
   try:
     if not is_url(directory):  # on S3, s3fs's makedirs would create a missing bucket
       makedirs(directory)
@@ -264,23 +269,25 @@ def check_writable(directory: str, flag: str = "--workdir") -> None:
                     f"Choose another {flag} or fix its permissions.") from None
 
 
-def _endpoint(url: str) -> tuple[str, int]:
-  """(host, port) the clients of `url` talk to: for gs://, `STORAGE_EMULATOR_HOST` (an
-  emulator) or GCS itself; for s3://, `AWS_ENDPOINT_URL_S3` / `AWS_ENDPOINT_URL` or
-  S3 itself."""
+def _endpoint(url: str) -> tuple[str, int, bool]:
+  """(host, port, whether over TLS) the clients of `url` talk to: for gs://,
+  `STORAGE_EMULATOR_HOST` (an emulator) or GCS itself; for s3://, `AWS_ENDPOINT_URL_S3`
+  / `AWS_ENDPOINT_URL` or S3 itself."""
   if str(url).startswith("gs://"):
     address = os.environ.get("STORAGE_EMULATOR_HOST") or "https://storage.googleapis.com"
   else:
     address = (os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
                or "https://s3.amazonaws.com")
   parsed = urllib.parse.urlsplit(address if "://" in address else "http://" + address)
-  return parsed.hostname or "", parsed.port or (443 if parsed.scheme == "https" else 80)
+  tls = parsed.scheme == "https"
+  return parsed.hostname or "", parsed.port or (443 if tls else 80), tls
 
 
-def check_reachable(url: str, timeout_s: float = 10, schemes: tuple[str, ...] = ("gs://",)
-                    ) -> None:
+def check_reachable(url: str, timeout_s: float = 10, schemes: tuple[str, ...] = ("gs://",),
+                    answer: bool = False) -> None:
   """Fails fast, in one line, when nothing answers at the endpoint of a URL of
-  `schemes` (other paths pass).
+  `schemes` (other paths pass); with `answer`, also when the endpoint accepts the
+  connection but does not answer within `timeout_s` in all (see `_await_answer`).
 
   gcsfs retries a refused connection 6 times with exponential backoff (about 36 s before
   the error) and offers no setting for it; one TCP connection to its endpoint tells the
@@ -292,12 +299,35 @@ def check_reachable(url: str, timeout_s: float = 10, schemes: tuple[str, ...] = 
   proxies = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy")
   if not str(url).startswith(schemes) or any(os.environ.get(name) for name in proxies):
     return
-  host, port = _endpoint(url)
+  host, port, tls = _endpoint(url)
+  deadline = time.monotonic() + timeout_s
   try:
-    socket.create_connection((host, port), timeout=timeout_s).close()
+    with socket.create_connection((host, port), timeout=timeout_s) as connection:
+      if answer:
+        _await_answer(connection, host, tls, deadline)
   except OSError as error:
-    reason = ConnectionError(f"{host}:{port}: {error.strerror or error}")
+    text = (f"no answer in {timeout_s:g} s" if isinstance(error, TimeoutError)
+            else error.strerror or error)
+    reason = ConnectionError(f"{host}:{port}: {text}")
     raise UserError(describe_error(url, reason)) from None
+
+
+def _await_answer(connection: socket.socket, host: str, tls: bool, deadline: float) -> None:
+  """Waits until the endpoint on `connection` says something, by `deadline` (else
+  TimeoutError): a server that accepts and never answers (hung, or a black hole behind
+  a load balancer) would otherwise hold each client call for its own timeouts, minutes
+  with retries. Over TLS a completed handshake is the answer (the certificate is the
+  clients' to check); else the first byte of the reply to a HEAD request."""
+  connection.settimeout(max(deadline - time.monotonic(), 0.01))
+  if tls:
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    context.wrap_socket(connection, server_hostname=host).close()
+    return
+  connection.sendall(f"HEAD / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+                     .encode("ascii"))
+  connection.recv(1)
 
 
 def reachable(url: str, timeout_s: float = 2.0) -> Optional[str]:

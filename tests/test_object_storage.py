@@ -5,11 +5,13 @@ uploaded to the bucket) trains into `<bucket>/runs/tiny`, is
 killed with SIGKILL mid-run (async saves in flight) and rerun with the same command;
 its losses must equal the uninterrupted local run's step for step. Then `evaluate`,
 `sample` and `pretrain.load` read that bucket workdir. Bad storage (an unreachable
-endpoint, a missing bucket, refused credentials) is one line and costs nothing saved; an
-unreachable GCS endpoint fails in seconds, not after gcsfs's ~36 s of retries.
+endpoint, one that accepts and never answers, a missing bucket, refused credentials) is
+one line and costs nothing saved; an unreachable GCS endpoint fails in seconds, not
+after gcsfs's ~36 s of retries, and a silent one of either scheme in 5 s.
 """
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,6 +29,7 @@ from pretrain.run_directory import RunDirectory
 from pretrain.evaluate import text_file_metrics
 from pretrain.evaluation.generation import sample_text
 from storage_servers import environment, free_port, s3_environment, server
+import tracker_tools
 from trainer_helpers import (REPO, assert_ok, bucket_rows,  # pylint: disable=unused-import
                              storage_env, train_losses, trained_workdir, trainer_env)
 
@@ -133,6 +136,18 @@ def test_bad_storage_is_one_line_and_keeps_the_saved_run(bucket_run, trainer_env
   missing = workdir.replace(f"//{bucket}/", "//no-such-bucket/")
   with pytest.raises(UserError, match="does bucket 'no-such-bucket' exist"):
     cli.prepare_workdir(missing)
+
+  # An endpoint that accepts connections and never answers: the start-up check gives up
+  # after storage.STARTUP_PROBE_S, where the clients would wait minutes with their retries.
+  variable = "STORAGE_EMULATOR_HOST" if workdir.startswith("gs://") else "AWS_ENDPOINT_URL"
+  with tracker_tools.silent_server() as silent, environment(**{variable: silent}):
+    started = time.monotonic()
+    with pytest.raises(UserError, match=f"cannot reach the storage of {re.escape(workdir)} "
+                       r"\(ConnectionError: 127.0.0.1:\d+: no answer in 5 s\).*"
+                       f"{variable}") as raised:
+      cli.prepare_workdir(workdir)
+  assert time.monotonic() - started < storage.STARTUP_PROBE_S + 1
+  assert "\n" not in str(raised.value)
 
   if workdir.startswith("gs://"):
     # Nothing listening at the endpoint: gcsfs alone would retry for ~36 s.

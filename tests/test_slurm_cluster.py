@@ -31,6 +31,8 @@ import time
 import pytest
 
 import slurm_cluster
+from launch.dispatch import scheduler
+from plumbing.errors import UserError
 from pretrain.checkpoints.persistent import complete_steps
 from slurm_cluster import SlurmCluster, unavailable_reason
 from test_readme import PIECES
@@ -177,6 +179,40 @@ def _submit_readme_example(run_env, cwd):
   job = re.search(r"Submitted batch job (\d+)", result.stdout).group(1)
   workdir_flag = re.search(r"--workdir=\S+", README_SLURM[0]).group(0)
   return job, workdir_flag, str(cwd / workdir_flag.split("=", 1)[1])
+
+
+def test_a_controller_that_does_not_answer_costs_one_line_and_a_bounded_wait(
+    cluster, tmp_path, monkeypatch):
+  """slurmctld stopped (SIGSTOP: its socket still accepts, nothing answers, as a hung
+  controller): sbatch, which would wait MessageTimeout and retry, is given up after
+  GRIFFIN_SCHEDULER_TIMEOUT_S, and `launch.slurm` ends with one line naming it and the
+  check."""
+  with open(os.path.join(cluster.root, "ctld", "pid"), encoding="ascii") as f:
+    controller = int(f.read())
+  for name, value in cluster.env().items():
+    monkeypatch.setenv(name, value)
+  monkeypatch.setenv(scheduler.TIMEOUT_ENV, "3")
+  os.kill(controller, signal.SIGSTOP)
+  try:
+    began = time.monotonic()
+    with pytest.raises(UserError, match="^sbatch did not answer in 3 s"):
+      scheduler.run(["sbatch", "--wrap=true"], stdout=True, stderr=True)
+    waited_s = time.monotonic() - began
+    result = subprocess.run(
+        [sys.executable, "-m", "launch.slurm", "--nodes=1", "--gpus_per_node=1",
+         f"--output={tmp_path}/%j.out", "--", "true"],
+        cwd=REPO, capture_output=True, text=True, timeout=120)
+  finally:
+    os.kill(controller, signal.SIGCONT)
+  assert 3 <= waited_s < 3 + 2, waited_s
+  assert result.returncode == 1, result.stderr
+  lines = result.stderr.splitlines()
+  assert len(lines) == 1 and lines[0].startswith(
+      "error: sbatch did not answer in 3 s: is slurmctld (scontrol ping) up?"), result.stderr
+  # As the line warns, the submissions may have reached the controller: none is left
+  # for the tests that follow.
+  cluster.client("scancel", "--user=root", check=False)
+  _wait_until_queue_empty(cluster, timeout_s=60)
 
 
 def test_readme_example_survives_warning_preemption_scancel_and_a_killed_task(

@@ -4,7 +4,8 @@ real `mlflow server` on a loopback port, SQLite store) each hold one run for a r
 restarted twice, with every step once, read back with their own tools (`wandb leet
 inspect`, `MlflowClient`); a tracker that cannot be reached costs one line, the run goes
 on, and the tracker gets what it missed once it answers. An MLflow server that is down
-or accepts and never answers (a real socket on loopback) costs one line at a session's
+or accepts and never answers (a real socket on loopback), or refuses the client's
+password (the server's basic authentication), costs one line at a session's
 end, which waits for it at most `delivery.EXIT_WAIT_S`, and keeps its client's retry
 warnings in the workdir's `clients.log`; the reported case (the trainer, a closed port)
 end to end in a subprocess."""
@@ -40,6 +41,9 @@ MODEL = ModelConfig(vocab_size=260, width=32, rnn_width=32, num_heads=2, depth=2
                     block_pattern=("recurrent", "attention"), attention_window=8,
                     scan_impl="lax")
 STEPS = 6
+# The most a process with a W&B server that does not answer takes, imports and W&B's own
+# exit handlers included, with WANDB_INIT_TIMEOUT=3 (measured: 26 s on 2 shared cores).
+WANDB_PROCESS_S = 45
 
 
 class _Crash(Exception):
@@ -89,8 +93,11 @@ def mlflow_process(tmp_path_factory):
 
 
 @pytest.fixture
-def mlflow_url(mlflow_process):  # pylint: disable=redefined-outer-name
+def mlflow_url(mlflow_process, monkeypatch):  # pylint: disable=redefined-outer-name
+  """The server's URL once it answers; the test's MLflow clients log in to it."""
   tracker_tools.wait_until_up(*mlflow_process)
+  for name, value in tracker_tools.CREDENTIALS.items():
+    monkeypatch.setenv(name, value)
   return mlflow_process[1]
 
 
@@ -314,14 +321,17 @@ def _mlflow_session(workdir):
 
 
 @pytest.mark.parametrize("server", ["closed port", "never answers",
-                                    "never answers, client retrying"])
-def test_mlflow_down_or_silent_costs_one_line_a_bounded_end_and_gets_its_rows_later(
+                                    "never answers, client retrying", "wrong password"])
+def test_mlflow_down_silent_or_refusing_costs_one_line_a_bounded_end_and_gets_its_rows_later(
     server, tmp_path, monkeypatch, capfd, client_log, mlflow_url):  # pylint: disable=redefined-outer-name
   from mlflow.tracking import MlflowClient  # pylint: disable=import-outside-toplevel
   monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "outages")
   with contextlib.ExitStack() as stack:
     if server == "closed port":
       url = f"http://127.0.0.1:{free_port()}"
+    elif server == "wrong password":   # the real server, refusing with 401
+      url = mlflow_url
+      monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "not-the-password")
     else:
       url = stack.enter_context(tracker_tools.silent_server())
     if server.endswith("client retrying"):   # 4 attempts of 5 s: longer than the bound
@@ -331,16 +341,23 @@ def test_mlflow_down_or_silent_costs_one_line_a_bounded_end_and_gets_its_rows_la
   err = capfd.readouterr().err
   lines = err.splitlines()
   assert len(lines) == 1, err   # the project's line; no client library's
-  assert lines[0].startswith(f"warning: mlflow tracker: no answer from the MLflow server "
-                             f"at {url} (MLFLOW_TRACKING_URI)"), err
+  service = f"the MLflow server at {url} (MLFLOW_TRACKING_URI)"
+  if server == "wrong password":   # the service, and MLflow's text: the status, the fix
+    assert lines[0].startswith(f"warning: mlflow tracker: error from {service}: "), err
+    assert "error code 401" in lines[0] and "not authenticated" in lines[0], err
+  else:
+    assert lines[0].startswith(f"warning: mlflow tracker: no answer from {service}"), err
   assert waited_s <= delivery.EXIT_WAIT_S + 1, waited_s
   assert _tracker_state(tmp_path)["mlflow"]["unsent_rows"] == len(_ROWS)
   if server.endswith("client retrying"):
     assert "Retrying (Retry(" in client_log.read_text()
     assert lines[0].endswith(f"its client's log: {client_log}"), err
 
-  # The server answers again: the next session in the workdir sends what was kept.
+  # The server answers again (and takes the password): the next session in the workdir
+  # sends what was kept.
   monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_url)
+  monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD",
+                     tracker_tools.CREDENTIALS["MLFLOW_TRACKING_PASSWORD"])
   _mlflow_session(tmp_path)
   assert capfd.readouterr().err == ""
   state = _tracker_state(tmp_path)["mlflow"]
@@ -379,3 +396,38 @@ def test_the_trainer_with_mlflow_down_prints_one_line_and_exits_at_once(
   assert len(lines) == 1 and lines[0].startswith(
       "warning: mlflow tracker: no answer from the MLflow server at "), err
   assert _tracker_state(workdir)["mlflow"]["unsent_rows"] > 0
+
+
+@pytest.mark.slow   # a W&B session in a process of its own per case: 10-30 s
+@pytest.mark.parametrize("server", ["never answers", "refuses the key"])
+def test_wandb_silent_or_refusing_costs_one_line_and_a_bounded_end(server, tmp_path):
+  """W&B online (a key set, not offline) against a loopback server that accepts and
+  never answers, or answers 401: one line on the console from the whole process (W&B's
+  exit and telemetry included), the session's end within `delivery.EXIT_WAIT_S`, the
+  process's within W&B's own exit, and every row kept for the next session."""
+  workdir = str(tmp_path / "run")
+  os.makedirs(workdir)
+  with contextlib.ExitStack() as stack:
+    url = stack.enter_context(tracker_tools.silent_server() if server == "never answers"
+                              else tracker_tools.refusing_server())
+    env = {name: value for name, value in os.environ.items()
+           if not name.startswith("WANDB_")}
+    env.update(PYTHONPATH=REPO, WANDB_BASE_URL=url, WANDB_API_KEY="0" * 40,
+               WANDB_INIT_TIMEOUT="3", WANDB_DIR=str(tmp_path),
+               **{name: str(tmp_path / "wandb_home") for name in
+                  ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR")})
+    began = time.monotonic()
+    result = subprocess.run(tracker_tools.session_command(workdir, "wandb"), env=env,
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    took_s = time.monotonic() - began
+  assert result.returncode == 0, result.stderr
+  lines = result.stderr.splitlines()
+  assert len(lines) == 1, result.stderr   # the project's line; no client library's
+  assert lines[0].startswith(f"warning: wandb tracker: error from W&B at {url} "
+                             "(WANDB_BASE_URL, WANDB_API_KEY): "), result.stderr
+  if server == "refuses the key":
+    assert "401" in lines[0], result.stderr
+  close_s = float(result.stdout.split("close took ")[1].split()[0])
+  assert close_s <= delivery.EXIT_WAIT_S + 1, result.stdout
+  assert took_s <= WANDB_PROCESS_S, took_s
+  assert _tracker_state(workdir)["wandb"]["unsent_rows"] == len(tracker_tools.SESSION_ROWS)

@@ -1,5 +1,5 @@
 """The tracker tests' tools: a real `mlflow server` on a loopback port with a SQLite
-store, a loopback server that accepts connections and never answers, and W&B's own
+store and MLflow's basic authentication (so that a test can be refused), a loopback server that accepts connections and never answers, and W&B's own
 reader of an offline run.
 
 The server's start-up (imports, the store's migrations) takes several seconds of CPU, so
@@ -7,6 +7,7 @@ The server's start-up (imports, the store's migrations) takes several seconds of
 first and trains meanwhile.
 """
 import contextlib
+import http.server
 import json
 import os
 import signal
@@ -16,23 +17,37 @@ import sys
 import threading
 import time
 import urllib.request
-from typing import Iterator
+from typing import Iterator, Sequence
 
-# The environment of a test's `mlflow server`: no job runner (see `start_mlflow`).
-QUIET_SERVER = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+# The environment of a test's `mlflow server`: no job runner (see `start_mlflow`), and
+# the key basic authentication's CSRF protection demands.
+QUIET_SERVER = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+                "MLFLOW_FLASK_SERVER_SECRET_KEY": "test-only-key"}
+# The server's admin, created at its first start; a client logs in with these variables.
+CREDENTIALS = {"MLFLOW_TRACKING_USERNAME": "admin",
+               "MLFLOW_TRACKING_PASSWORD": "test-only-password"}
 
 
 def start_mlflow(root: str, port: int) -> subprocess.Popen:
-  """`mlflow server` in `root` (its store `root/mlflow.db`), in a process group of its
-  own (it starts workers), output in `root/server.log`. Its job runner (three task-queue
-  consumers, about 10 s of CPU to start) is off: tracking needs none of it."""
+  """`mlflow server` in `root` (its store `root/mlflow.db`, its users `root/auth.db`),
+  with basic authentication (`CREDENTIALS`), in a process group of its own (it starts
+  workers), output in `root/server.log`. Its job runner (three task-queue consumers,
+  about 10 s of CPU to start) is off: tracking needs none of it."""
   mlflow = os.path.join(os.path.dirname(sys.executable), "mlflow")
+  auth_config = os.path.join(root, "auth.ini")
+  with open(auth_config, "w", encoding="utf-8") as f:
+    f.write("[mlflow]\ndefault_permission = READ\n"
+            f"database_uri = sqlite:///{os.path.join(root, 'auth.db')}\n"
+            f"admin_username = {CREDENTIALS['MLFLOW_TRACKING_USERNAME']}\n"
+            f"admin_password = {CREDENTIALS['MLFLOW_TRACKING_PASSWORD']}\n"
+            "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
   with open(os.path.join(root, "server.log"), "w", encoding="utf-8") as log:
     return subprocess.Popen(
-        [mlflow, "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+        [mlflow, "server", "--app-name", "basic-auth", "--host", "127.0.0.1",
+         "--port", str(port), "--workers", "1",
          "--backend-store-uri", f"sqlite:///{os.path.join(root, 'mlflow.db')}"],
         cwd=root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        env={**os.environ, **QUIET_SERVER})
+        env={**os.environ, **QUIET_SERVER, "MLFLOW_AUTH_CONFIG_PATH": auth_config})
 
 
 def wait_until_up(process: subprocess.Popen, url: str, log_path: str,
@@ -97,3 +112,64 @@ def silent_server() -> Iterator[str]:
     thread.join(5)
     for connection in [*held, listener]:
       connection.close()
+
+
+@contextlib.contextmanager
+def refusing_server() -> Iterator[str]:
+  """A loopback HTTP server that answers every request 401 with a GraphQL error, as a
+  tracker's server answers a key it does not know; yields its URL."""
+  class Refuse(http.server.BaseHTTPRequestHandler):
+    def do_POST(self) -> None:  # pylint: disable=invalid-name
+      self.rfile.read(int(self.headers.get("Content-Length") or 0))
+      body = b'{"errors": [{"message": "user is not logged in"}]}'
+      self.send_response(401)
+      self.send_header("Content-Type", "application/json")
+      self.send_header("Content-Length", str(len(body)))
+      self.end_headers()
+      self.wfile.write(body)
+
+    do_GET = do_PUT = do_POST
+
+    def log_message(self, *args) -> None:   # the test's output is the client's only
+      del args
+
+  server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refuse)
+  thread = threading.Thread(target=server.serve_forever, daemon=True)
+  thread.start()
+  try:
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+  finally:
+    server.shutdown()
+    server.server_close()
+
+
+def session_command(workdir: str, *names: str) -> list[str]:
+  """A command running one session of trackers `names` alone (no trainer) in `workdir`
+  (see `_session`)."""
+  return [sys.executable, os.path.abspath(__file__), workdir, *names]
+
+
+def _session(workdir: str, names: Sequence[str]) -> None:
+  """One session of the trackers as the trainer's process 0 runs them, in a process of
+  its own so that what the clients do at exit is seen too: their logs to the workdir's
+  clients.log, two rows already in metrics.jsonl, a third logged, then the end."""
+  # pylint: disable=import-outside-toplevel  # the command's, not the tests'
+  from plumbing import quiet
+  from pretrain.observability.trackers import RunInfo, TrackerContext, delivery
+  from pretrain.observability.trackers import rows as rows_lib
+  from pretrain.run_directory import RunDirectory
+  quiet.keep_client_logs(RunDirectory(workdir).client_log)
+  trackers = delivery.Trackers(list(names), TrackerContext(workdir))
+  trackers.start(RunInfo("outage"), SESSION_ROWS[:2])
+  trackers.log(rows_lib.from_json(SESSION_ROWS[2]))
+  began = time.monotonic()
+  trackers.close(60)
+  print(f"close took {time.monotonic() - began:.1f} s")
+
+
+# The rows of a session: metrics.jsonl's two, and one logged.
+SESSION_ROWS = [{"step": step, "loss": 3.0 - step / 10} for step in (1, 2, 3)]
+
+
+if __name__ == "__main__":
+  _session(sys.argv[1], sys.argv[2:])

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
 from typing import Optional, Sequence
 
 from absl import flags
 
 from launch.clusters import cluster_backend
 from launch.clusters import common
+from launch.dispatch import scheduler
 from launch.dispatch import sweep_dispatch
 from plumbing import storage
 from plumbing.errors import usage_error
@@ -233,10 +233,10 @@ class SweepBackend(cluster_backend.ClusterBackend):
 
   def job_alive(self, job_id: str) -> Optional[bool]:
     """Whether array task `job_id` ("ID_i") is queued or running (squeue); False once
-    it has ended or SLURM has forgotten it, None when squeue cannot answer."""
-    result = subprocess.run(["squeue", "--noheader", "--array", "--format=%i %T",
-                             f"--jobs={job_id}"], capture_output=True, text=True,
-                            check=False)
+    it has ended or SLURM has forgotten it, None when squeue fails otherwise (a squeue
+    that does not answer ends the command: `scheduler.run`)."""
+    result = scheduler.run(["squeue", "--noheader", "--array", "--format=%i %T",
+                            f"--jobs={job_id}"], stdout=True, stderr=True)
     if result.returncode != 0:
       return False if "Invalid job id" in result.stderr else None
     states = [line.split()[1] for line in result.stdout.splitlines()

@@ -27,15 +27,15 @@ import dataclasses
 import os
 import re
 import socket
-import subprocess
 import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence
 
 from absl import flags
 
+from launch.dispatch import scheduler
 from launch.dispatch import sweep_job
-from plumbing.errors import usage_error
+from plumbing.errors import UserError, usage_error
 
 FINISHED, RUNNING, INTERRUPTED, FAILED, PENDING = (
     "finished", "running", "interrupted", "failed", "pending")
@@ -283,10 +283,11 @@ def _submit(backend: str, jobs: Sequence[Job], study: Study,
   for submission in batch:
     for directory in submission.directories:
       os.makedirs(directory, exist_ok=True)
-    result = subprocess.run(submission.argv, input=submission.stdin, text=True, check=False,
-                            stdout=subprocess.PIPE if submission.job_ids else None)
+    result = scheduler.run(submission.argv, stdin=submission.stdin,
+                           stdout=bool(submission.job_ids))
     if result.returncode != 0:
-      raise RuntimeError(f"{submission.argv[0]} exited with code {result.returncode}")
+      raise UserError(f"{submission.argv[0]} exited with code {result.returncode} (its "
+                      "message is above)")
     if submission.job_ids:
       job_ids.update(submission.job_ids(result.stdout))
   for job in jobs:

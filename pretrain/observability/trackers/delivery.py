@@ -65,12 +65,17 @@ def _socket_error(error: BaseException) -> Optional[BaseException]:
 
 def _reason(error: BaseException, service: str) -> str:
   """One line for a failed call: the service that did not answer and why, or the
-  error's own text (a refusal: wrong credentials, no permission)."""
+  service and the error's own text (a refusal: wrong credentials, no permission; the
+  client's text says which, the service says where to fix it)."""
   cause = _socket_error(error)
   if cause is not None:
-    text = f"no answer from {service}: {str(cause) or type(cause).__name__}"
-  else:
-    text = " ".join(str(error).split()) or type(error).__name__
+    return f"no answer from {service}: {_shortened(str(cause) or type(cause).__name__)}"
+  return f"error from {service}: {_shortened(str(error) or type(error).__name__)}"
+
+
+def _shortened(text: str) -> str:
+  """`text` on one line, at most 300 characters (clients quote whole responses)."""
+  text = " ".join(text.split())
   return text if len(text) <= 300 else text[:297] + "..."
 
 
