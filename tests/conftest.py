@@ -24,12 +24,49 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 * 2**30))
 from storage_servers import gcs_bucket, s3_bucket  # pylint: disable=unused-import,wrong-import-position  # noqa: E402,F401
 
 
+# The modules that take longest (seconds of one CI run on 2 cores, from --durations),
+# longest first. `--dist loadfile` hands whole modules to the two workers in collection
+# order, so these start first and the many short modules fill in around them; last,
+# the SLURM module alone (about 14 minutes) would leave one worker idle at the end.
+LONGEST_MODULES = (
+    "test_slurm_cluster.py",      # ~850 s
+    "test_multihost_train.py",    # ~750 s
+    "test_readme.py",             # ~650 s
+    "test_object_storage.py",     # ~350 s
+    "test_gpu_compile.py",        # ~250 s
+    "test_sweep_wsd.py",          # ~190 s
+    "test_train_e2e.py",          # ~170 s
+    "test_benchmarks.py",         # ~170 s
+    "test_data_corpora.py",       # ~160 s
+    "test_failures.py",           # ~160 s
+    "test_storage_outage.py",     # ~140 s
+)
+
+
+def pytest_configure(config):
+  """xdist would order modules by their number of tests (its `--loadscope-reorder`
+  default), which puts the few long end-to-end modules last; `_longest_first` orders
+  them instead."""
+  if hasattr(config.option, "loadscopereorder"):
+    config.option.loadscopereorder = False
+
+
+def _longest_first(items):
+  """`items` with the `LONGEST_MODULES` first, in that order; the rest keep theirs."""
+  rank = {name: i for i, name in enumerate(LONGEST_MODULES)}
+  def key(item):
+    return rank.get(os.path.basename(str(item.fspath)), len(rank))
+  items[:] = sorted(items, key=key)   # stable: a module's tests keep their order
+
+
 def pytest_collection_modifyitems(session, config, items):
-  """Session fixtures that start a server and point the environment at it must be
+  """Orders the modules longest first (`_longest_first`), then checks the storage
+  fixtures: session fixtures that start a server and point the environment at it must be
   defined once, here: a test module importing one would start a second server in
   whichever worker runs it (see storage_servers). Fails the collection, in every run,
   naming the modules."""
   del session, config
+  _longest_first(items)
   importers = sorted({
       item.module.__name__ for item in items
       if getattr(item, "module", None) is not None
