@@ -5,7 +5,8 @@ each family on the same sizes, forks and budgets, each scored at 4x its largest 
   python benchmarks/mup_study.py --workdir=DIR --families=griffin,mqa --dry_run
 
 Per family, two `python -m launch.sweep` studies with the same forked (WSD) design
-(`SHARED`, `DESIGN`; one run at a time each, the two side by side):
+(`SHARED`, `DESIGN`; one run at a time each, the two side by side, each followed by
+its ladder):
 
 - **size rule** (today's study): `--lr_sweep` probes at the family's two smallest sizes,
   every run at the fitted lr(N) = c·N^k (launch.sweeps.size_rule);
@@ -14,8 +15,8 @@ Per family, two `python -m launch.sweep` studies with the same forked (WSD) desi
   alone; every run at that one rate (launch.sweeps.study).
 
 Then each study's ladder (`--train_optimum`) trains approach 3's compute-optimal model
-for C = 4x the largest fit run's FLOPs (the same C for both, from the size-rule study's
-`sweep.csv`) and scores the forecast made before it trained. Printed and written to
+for C = 4x the largest fit run's FLOPs (the same C for both: the studies plan the same
+runs) and scores the forecast made before it trained. Printed and written to
 `--output`: one row per (family, study) with the rates, the probes' and fit runs'
 compute, the held-out run, forecast [95%], measured loss and error. Resumable: every
 step is a `launch.sweep` command, which never redoes finished runs.
@@ -23,6 +24,7 @@ step is a `launch.sweep` command, which never redoes finished runs.
 from __future__ import annotations
 
 import argparse
+from concurrent import futures
 import csv
 import json
 import os
@@ -63,22 +65,27 @@ def sweep_command(workdir: str, family: str, study: str, *extra: str) -> List[st
           *SHARED, *extra]
 
 
-def run_side_by_side(commands: Sequence[List[str]], logs: Sequence[str]) -> None:
-  """Runs `commands` at once (two studies share two cores better than one after the
-  other: each is mostly a single-threaded start-up per run), each into its log.
+def run_logged(command: List[str], log: str) -> None:
+  """Runs `command` to its end with its output appended to `log`.
 
   Raises:
-    RuntimeError: a command failed (its log named).
+    RuntimeError: the command failed (its log named).
   """
-  processes = []
-  for command, log in zip(commands, logs):
-    os.makedirs(os.path.dirname(log), exist_ok=True)
-    with open(log, "a", encoding="utf-8") as out:
-      processes.append(subprocess.Popen(command, cwd=REPO, stdout=out,
-                                        stderr=subprocess.STDOUT))
-  failed = [log for process, log in zip(processes, logs) if process.wait() != 0]
-  if failed:
-    raise RuntimeError(f"failed; see {', '.join(failed)}")
+  os.makedirs(os.path.dirname(log), exist_ok=True)
+  with open(log, "a", encoding="utf-8") as out:
+    if subprocess.run(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT).returncode:
+      raise RuntimeError(f"{command[2:4]} failed; see {log}")
+
+
+def study_then_ladder(workdir: str, family: str, study: str) -> float:
+  """One study, then its ladder at C (returned): the two studies plan the same runs, so
+  each reads the same C from its own `sweep.csv` and need not wait for the other."""
+  log = os.path.join(study_dir(workdir, family, study), "benchmark.log")
+  run_logged(sweep_command(workdir, family, study), log)
+  budget = ladder_budget(study_dir(workdir, family, study))
+  run_logged(sweep_command(workdir, family, study, f"--train_optimum={budget:g}",
+                           f"--replicates={REPLICATES}"), log)
+  return budget
 
 
 def ladder_budget(directory: str) -> float:
@@ -145,13 +152,14 @@ def table(rows: Sequence[Dict[str, object]]) -> str:
 
 
 def compare_family(workdir: str, family: str) -> List[Dict[str, object]]:
-  """Both studies, then both ladders at the size-rule study's C; the family's rows."""
-  logs = [os.path.join(study_dir(workdir, family, s), "benchmark.log") for s in STUDIES]
-  run_side_by_side([sweep_command(workdir, family, s) for s in STUDIES], logs)
-  budget = ladder_budget(study_dir(workdir, family, "size rule"))
-  run_side_by_side([sweep_command(workdir, family, s, f"--train_optimum={budget:g}",
-                                  f"--replicates={REPLICATES}") for s in STUDIES], logs)
-  return [study_row(workdir, family, s, budget) for s in STUDIES]
+  """Both studies side by side (two cores serve two one-run-at-a-time studies better than
+  one: much of a run is its single-threaded start-up), each followed by its ladder; the
+  family's rows."""
+  with futures.ThreadPoolExecutor(max_workers=len(STUDIES)) as pool:
+    budgets = list(pool.map(lambda s: study_then_ladder(workdir, family, s), STUDIES))
+  if len(set(budgets)) != 1:
+    raise RuntimeError(f"the studies planned different runs: ladder budgets {budgets}")
+  return [study_row(workdir, family, s, budgets[0]) for s in STUDIES]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

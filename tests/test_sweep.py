@@ -188,6 +188,7 @@ def test_dry_run_reads_the_vocabulary_from_gin(tmp_path, gin_files, vocab_size):
     (["--aspect_tolerance=0.5"], "--aspect_tolerance"),
     (["--gin_file=configs/no_such.gin"], "Gin file not found"),
     (["--workdir="], "--workdir"),
+    (["--parametrization=mup"], "--parametrization=mup needs --mup_base_width"),
 ]))
 def test_bad_flag_value_is_one_line_and_exit_code_2(tmp_path, flags, fragment):
   args = ["--families=hawk", "--sizes=1m", f"--workdir={tmp_path}", "--dry_run"] + flags
