@@ -9,12 +9,16 @@ r"""Scaling-law studies: plan the runs, run them here or on a cluster, collect, 
   python -m launch.sweep --design=wsd --families=griffin,hawk,mqa --sizes=0.5m,1m,2m \
       --cooldown_tokens_per_param=5,10,20,40 [--cooldown_fraction=0.2] --workdir=DIR
   python -m launch.sweep ... [--lr_sweep=1e-3,3e-3,1e-2 [--lr_sweep_sizes=2]]
+  python -m launch.sweep ... --parametrization=mup --mup_base_width=32 \
+      (--lr_sweep=3e-3,1e-2,3e-2 | --peak_learning_rate=R)
   python -m launch.sweep --train_optimum=C --workdir=DIR [the study's flags]
 
 `--design=wsd` is the forked design (`launch.sweeps.wsd_design`: one constant-rate run per
 size, cooldowns forked from its checkpoints); `--lr_sweep` fits a learning rate per
 size before the study (`launch.sweeps.size_rule`); `--train_optimum` trains the model the
-study's fit recommends for a larger budget and scores its forecast (`launch.sweeps.ladder`).
+study's fit recommends for a larger budget and scores its forecast (`launch.sweeps.ladder`);
+`--parametrization=mup` trains every run under μP with one learning rate for all sizes
+instead of the size rule (`launch.sweeps.study`, docs/scaling.md).
 
 With the default `--design=cosine`, two designs. With `--sizes`, every (family, size)
 gets a model by the size rule below and the compute-optimal budget `tokens_per_param`
@@ -124,6 +128,14 @@ def define_flags() -> None:
                        "are probed.", lower_bound=1)
   flags.DEFINE_float("lr_sweep_tokens_per_param", 20.0, "Size rule: the probes' tokens "
                      "per non-embedding parameter.", lower_bound=0.0)
+  flags.DEFINE_enum("parametrization", "standard", ("standard", "mup"),
+                    "standard: the size rule's rates (--lr_sweep) or one Gin rate; mup: every "
+                    "run (ModelConfig.parametrization) under μP at --mup_base_width, "
+                    "trained at ONE rate: --peak_learning_rate, or the best of --lr_sweep "
+                    "probed at each family's smallest size only (launch.sweeps.study).")
+  flags.DEFINE_integer("mup_base_width", None, "μP: the proxy width the rate holds for "
+                       "(ModelConfig.mup_base_width); must divide every size's width "
+                       "(the size rule's widths are multiples of 32).", lower_bound=1)
   flags.DEFINE_list("flop_budgets", [], "IsoFLOP design: training FLOP budgets, e.g. "
                     "1e15,3e15,1e16 (replaces --sizes).")
   flags.DEFINE_integer("points_per_budget", 5, "IsoFLOP design: sizes per budget.",

@@ -436,3 +436,39 @@ def test_mup_transfer_script_sweeps_rates_at_each_width(tmp_path):
     assert all(np.isfinite(loss) for row in runs["losses"] for loss in row), runs
     assert runs["drift"] == max(abs(b - runs["best"][0]) for b in runs["best"]), runs
   assert (tmp_path / "transfer.png").exists()
+
+
+def _mup_study_dir(directory, family, exponent, budget, forecast):
+  """A finished study's files as benchmarks/mup_study.py reads them."""
+  directory.mkdir(parents=True)
+  rule = {"coefficient": 0.01, "exponent": exponent,
+          "sizes": [{"params": 49248}] + ([{"params": 84832}] if exponent else [])}
+  (directory / "size_rule.json").write_text(json.dumps({"families": {family: rule}}))
+  (directory / "sweep.csv").write_text("run,flops,own_flops,role\n"
+                                       "s,9e11,9e11,stable\nf1,4e11,1e11,fork\n"
+                                       "f2,8e11,2e11,fork\n")
+  ladder_dir = directory / "ladder" / f"{family}_optimum_C{budget}"
+  ladder_dir.mkdir(parents=True)
+  (ladder_dir / "forecast.json").write_text(json.dumps(forecast))
+
+
+def test_mup_study_script_tables_both_studies_forecasts(tmp_path):
+  """benchmarks/mup_study.py's reading of two finished studies (synthetic files): C is
+  4x the largest fork, a row per study, the μP study's single rate shown as such."""
+  mup_study = _load_benchmark("mup_study")
+  scored = {"params": 49248, "tokens": 1000, "peak_learning_rate": 0.01,
+            "predicted": {"value": 1.2, "low": 1.1, "high": 1.3}, "measured": 1.25,
+            "error": 0.05, "relative_error": 0.04, "inside_interval": True}
+  _mup_study_dir(tmp_path / "griffin" / "size_rule", "griffin", -0.4, "3.2e12", scored)
+  _mup_study_dir(tmp_path / "griffin" / "mup", "griffin", 0.0, "3.2e12",
+                 {k: v for k, v in scored.items() if k not in ("measured", "error")})
+  budget = mup_study.ladder_budget(str(tmp_path / "griffin" / "size_rule"))
+  assert budget == 3.2e12
+  rows = [mup_study.study_row(str(tmp_path), "griffin", s, budget) for s in mup_study.STUDIES]
+  lines = mup_study.table(rows).splitlines()
+  assert lines[2].startswith("| griffin | size rule | 0.01·N^-0.400 | 49,248, 84,832 | "
+                             "3.2e+12 (4.0x) |")
+  assert lines[2].endswith("| 1.2000 [1.1000, 1.3000] | 1.2500 | +0.0500 (+4.00%), inside |")
+  assert lines[3].startswith("| griffin | mup | 0.01 (one rate) | 49,248 | ")
+  assert lines[3].endswith("| — | — |")           # its ladder has not finished
+  assert rows[0]["fit_flops"] == pytest.approx(1.2e12)

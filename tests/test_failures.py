@@ -65,7 +65,11 @@ def test_glob_matching_no_file(trainer_env, tmp_path):
 
 @pytest.mark.slow
 def test_checkpoint_of_another_model_names_parameters(trainer_env, trained_workdir):
+  """Another width names the differing parameters; another parametrisation (μP at half
+  the width: the same shapes) is one line; either way the run's files stay as they were."""
   workdir, _ = trained_workdir
+  kept = {name: os.path.getmtime(os.path.join(root, name))
+          for root, _, names in os.walk(workdir) for name in names}
   with open(os.path.join(workdir, "config.gin"), encoding="utf-8") as f:
     config_before = f.read()
   result = trainer_env.run(trainer_env.train_command(workdir, "ModelConfig.width=48"))
@@ -75,8 +79,14 @@ def test_checkpoint_of_another_model_names_parameters(trainer_env, trained_workd
   assert "embedder/embedding" in result.stderr or "checkpoint (1, 32) vs model (1, 48)" in (
       result.stderr)
   assert len(result.stderr.strip().splitlines()) < 25
+  result = trainer_env.run(trainer_env.train_command(
+      workdir, "ModelConfig.parametrization='mup'", "ModelConfig.mup_base_width=16"))
+  _assert_one_line_error(result, 1, "was trained under the standard parametrization, but "
+                         "the configuration asks for mup (base width 16)")
   with open(os.path.join(workdir, "config.gin"), encoding="utf-8") as f:
     assert f.read() == config_before
+  assert {name: os.path.getmtime(os.path.join(root, name))
+          for root, _, names in os.walk(workdir) for name in names} == kept
 
 
 @pytest.mark.slow

@@ -9,9 +9,12 @@ import sys
 import gin
 import pytest
 
+from launch.sweeps import study
 from launch.sweeps import sweep_design
 from launch.sweeps import sweep_results
+from model import block_registry
 from model import counting
+from plumbing.errors import UserError
 from tiers import slow_after_first
 from pretrain import gin_config
 
@@ -185,6 +188,7 @@ def test_dry_run_reads_the_vocabulary_from_gin(tmp_path, gin_files, vocab_size):
     (["--aspect_tolerance=0.5"], "--aspect_tolerance"),
     (["--gin_file=configs/no_such.gin"], "Gin file not found"),
     (["--workdir="], "--workdir"),
+    (["--parametrization=mup"], "--parametrization=mup needs --mup_base_width"),
 ]))
 def test_bad_flag_value_is_one_line_and_exit_code_2(tmp_path, flags, fragment):
   args = ["--families=hawk", "--sizes=1m", f"--workdir={tmp_path}", "--dry_run"] + flags
@@ -274,3 +278,129 @@ def test_toy_sweep_trains_fits_and_resumes(tmp_path):
   fits = json.loads((workdir / "fit.json").read_text())
   assert set(fits) == {"hawk"} and "alpha" in fits["hawk"]
   assert (workdir / "scaling.png").exists() and (workdir / "scaling.md").exists()
+
+
+# μP studies (launch.sweeps.study): in process, with a backend that finishes each job at
+# once, so the study's logic (bindings, probes, the one rate, the record) costs no training.
+RATES = ["3e-3", "1e-2", "3e-2"]
+
+
+def _study_options(workdir, **changes):
+  """A study as `launch.sweep`'s flag defaults give it, two sizes of two widths."""
+  values = dict(workdir=str(workdir), families=["hawk", "mqa"], sizes=["30k", "120k"],
+                tokens_per_param=20.0, dry_run=False, gin_file=["configs/quickstart.gin"],
+                gin_param=[], batch_size=8, sequence_length=128, vocab_size=259,
+                warmup_fraction=0.1, peak_learning_rate=None, aspect_tolerance=3.0,
+                max_steps=None, design="cosine", cooldown_tokens_per_param=["5"],
+                cooldown_fraction=0.2, cooldown_shape="1-sqrt", train_optimum=None,
+                metric="loss", replicates=200, lr_sweep=[], lr_sweep_sizes=2,
+                lr_sweep_tokens_per_param=20.0, flop_budgets=[], points_per_budget=5,
+                isoflop_spread=3.0, max_retries=1, parametrization="mup",
+                mup_base_width=32)
+  values.update(changes)
+  return study.StudyOptions(**values)
+
+
+class _InstantBackend:
+  """Finishes every job it is given at once with a final evaluation whose loss is a
+  parabola in log rate, lowest at 1e-2; keeps each job's Gin bindings by name."""
+  name = "instant"
+  here = True
+
+  def __init__(self):
+    self.bindings = {}
+
+  def dispatch(self, jobs, study_info):
+    del study_info
+    for job in jobs:
+      bindings = dict(a.split("=", 1)[1].split(" = ", 1) for a in job.command
+                      if a.startswith("--gin_param=") and " = " in a)
+      self.bindings[job.name] = bindings
+      loss = 2.0 + math.log(float(bindings["OptimizerConfig.peak_learning_rate"]) / 1e-2) ** 2
+      os.makedirs(job.run_dir, exist_ok=True)
+      with open(os.path.join(job.run_dir, "metrics.jsonl"), "w") as f:
+        f.write(json.dumps({"step": int(bindings["TRAIN_STEPS"]), "eval_loss": loss}) + "\n")
+    return []
+
+
+def test_mup_study_trains_every_size_at_one_rate_probed_at_the_smallest(tmp_path):
+  backend = _InstantBackend()
+  options = _study_options(tmp_path / "mup", lr_sweep=RATES)
+  study.check(options)
+  study.run_study(options, backend)
+  probes = sorted(n for n in backend.bindings if "_lr" in n)
+  assert probes == sorted(f"{f}_30k_lr{float(r):g}" for f in ("hawk", "mqa") for r in RATES)
+  widths = {backend.bindings[n]["ModelConfig.width"] for n in backend.bindings}
+  assert widths == {"32", "64"}         # m = 1 and 2: the rate crosses widths
+  for bindings in backend.bindings.values():
+    assert bindings["ModelConfig.parametrization"] == "'mup'"
+    assert bindings["ModelConfig.mup_base_width"] == "32"
+  rates = {float(backend.bindings[f"{f}_{s}"]["OptimizerConfig.peak_learning_rate"])
+           for f in ("hawk", "mqa") for s in ("30k", "120k")}
+  assert len(rates) == 1 and rates.pop() == pytest.approx(1e-2)
+  record = json.loads((tmp_path / "mup" / "size_rule.json").read_text())
+  assert record["parametrization"] == "mup (base width 32)"
+  assert record["sizes_per_family"] == 1
+  assert all(f["exponent"] == 0 for f in record["families"].values())
+  assert json.loads((tmp_path / "mup" / "study.json").read_text()) == {
+      "parametrization": "mup", "mup_base_width": 32}
+  # A given rate instead: no probes, that rate everywhere.
+  given = _InstantBackend()
+  study.run_study(_study_options(tmp_path / "given", peak_learning_rate=3e-3), given)
+  assert sorted(given.bindings) == ["hawk_120k", "hawk_30k", "mqa_120k", "mqa_30k"]
+  assert {b["OptimizerConfig.peak_learning_rate"] for b in given.bindings.values()} == {
+      "0.003"}
+
+
+def test_a_study_resumed_under_another_parametrization_is_refused(tmp_path):
+  study.run_study(_study_options(tmp_path, peak_learning_rate=3e-3), _InstantBackend())
+  before = sorted(p.name for p in (tmp_path / "runs").iterdir())
+  for changes in (dict(parametrization="standard", mup_base_width=None),
+                  dict(mup_base_width=16)):
+    backend = _InstantBackend()
+    with pytest.raises(UserError, match=r"was run under the mup \(base width 32\) "
+                                        r"parametrization \(study.json\)") as info:
+      study.run_study(_study_options(tmp_path, peak_learning_rate=3e-3, **changes), backend)
+    assert "\n" not in str(info.value) and not backend.bindings
+  assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == before
+  # A study from before the record, with runs, was standard.
+  (tmp_path / "study.json").unlink()
+  with pytest.raises(UserError, match="was run under the standard parametrization"):
+    study.run_study(_study_options(tmp_path, peak_learning_rate=3e-3), _InstantBackend())
+
+
+class _NoRoles:
+  """A block type that declares no μP roles (never built: the study stops first)."""
+  name = "no_roles"
+  layer = object
+
+  def param_count(self, config):
+    return 4 * config.width * config.width
+
+
+@pytest.fixture
+def block_without_roles():
+  block_registry.register(_NoRoles())
+  yield
+  block_registry.unregister(_NoRoles.name)
+
+
+@pytest.mark.parametrize("changes, fragment", [
+    (dict(parametrization="standard"), "--mup_base_width is only read with "
+                                       "--parametrization=mup"),
+    (dict(mup_base_width=None), "--parametrization=mup needs --mup_base_width"),
+    (dict(), "--parametrization=mup trains one learning rate at every size"),
+    (dict(mup_base_width=64, peak_learning_rate=1e-2),
+     "mqa_30k (32 wide): ModelConfig.mup_base_width=64 must divide width=32"),
+    (dict(families=["no_roles"], peak_learning_rate=1e-2),
+     "block type 'no_roles' declares no parameter roles"),
+])
+def test_bad_mup_study_options_are_one_line(tmp_path, block_without_roles, changes, fragment):
+  del block_without_roles
+  options = _study_options(tmp_path, **{"families": ["mqa"], **changes})
+  backend = _InstantBackend()
+  with pytest.raises(UserError) as info:
+    study.check(options)
+    study.run_study(options, backend)
+  assert fragment in str(info.value) and "\n" not in str(info.value)
+  assert info.value.exit_code == 2 and not backend.bindings and not os.listdir(tmp_path)

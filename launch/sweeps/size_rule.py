@@ -137,7 +137,10 @@ def warnings(rules: Dict[str, LrRule]) -> List[str]:
 
 
 def rules_json(rules: Dict[str, LrRule], rates: Sequence[float], count: int,
-               tokens_per_param: float) -> str:
-  return json.dumps({"method": "lr_sweep", "rates": list(rates), "sizes_per_family": count,
+               tokens_per_param: float, parametrization: str = "standard") -> str:
+  """The study's `size_rule.json`; under μP (`parametrization` as
+  `model.config.describe_parametrization` writes it) one probed size, exponent 0."""
+  return json.dumps({"method": "lr_sweep", "parametrization": parametrization,
+                     "rates": list(rates), "sizes_per_family": count,
                      "tokens_per_param": tokens_per_param,
                      "families": {f: r.to_json() for f, r in rules.items()}}, indent=2)

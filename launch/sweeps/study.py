@@ -6,10 +6,23 @@ command's manual; its flags and main are there): `StudyOptions` holds what the f
 say, `check` and `run_study` do it. The designs are `sweep_design` and `wsd_design`,
 the probes' fit `size_rule`, the ladder `ladder`, running the runs `sweep_execute`
 (through the backends of `sweep_dispatch`), the results and plots `sweep_results`.
+
+Under `--parametrization=mup` (`model.parametrization`) every run, probe and ladder run
+is built with `ModelConfig.parametrization='mup'` and `mup_base_width` (so its Gin
+bindings carry them), and the study trains ONE learning rate at every size: the rate
+μP promises transfers across widths, so fitting a size rule would spend probes on what
+the parametrisation already fixes. The rate is `--peak_learning_rate` (tuned
+elsewhere, e.g. by benchmarks/mup_transfer.py) or, with `--lr_sweep`, the best rate of
+probes at each family's smallest size alone (the cheapest model; under μP any width's
+optimum is the base width's), written to `size_rule.json` with exponent 0, where the
+ladder finds it. The study records its parametrisation in `study.json` and refuses to
+resume under another one: finished runs are never redone, so a changed flag would mix
+two parametrisations in one fit.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -25,9 +38,12 @@ from launch.sweeps.sweep_design import (FAMILY_PATTERNS, Run, budget_label,
                                         non_embedding_params, parse_size, plan,
                                         plan_isoflop, run_gin)
 from launch.sweeps.sweep_results import runs_table_markdown, write_results
+from model.config import describe_parametrization
 from plumbing import storage
 from plumbing.errors import usage_error
 from pretrain import gin_config
+
+STUDY_RECORD = "study.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +79,8 @@ class StudyOptions:
   points_per_budget: int
   isoflop_spread: float
   max_retries: int
+  parametrization: str = "standard"
+  mup_base_width: Optional[int] = None
 
   @property
   def resolved_workdir(self) -> str:
@@ -111,6 +129,87 @@ def check(options: StudyOptions) -> None:
     except ValueError as error:
       raise usage_error(f"--sizes: {error}") from None
   _budgets(options.flop_budgets)
+  _check_parametrization(options)
+
+
+def _check_parametrization(options: StudyOptions) -> None:
+  """μP's flags agree: a base width exactly under mup, and one rate to train at."""
+  if options.parametrization == "standard":
+    if options.mup_base_width is not None:
+      raise usage_error("--mup_base_width is only read with --parametrization=mup; add it "
+                        "or drop --mup_base_width")
+    return
+  if options.mup_base_width is None:
+    raise usage_error("--parametrization=mup needs --mup_base_width, the width whose "
+                      "proxy the learning rate holds for (e.g. 32)")
+  if not options.lr_sweep and options.peak_learning_rate is None:
+    raise usage_error("--parametrization=mup trains one learning rate at every size: "
+                      "pass --peak_learning_rate=R (tuned at the base width, e.g. by "
+                      "benchmarks/mup_transfer.py) or --lr_sweep=3e-3,1e-2,3e-2 to tune "
+                      "it at each family's smallest size")
+
+
+def _parametrized(runs: Sequence[Run], options: StudyOptions) -> List[Run]:
+  """`runs` under the study's parametrisation: under μP each model gets it and the base
+  width (in its Gin bindings, `run_gin`).
+
+  Raises:
+    UserError (exit code 2): the base width does not divide a model's width, or a
+      family's block type declares no μP roles; one line naming the run.
+  """
+  if options.parametrization == "standard":
+    return list(runs)
+  parametrized = []
+  for run in runs:
+    try:
+      config = run.config.replace(parametrization="mup",
+                                  mup_base_width=options.mup_base_width)
+    except ValueError as error:
+      raise usage_error(f"--parametrization=mup: {run.name} "
+                        f"({run.config.width} wide): {error}") from None
+    parametrized.append(dataclasses.replace(run, config=config))
+  return parametrized
+
+
+def _described(record: Dict[str, object]) -> str:
+  return describe_parametrization(record["parametrization"], record["mup_base_width"])
+
+
+def _wanted_record(options: StudyOptions) -> Dict[str, object]:
+  return {"parametrization": options.parametrization,
+          "mup_base_width": options.mup_base_width}
+
+
+def _check_study_record(options: StudyOptions, workdir: str) -> bool:
+  """Refuses a study resumed under another parametrisation than it was run with (its
+  `study.json`; a study from before the record, which has runs, was standard). Returns
+  whether the study has no record yet.
+
+  Raises:
+    UserError (exit code 2): the recorded parametrisation differs; nothing is touched.
+  """
+  wanted = _wanted_record(options)
+  path = storage.join(workdir, STUDY_RECORD)
+  if storage.exists(path):
+    recorded = json.loads(storage.read_text(path))
+  elif storage.exists(storage.join(workdir, "runs")):
+    recorded = {"parametrization": "standard", "mup_base_width": None}
+  else:
+    recorded = None
+  if recorded is not None and recorded != wanted:
+    raise usage_error(
+        f"--parametrization: the study in {workdir} was run under the "
+        f"{_described(recorded)} parametrization ({STUDY_RECORD}), not "
+        f"{_described(wanted)}; rerun it with its own flags or use a new "
+        "--workdir (its runs are kept)")
+  return recorded is None
+
+
+def _record_study(options: StudyOptions, workdir: str) -> None:
+  """Writes the study's `study.json` (what `_check_study_record` compares a resume to)."""
+  storage.makedirs(workdir)
+  storage.write_text(storage.join(workdir, STUDY_RECORD),
+                     json.dumps(_wanted_record(options), indent=2) + "\n")
 
 
 def run_study(options: StudyOptions, backend: sweep_dispatch.Backend) -> None:
@@ -124,20 +223,25 @@ def run_study(options: StudyOptions, backend: sweep_dispatch.Backend) -> None:
   budgets = _budgets(options.flop_budgets)
   workdir = options.resolved_workdir
   vocab_size = options.vocab_size or vocab_size_from_gin(options.gin_file, options.gin_param)
+  unrecorded = _check_study_record(options, workdir)
   if options.train_optimum is not None:
     _train_optimum(options, workdir, vocab_size, backend)
     return
   runs, probe_gin = _plan_runs(options, budgets, vocab_size, workdir)
+  if unrecorded and not options.dry_run:
+    _record_study(options, workdir)
   if options.lr_sweep:
-    probes = size_rule.plan_probes(
+    probes = _parametrized(size_rule.plan_probes(
         plan(options.families, options.sizes, tokens_per_param=options.lr_sweep_tokens_per_param,
              batch_size=options.batch_size, sequence_length=options.sequence_length,
              vocab_size=vocab_size, workdir=workdir, warmup_fraction=options.warmup_fraction,
              aspect_tolerance=options.aspect_tolerance),
-        _rates(options), count=options.lr_sweep_sizes, workdir=workdir, extra_gin=probe_gin)
+        _rates(options), count=_probed_sizes(options), workdir=workdir, extra_gin=probe_gin),
+        options)
     if options.dry_run:
-      print("# The learning-rate probes (launch.sweeps.size_rule); the study's runs follow at the "
-            "rates of the rule fitted to them:")
+      print("# The learning-rate probes (launch.sweeps.size_rule); the study's runs follow at "
+            + ("their best rate, one for every size (μP):"
+               if options.parametrization == "mup" else "the rates of the rule fitted to them:"))
       print(runs_table_markdown(probes))
     states = _run_all(options, probes, storage.join(workdir, "lr_sweep"), backend)
     if options.dry_run or not _all_finished(states):
@@ -146,7 +250,9 @@ def run_study(options: StudyOptions, backend: sweep_dispatch.Backend) -> None:
     for line in size_rule.warnings(rules):
       print(line)
     storage.write_text(storage.join(workdir, "size_rule.json"), size_rule.rules_json(
-        rules, _rates(options), options.lr_sweep_sizes, options.lr_sweep_tokens_per_param))
+        rules, _rates(options), _probed_sizes(options), options.lr_sweep_tokens_per_param,
+        parametrization=describe_parametrization(options.parametrization,
+                                                 options.mup_base_width)))
     for run in runs:
       run.peak_learning_rate = rules[run.family](non_embedding_params(run.config))
   if options.dry_run:
@@ -178,6 +284,7 @@ def _train_optimum(options: StudyOptions, workdir: str, vocab_size: int,
                            sequence_length=options.sequence_length, vocab_size=vocab_size,
                            workdir=workdir, warmup_fraction=options.warmup_fraction,
                            aspect_tolerance=options.aspect_tolerance)
+    (base,) = _parametrized([base], options)
     run = ladder.ladder_run(base, workdir, name, options.peak_learning_rate)
     forecasts[run.name] = forecast or ladder.make_forecast(run, fit, n_opt, options.metric,
                                                            record=not options.dry_run)
@@ -195,6 +302,12 @@ def _train_optimum(options: StudyOptions, workdir: str, vocab_size: int,
     print(ladder.report_line(run.name, ladder.score(run, forecasts[run.name], options.metric)))
 
 
+def _probed_sizes(options: StudyOptions) -> int:
+  """How many of each family's smallest sizes the probes train: one under μP (its best
+  rate is every size's), `--lr_sweep_sizes` for the size rule."""
+  return 1 if options.parametrization == "mup" else options.lr_sweep_sizes
+
+
 def _rates(options: StudyOptions) -> List[float]:
   try:
     return size_rule.parse_rates(options.lr_sweep)
@@ -204,20 +317,21 @@ def _rates(options: StudyOptions) -> List[float]:
 
 def _plan_runs(options: StudyOptions, budgets: Sequence[float], vocab_size: int,
                workdir: str) -> Tuple[List[Run], Tuple[str, ...]]:
-  """The study's runs by the chosen design, and the schedule bindings its LR probes
-  share with them (launch.sweeps.size_rule)."""
+  """The study's runs by the chosen design, under its parametrisation (`_parametrized`),
+  and the schedule bindings its LR probes share with them (launch.sweeps.size_rule)."""
   shared = dict(batch_size=options.batch_size, sequence_length=options.sequence_length,
                 vocab_size=vocab_size, workdir=workdir, warmup_fraction=options.warmup_fraction,
                 aspect_tolerance=options.aspect_tolerance)
   if options.design != "wsd":
     if budgets:
-      return plan_isoflop(options.families, budgets, points_per_budget=options.points_per_budget,
-                          spread=options.isoflop_spread,
-                          tokens_per_param=options.tokens_per_param,
-                          peak_learning_rate=options.peak_learning_rate, **shared), ()
-    return plan(options.families, options.sizes, tokens_per_param=options.tokens_per_param,
-                max_steps=options.max_steps, peak_learning_rate=options.peak_learning_rate,
-                **shared), ()
+      return _parametrized(plan_isoflop(
+          options.families, budgets, points_per_budget=options.points_per_budget,
+          spread=options.isoflop_spread, tokens_per_param=options.tokens_per_param,
+          peak_learning_rate=options.peak_learning_rate, **shared), options), ()
+    return _parametrized(plan(
+        options.families, options.sizes, tokens_per_param=options.tokens_per_param,
+        max_steps=options.max_steps, peak_learning_rate=options.peak_learning_rate,
+        **shared), options), ()
   if budgets:
     raise usage_error("--design=wsd plans its runs from --sizes and "
                       "--cooldown_tokens_per_param; drop --flop_budgets")
@@ -229,10 +343,10 @@ def _plan_runs(options: StudyOptions, budgets: Sequence[float], vocab_size: int,
     raise usage_error(str(error).replace("could not convert string to float",
                                          "--cooldown_tokens_per_param: not a number")
                       ) from None
-  runs = wsd_design.plan_wsd(
+  runs = _parametrized(wsd_design.plan_wsd(
       plan(options.families, options.sizes, tokens_per_param=1.0,
            peak_learning_rate=options.peak_learning_rate, **shared),
-      wsd, workdir=workdir, warmup_fraction=options.warmup_fraction)
+      wsd, workdir=workdir, warmup_fraction=options.warmup_fraction), options)
   if options.dry_run:
     print(wsd_design.cost_markdown(wsd_design.study_cost(runs)))
   else:
