@@ -186,6 +186,18 @@ def test_targets_describe_their_chips(name, chips, topology, hosts_bound):
   assert len(devices) == 2 * chips and {d.slice_index for d in devices} == {0, 1}
 
 
+def test_compiling_for_tpu_leaves_later_subprocesses_process_zero():
+  """libtpu, asked for a topology without a worker id, writes a warning sentence into the
+  C environment as TPU_WORKER_ID; every subprocess started afterwards (a local sweep's
+  `launch.sweep_job`) inherited it and took itself for a process other than 0."""
+  tpu_target.target_devices(tpu_target.parse_target("v5p-8"))
+  child = subprocess.run(
+      [sys.executable, "-c", "import os; from launch.dispatch import sweep_job; "
+       "print(os.environ.get('TPU_WORKER_ID'), sweep_job.is_process_zero())"],
+      capture_output=True, text=True, check=True)
+  assert child.stdout.split() == ["0", "True"], child.stdout + child.stderr
+
+
 @pytest.mark.slow
 def test_planner_vs_compiler_script_reports_both(tmp_path):
   """benchmarks/planner_vs_compiler.py in-process on the tiny Griffin: the compiled

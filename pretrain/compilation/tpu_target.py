@@ -31,8 +31,11 @@ HBM_BANDWIDTH = {"v4": 1.228e12, "v5p": 2.765e12, "v5e": 8.19e11, "v6e": 1.64e12
 _CHIP_CONFIG = {"v4": "megacore", "v5p": "megacore", "v5e": "default", "v6e": "default"}
 # libtpu otherwise queries the GCE metadata server for the host it runs on, and takes a
 # machine-wide lock meant for processes that drive TPU chips (compiling drives none).
+# Without a worker id it also sets TPU_WORKER_ID (and CLOUD_TPU_TASK_ID) in the C
+# environment to a warning sentence, which every later subprocess inherits: a sweep's
+# `launch.sweep_job` then reads itself as a process other than 0 and records nothing.
 _HOST_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost",
-             "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+             "TPU_WORKER_ID": "0", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 
 
 @dataclasses.dataclass(frozen=True)
