@@ -9,6 +9,7 @@ password (the server's basic authentication), costs one line at a session's
 end, which waits for it at most `delivery.EXIT_WAIT_S`, and keeps its client's retry
 warnings in the workdir's `clients.log`; the reported case (the trainer, a closed port)
 end to end in a subprocess."""
+import base64
 import contextlib
 import glob
 import json
@@ -17,6 +18,8 @@ import os
 import subprocess
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -320,8 +323,44 @@ def _mlflow_session(workdir):
   return time.monotonic() - began
 
 
+# A second user of the test's MLflow server, who may only read the experiment.
+READER = {"MLFLOW_TRACKING_USERNAME": "reader",
+          "MLFLOW_TRACKING_PASSWORD": "reader-password"}
+
+
+def _reader_of(url, experiment):
+  """Makes `READER` a user of the server at `url` with READ permission on `experiment`
+  (created by the admin if missing): authenticated, refused any write (403). Through
+  the auth app's REST API with the admin's credentials (its Python client would import
+  the server); a second call finds the user there."""
+  from mlflow.tracking import MlflowClient  # pylint: disable=import-outside-toplevel
+  client = MlflowClient(url)
+  found = client.get_experiment_by_name(experiment)
+  experiment_id = found.experiment_id if found else client.create_experiment(experiment)
+  admin = ":".join(tracker_tools.CREDENTIALS.values()).encode()
+  user = READER["MLFLOW_TRACKING_USERNAME"]
+
+  def post(path, body):
+    request = urllib.request.Request(
+        f"{url}{path}", data=json.dumps(body).encode(), method="POST",
+        headers={"Content-Type": "application/json",
+                 "Authorization": "Basic " + base64.b64encode(admin).decode()})
+    try:
+      urllib.request.urlopen(request, timeout=10).close()
+    except urllib.error.HTTPError as error:
+      if not (path.endswith("/users/create") and error.code == 400):  # made already
+        raise
+
+  post("/api/2.0/mlflow/users/create",
+       {"username": user, "password": READER["MLFLOW_TRACKING_PASSWORD"]})
+  post("/api/3.0/mlflow/users/permissions/grant",
+       {"username": user, "resource_type": "experiment", "resource_id": experiment_id,
+        "permission": "READ"})
+
+
 @pytest.mark.parametrize("server", ["closed port", "never answers",
-                                    "never answers, client retrying", "wrong password"])
+                                    "never answers, client retrying", "wrong password",
+                                    "no permission"])
 def test_mlflow_down_silent_or_refusing_costs_one_line_a_bounded_end_and_gets_its_rows_later(
     server, tmp_path, monkeypatch, capfd, client_log, mlflow_url):  # pylint: disable=redefined-outer-name
   from mlflow.tracking import MlflowClient  # pylint: disable=import-outside-toplevel
@@ -332,6 +371,11 @@ def test_mlflow_down_silent_or_refusing_costs_one_line_a_bounded_end_and_gets_it
     elif server == "wrong password":   # the real server, refusing with 401
       url = mlflow_url
       monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "not-the-password")
+    elif server == "no permission":   # the real server, refusing a reader's writes: 403
+      url = mlflow_url
+      _reader_of(url, "outages")
+      for name, value in READER.items():
+        monkeypatch.setenv(name, value)
     else:
       url = stack.enter_context(tracker_tools.silent_server())
     if server.endswith("client retrying"):   # 4 attempts of 5 s: longer than the bound
@@ -345,6 +389,9 @@ def test_mlflow_down_silent_or_refusing_costs_one_line_a_bounded_end_and_gets_it
   if server == "wrong password":   # the service, and MLflow's text: the status, the fix
     assert lines[0].startswith(f"warning: mlflow tracker: error from {service}: "), err
     assert "error code 401" in lines[0] and "not authenticated" in lines[0], err
+  elif server == "no permission":
+    assert lines[0].startswith(f"warning: mlflow tracker: error from {service}: "), err
+    assert "error code 403" in lines[0] and "Permission denied" in lines[0], err
   else:
     assert lines[0].startswith(f"warning: mlflow tracker: no answer from {service}"), err
   assert waited_s <= delivery.EXIT_WAIT_S + 1, waited_s
@@ -353,11 +400,11 @@ def test_mlflow_down_silent_or_refusing_costs_one_line_a_bounded_end_and_gets_it
     assert "Retrying (Retry(" in client_log.read_text()
     assert lines[0].endswith(f"its client's log: {client_log}"), err
 
-  # The server answers again (and takes the password): the next session in the workdir
-  # sends what was kept.
+  # The server answers again (and takes the credentials): the next session in the
+  # workdir sends what was kept.
   monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_url)
-  monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD",
-                     tracker_tools.CREDENTIALS["MLFLOW_TRACKING_PASSWORD"])
+  for name, value in tracker_tools.CREDENTIALS.items():
+    monkeypatch.setenv(name, value)
   _mlflow_session(tmp_path)
   assert capfd.readouterr().err == ""
   state = _tracker_state(tmp_path)["mlflow"]
