@@ -5,7 +5,8 @@ restarted twice, with every step once, read back with their own tools (`wandb le
 inspect`, `MlflowClient`); a tracker that cannot be reached costs one line, the run goes
 on, and the tracker gets what it missed once it answers. An MLflow server that is down
 or accepts and never answers (a real socket on loopback), or refuses the client's
-password (the server's basic authentication), costs one line at a session's
+password or a write it has no permission for (the server's basic authentication), costs
+one line at a session's
 end, which waits for it at most `delivery.EXIT_WAIT_S`, and keeps its client's retry
 warnings in the workdir's `clients.log`; the reported case (the trainer, a closed port)
 end to end in a subprocess."""
@@ -446,23 +447,31 @@ def test_the_trainer_with_mlflow_down_prints_one_line_and_exits_at_once(
 
 
 @pytest.mark.slow   # a W&B session in a process of its own per case: 10-30 s
-@pytest.mark.parametrize("server", ["never answers", "refuses the key"])
+@pytest.mark.parametrize("server", ["never answers", "refuses the key", "closed port",
+                                    "no API key"])
 def test_wandb_silent_or_refusing_costs_one_line_and_a_bounded_end(server, tmp_path):
-  """W&B online (a key set, not offline) against a loopback server that accepts and
-  never answers, or answers 401: one line on the console from the whole process (W&B's
-  exit and telemetry included), the session's end within `delivery.EXIT_WAIT_S`, the
-  process's within W&B's own exit, and every row kept for the next session."""
+  """W&B online (not offline) against a loopback server that accepts and never answers,
+  answers 401, or a closed port, with a key set; or with no key at all (no
+  WANDB_API_KEY, a HOME without .netrc): one line on the console from the whole process
+  (W&B's exit and telemetry included), the session's end within `delivery.EXIT_WAIT_S`,
+  the process's within W&B's own exit, and every row kept for the next session."""
   workdir = str(tmp_path / "run")
   os.makedirs(workdir)
   with contextlib.ExitStack() as stack:
-    url = stack.enter_context(tracker_tools.silent_server() if server == "never answers"
-                              else tracker_tools.refusing_server())
+    if server in ("closed port", "no API key"):   # nothing listens: no traffic leaves
+      url = f"http://127.0.0.1:{free_port()}"
+    else:
+      url = stack.enter_context(tracker_tools.silent_server() if server == "never answers"
+                                else tracker_tools.refusing_server())
     env = {name: value for name, value in os.environ.items()
-           if not name.startswith("WANDB_")}
+           if not name.startswith("WANDB_") and name != "NETRC"}
     env.update(PYTHONPATH=REPO, WANDB_BASE_URL=url, WANDB_API_KEY="0" * 40,
                WANDB_INIT_TIMEOUT="3", WANDB_DIR=str(tmp_path),
+               HOME=str(tmp_path / "home"),   # no .netrc, no settings of the user's
                **{name: str(tmp_path / "wandb_home") for name in
                   ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR")})
+    if server == "no API key":
+      del env["WANDB_API_KEY"]
     began = time.monotonic()
     result = subprocess.run(tracker_tools.session_command(workdir, "wandb"), env=env,
                             cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -474,6 +483,10 @@ def test_wandb_silent_or_refusing_costs_one_line_and_a_bounded_end(server, tmp_p
                              "(WANDB_BASE_URL, WANDB_API_KEY): "), result.stderr
   if server == "refuses the key":
     assert "401" in lines[0], result.stderr
+  elif server == "closed port":
+    assert "connection refused" in lines[0], result.stderr
+  elif server == "no API key":
+    assert "No API key configured" in lines[0], result.stderr
   close_s = float(result.stdout.split("close took ")[1].split()[0])
   assert close_s <= delivery.EXIT_WAIT_S + 1, result.stdout
   assert took_s <= WANDB_PROCESS_S, took_s
