@@ -6,10 +6,9 @@ inspect`, `MlflowClient`); a tracker that cannot be reached costs one line, the 
 on, and the tracker gets what it missed once it answers. An MLflow server that is down
 or accepts and never answers (a real socket on loopback), or refuses the client's
 password or a write it has no permission for (the server's basic authentication), costs
-one line at a session's
-end, which waits for it at most `delivery.EXIT_WAIT_S`, and keeps its client's retry
-warnings in the workdir's `clients.log`; the reported case (the trainer, a closed port)
-end to end in a subprocess."""
+one line at a session's end, which waits for it at most `delivery.EXIT_WAIT_S`, and
+keeps its client's retry warnings in the workdir's `clients.log`; the reported case (the
+trainer, a closed port) end to end in a subprocess."""
 import base64
 import contextlib
 import glob

@@ -39,6 +39,7 @@ import json
 import logging
 import os
 import socket
+import ssl
 import time
 import urllib.parse
 from typing import Any, Iterator, Mapping, Optional, Sequence
@@ -132,7 +133,6 @@ def check_hub(manager: Any, names: Sequence[str]) -> None:
     with socket.create_connection((host, port), timeout=HUB_PROBE_S) as connection:
       connection.settimeout(max(deadline - time.monotonic(), 0.01))
       if tls:   # the handshake is the answer; the certificate is the client's to check
-        import ssl  # pylint: disable=g-import-not-at-top
         context = ssl.create_default_context()
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
