@@ -79,6 +79,7 @@ def _offline() -> bool:
 
 
 def _hub_endpoint() -> str:
+  """The Hub huggingface_hub talks to (HF_ENDPOINT, else huggingface.co)."""
   return (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
 
 
@@ -150,8 +151,9 @@ def check_hub(manager: Any, names: Sequence[str]) -> None:
 
 
 def _http_status(error: BaseException) -> Optional[str]:
-  """"HTTP <status>: <the Hub's message>" of the first HTTP answer among the causes of
-  `error`: `datasets` reports a 403 as a file not found, the status three causes down."""
+  """"HTTP <status> (<the Hub's X-Error-Message>)" of the first HTTP answer among the
+  causes of `error`: `datasets` reports a 403 as a file not found, the status three
+  causes down."""
   seen = set()
   while error is not None and id(error) not in seen:
     seen.add(id(error))
