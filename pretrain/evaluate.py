@@ -116,10 +116,10 @@ def validation_metrics(model: LoadedModel, workdir: str) -> dict[str, float]:
                                      evaluation.jit_eval_step(model.runtime, byte_lengths))
 
 
-def task_results(model: LoadedModel, tasks: Sequence[str], manager: Any
+def task_results(model: LoadedModel, tasks: Sequence[Any], manager: Any
                  ) -> dict[str, Any]:
-  """lm_eval's results of the model on `tasks` (flags --num_fewshot, --limit,
-  --batch_size)."""
+  """lm_eval's results of the model on `tasks` (names, or tasks and groups already
+  loaded: `downstream.top_level`; flags --num_fewshot, --limit, --batch_size)."""
   lm = downstream.backend(model.runtime, model.params, model.vocabulary,
                           max_length=model.sequence_length, batch_size=FLAGS.batch_size,
                           progress=True)
@@ -134,7 +134,11 @@ def main(argv: Sequence[str]) -> None:
     if FLAGS.text_file:
       raise usage_error("--tasks and --text_file are two kinds of evaluation: give one")
     manager = downstream.task_manager(FLAGS.tasks, FLAGS.include_path)
-    results = task_results(load(FLAGS.workdir, FLAGS.step), FLAGS.tasks, manager)
+    # The tasks' data first: a Hub that does not answer or refuses, or a dataset that
+    # cannot be read, is one line before the checkpoint loads.
+    loaded = downstream.top_level(downstream.load_tasks(manager, FLAGS.tasks,
+                                                          verbose=FLAGS.verbose))
+    results = task_results(load(FLAGS.workdir, FLAGS.step), loaded, manager)
     print(downstream.results_table(results))
     if FLAGS.output:
       storage.write_text(FLAGS.output, downstream.results_json(results))

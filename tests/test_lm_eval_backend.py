@@ -178,6 +178,20 @@ def test_missing_lm_eval_is_one_line_naming_the_extra(monkeypatch):
 
 
 @pytest.mark.slow
+def test_tasks_loaded_before_the_checkpoint_score_as_their_names_do(tiny):
+  """`pretrain.evaluate` loads the tasks' data before the checkpoint (a Hub that does not
+  answer is one line before any load: tests/test_hub_outage.py) and hands lm_eval the
+  loaded tasks: the same results as lm_eval loading them by name."""
+  _, lm = tiny
+  manager = downstream.task_manager(["tiny_mc"], TASKS)
+  loaded = downstream.top_level(downstream.load_tasks(manager, ["tiny_mc"]))
+  assert [task.task_name for task in loaded] == ["tiny_mc"]
+  by_name = downstream.simple_evaluate(lm, ["tiny_mc"], manager, limit=6)
+  preloaded = downstream.simple_evaluate(lm, loaded, manager, limit=6)
+  assert downstream.metric_values(preloaded) == downstream.metric_values(by_name)
+  assert "downstream/tiny_mc/acc" in downstream.metric_values(preloaded)
+
+
 def test_evaluate_command_runs_a_local_task_and_prints_lm_evals_table(
     trainer_env, trained_workdir, tmp_path):
   workdir, _ = trained_workdir

@@ -5,10 +5,11 @@ restarted twice, with every step once, read back with their own tools (`wandb le
 inspect`, `MlflowClient`); a tracker that cannot be reached costs one line, the run goes
 on, and the tracker gets what it missed once it answers. An MLflow server that is down
 or accepts and never answers (a real socket on loopback), or refuses the client's
-password (the server's basic authentication), costs one line at a session's
-end, which waits for it at most `delivery.EXIT_WAIT_S`, and keeps its client's retry
-warnings in the workdir's `clients.log`; the reported case (the trainer, a closed port)
-end to end in a subprocess."""
+password or a write it has no permission for (the server's basic authentication), costs
+one line at a session's end, which waits for it at most `delivery.EXIT_WAIT_S`, and
+keeps its client's retry warnings in the workdir's `clients.log`; the reported case (the
+trainer, a closed port) end to end in a subprocess."""
+import base64
 import contextlib
 import glob
 import json
@@ -17,6 +18,8 @@ import os
 import subprocess
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -320,8 +323,44 @@ def _mlflow_session(workdir):
   return time.monotonic() - began
 
 
+# A second user of the test's MLflow server, who may only read the experiment.
+READER = {"MLFLOW_TRACKING_USERNAME": "reader",
+          "MLFLOW_TRACKING_PASSWORD": "reader-password"}
+
+
+def _reader_of(url, experiment):
+  """Makes `READER` a user of the server at `url` with READ permission on `experiment`
+  (created by the admin if missing): authenticated, refused any write (403). Through
+  the auth app's REST API with the admin's credentials (its Python client would import
+  the server); a second call finds the user there."""
+  from mlflow.tracking import MlflowClient  # pylint: disable=import-outside-toplevel
+  client = MlflowClient(url)
+  found = client.get_experiment_by_name(experiment)
+  experiment_id = found.experiment_id if found else client.create_experiment(experiment)
+  admin = ":".join(tracker_tools.CREDENTIALS.values()).encode()
+  user = READER["MLFLOW_TRACKING_USERNAME"]
+
+  def post(path, body):
+    request = urllib.request.Request(
+        f"{url}{path}", data=json.dumps(body).encode(), method="POST",
+        headers={"Content-Type": "application/json",
+                 "Authorization": "Basic " + base64.b64encode(admin).decode()})
+    try:
+      urllib.request.urlopen(request, timeout=10).close()
+    except urllib.error.HTTPError as error:
+      if not (path.endswith("/users/create") and error.code == 400):  # made already
+        raise
+
+  post("/api/2.0/mlflow/users/create",
+       {"username": user, "password": READER["MLFLOW_TRACKING_PASSWORD"]})
+  post("/api/3.0/mlflow/users/permissions/grant",
+       {"username": user, "resource_type": "experiment", "resource_id": experiment_id,
+        "permission": "READ"})
+
+
 @pytest.mark.parametrize("server", ["closed port", "never answers",
-                                    "never answers, client retrying", "wrong password"])
+                                    "never answers, client retrying", "wrong password",
+                                    "no permission"])
 def test_mlflow_down_silent_or_refusing_costs_one_line_a_bounded_end_and_gets_its_rows_later(
     server, tmp_path, monkeypatch, capfd, client_log, mlflow_url):  # pylint: disable=redefined-outer-name
   from mlflow.tracking import MlflowClient  # pylint: disable=import-outside-toplevel
@@ -332,6 +371,11 @@ def test_mlflow_down_silent_or_refusing_costs_one_line_a_bounded_end_and_gets_it
     elif server == "wrong password":   # the real server, refusing with 401
       url = mlflow_url
       monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "not-the-password")
+    elif server == "no permission":   # the real server, refusing a reader's writes: 403
+      url = mlflow_url
+      _reader_of(url, "outages")
+      for name, value in READER.items():
+        monkeypatch.setenv(name, value)
     else:
       url = stack.enter_context(tracker_tools.silent_server())
     if server.endswith("client retrying"):   # 4 attempts of 5 s: longer than the bound
@@ -345,6 +389,9 @@ def test_mlflow_down_silent_or_refusing_costs_one_line_a_bounded_end_and_gets_it
   if server == "wrong password":   # the service, and MLflow's text: the status, the fix
     assert lines[0].startswith(f"warning: mlflow tracker: error from {service}: "), err
     assert "error code 401" in lines[0] and "not authenticated" in lines[0], err
+  elif server == "no permission":
+    assert lines[0].startswith(f"warning: mlflow tracker: error from {service}: "), err
+    assert "error code 403" in lines[0] and "Permission denied" in lines[0], err
   else:
     assert lines[0].startswith(f"warning: mlflow tracker: no answer from {service}"), err
   assert waited_s <= delivery.EXIT_WAIT_S + 1, waited_s
@@ -353,11 +400,11 @@ def test_mlflow_down_silent_or_refusing_costs_one_line_a_bounded_end_and_gets_it
     assert "Retrying (Retry(" in client_log.read_text()
     assert lines[0].endswith(f"its client's log: {client_log}"), err
 
-  # The server answers again (and takes the password): the next session in the workdir
-  # sends what was kept.
+  # The server answers again (and takes the credentials): the next session in the
+  # workdir sends what was kept.
   monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_url)
-  monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD",
-                     tracker_tools.CREDENTIALS["MLFLOW_TRACKING_PASSWORD"])
+  for name, value in tracker_tools.CREDENTIALS.items():
+    monkeypatch.setenv(name, value)
   _mlflow_session(tmp_path)
   assert capfd.readouterr().err == ""
   state = _tracker_state(tmp_path)["mlflow"]
@@ -399,23 +446,31 @@ def test_the_trainer_with_mlflow_down_prints_one_line_and_exits_at_once(
 
 
 @pytest.mark.slow   # a W&B session in a process of its own per case: 10-30 s
-@pytest.mark.parametrize("server", ["never answers", "refuses the key"])
+@pytest.mark.parametrize("server", ["never answers", "refuses the key", "closed port",
+                                    "no API key"])
 def test_wandb_silent_or_refusing_costs_one_line_and_a_bounded_end(server, tmp_path):
-  """W&B online (a key set, not offline) against a loopback server that accepts and
-  never answers, or answers 401: one line on the console from the whole process (W&B's
-  exit and telemetry included), the session's end within `delivery.EXIT_WAIT_S`, the
-  process's within W&B's own exit, and every row kept for the next session."""
+  """W&B online (not offline) against a loopback server that accepts and never answers,
+  answers 401, or a closed port, with a key set; or with no key at all (no
+  WANDB_API_KEY, a HOME without .netrc): one line on the console from the whole process
+  (W&B's exit and telemetry included), the session's end within `delivery.EXIT_WAIT_S`,
+  the process's within W&B's own exit, and every row kept for the next session."""
   workdir = str(tmp_path / "run")
   os.makedirs(workdir)
   with contextlib.ExitStack() as stack:
-    url = stack.enter_context(tracker_tools.silent_server() if server == "never answers"
-                              else tracker_tools.refusing_server())
+    if server in ("closed port", "no API key"):   # nothing listens: no traffic leaves
+      url = f"http://127.0.0.1:{free_port()}"
+    else:
+      url = stack.enter_context(tracker_tools.silent_server() if server == "never answers"
+                                else tracker_tools.refusing_server())
     env = {name: value for name, value in os.environ.items()
-           if not name.startswith("WANDB_")}
+           if not name.startswith("WANDB_") and name != "NETRC"}
     env.update(PYTHONPATH=REPO, WANDB_BASE_URL=url, WANDB_API_KEY="0" * 40,
                WANDB_INIT_TIMEOUT="3", WANDB_DIR=str(tmp_path),
+               HOME=str(tmp_path / "home"),   # no .netrc, no settings of the user's
                **{name: str(tmp_path / "wandb_home") for name in
                   ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR")})
+    if server == "no API key":
+      del env["WANDB_API_KEY"]
     began = time.monotonic()
     result = subprocess.run(tracker_tools.session_command(workdir, "wandb"), env=env,
                             cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -427,6 +482,10 @@ def test_wandb_silent_or_refusing_costs_one_line_and_a_bounded_end(server, tmp_p
                              "(WANDB_BASE_URL, WANDB_API_KEY): "), result.stderr
   if server == "refuses the key":
     assert "401" in lines[0], result.stderr
+  elif server == "closed port":
+    assert "connection refused" in lines[0], result.stderr
+  elif server == "no API key":
+    assert "No API key configured" in lines[0], result.stderr
   close_s = float(result.stdout.split("close took ")[1].split()[0])
   assert close_s <= delivery.EXIT_WAIT_S + 1, result.stdout
   assert took_s <= WANDB_PROCESS_S, took_s

@@ -16,6 +16,19 @@ not indexed. Nothing here reaches the network for a local task: datasets' downlo
 counter (a request to the Hub per dataset load) is switched off unless the environment
 sets HF_UPDATE_DOWNLOAD_COUNTS; tasks hosted on the Hub download (and cache) their data
 as in lm_eval, and HF_DATASETS_OFFLINE=1 makes them use the cache only.
+
+The Hugging Face Hub is an outside service (docs/contracts.md, "Outside services"). When
+a requested task's dataset is on the Hub and the cache is not forced (no
+HF_DATASETS_OFFLINE / HF_HUB_OFFLINE), `check_hub` first opens one connection to the Hub
+(`HF_ENDPOINT`, else huggingface.co) and waits for its first byte, at most
+`HUB_PROBE_S` in all: `datasets` would otherwise retry a refused connection for about 23
+s (huggingface_hub's backoff, no setting for it) and wait out its timeouts on a Hub that
+accepts and never answers (a minute and more), its retry warnings on the console. A Hub
+that does not answer, or that refuses (401, 403), is one line naming the Hub, the
+dataset and the fixes (`HF_DATASETS_OFFLINE=1` with a filled cache, `HF_TOKEN`,
+`HF_ENDPOINT`), before any checkpoint loads. huggingface_hub's per-request timeouts
+(HF_HUB_ETAG_TIMEOUT, HF_HUB_DOWNLOAD_TIMEOUT) default to `HUB_REQUEST_TIMEOUT_S` where
+unset.
 """
 from __future__ import annotations
 
@@ -25,6 +38,10 @@ import io
 import json
 import logging
 import os
+import socket
+import ssl
+import time
+import urllib.parse
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
 from plumbing.errors import UserError, usage_error
@@ -34,6 +51,15 @@ from pretrain.runtime import Runtime
 
 # lm_eval's default seed of few-shot sampling (`simple_evaluate(fewshot_random_seed)`).
 FEWSHOT_SEED = 1234
+# The most a check that the Hub answers waits (connection and first byte of the reply).
+HUB_PROBE_S = 5.0
+# huggingface_hub's per-request timeouts (its own defaults too), set where unset.
+HUB_REQUEST_TIMEOUT_S = 10
+_HUB_TIMEOUTS = ("HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT")
+_OFFLINE = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
+# `datasets`' packaged builders: a task naming one reads local files (`data_files`).
+_LOCAL_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "pandas", "imagefolder",
+                   "audiofolder", "webdataset", "sql", "xml")
 
 
 def require_lm_eval() -> None:
@@ -42,13 +68,141 @@ def require_lm_eval() -> None:
   datasets."""
   extras.require("lm_eval", extra="eval", purpose="run lm-evaluation-harness tasks")
   os.environ.setdefault("HF_UPDATE_DOWNLOAD_COUNTS", "0")
+  for name in _HUB_TIMEOUTS:
+    os.environ.setdefault(name, str(HUB_REQUEST_TIMEOUT_S))
 
 
-def _data_error(names: Sequence[str], error: OSError) -> UserError:
-  """One line for task data that cannot be read or downloaded."""
-  lines = str(error).strip().splitlines()
-  return UserError(f"Cannot load the data of lm_eval task(s) {', '.join(names)}: "
-                   f"{lines[0] if lines else repr(error)}")
+def _offline() -> bool:
+  """Whether `datasets` is told to use its cache only."""
+  return any(os.environ.get(name, "").upper() in ("1", "ON", "YES", "TRUE")
+             for name in _OFFLINE)
+
+
+def _hub_endpoint() -> str:
+  """The Hub huggingface_hub talks to (HF_ENDPOINT, else huggingface.co)."""
+  return (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
+
+
+def hub_datasets(manager: Any, names: Sequence[str]) -> list[str]:
+  """The Hub datasets the tasks `names` would download: each task's `dataset_path`,
+  unless its data is local (`custom_dataset`, a directory, one of `datasets`' builders
+  of local files). A group or tag counts as its own name (its tasks are lm_eval's, whose
+  data is on the Hub)."""
+  found = []
+  for name in names:
+    entry = manager.task_index.get(name)
+    config = (entry.cfg or {}) if entry is not None else {}
+    if config.get("group") or "task" not in config or isinstance(config["task"], list):
+      found.append(name)
+      continue
+    path = config.get("dataset_path")
+    if (config.get("custom_dataset") or not path or path in _LOCAL_BUILDERS
+        or os.path.exists(path)):
+      continue
+    found.append(path)
+  return found
+
+
+def _hub_hint(datasets: Sequence[str]) -> str:
+  """What a line about the Hub says to check."""
+  return (f"dataset(s) {', '.join(datasets)}: check HF_ENDPOINT and the network, "
+          "HF_TOKEN for a gated or private dataset, or set HF_DATASETS_OFFLINE=1 to read "
+          "them from a filled cache (HF_HOME)")
+
+
+def check_hub(manager: Any, names: Sequence[str]) -> None:
+  """Fails in one line, within `HUB_PROBE_S`, when a task's dataset is on the Hub, the
+  cache is not forced, and the Hub (`HF_ENDPOINT`) does not answer: one connection and
+  the first byte of the reply to a HEAD request, instead of huggingface_hub's retries.
+  Skipped behind an HTTP(S) proxy, which may be the only route to the Hub.
+
+  Raises:
+    UserError: the Hub is unreachable or silent (naming it, the datasets and the fixes).
+  """
+  proxies = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy")
+  if _offline() or any(os.environ.get(name) for name in proxies):
+    return
+  datasets = hub_datasets(manager, names)
+  if not datasets:
+    return
+  endpoint = _hub_endpoint()
+  parsed = urllib.parse.urlsplit(endpoint)
+  tls = parsed.scheme == "https"
+  host, port = parsed.hostname or "", parsed.port or (443 if tls else 80)
+  deadline = time.monotonic() + HUB_PROBE_S
+  try:
+    with socket.create_connection((host, port), timeout=HUB_PROBE_S) as connection:
+      connection.settimeout(max(deadline - time.monotonic(), 0.01))
+      if tls:   # the handshake is the answer; the certificate is the client's to check
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+        context.wrap_socket(connection, server_hostname=host).close()
+      else:
+        connection.sendall(f"HEAD / HTTP/1.1\r\nHost: {host}\r\nConnection: close"
+                           "\r\n\r\n".encode("ascii"))
+        connection.recv(1)
+  except OSError as error:
+    reason = (f"no answer in {HUB_PROBE_S:g} s" if isinstance(error, TimeoutError)
+              else error.strerror or str(error))
+    raise UserError(f"Cannot load the data of lm_eval task(s) {', '.join(names)}: the "
+                    f"Hugging Face Hub at {endpoint} (HF_ENDPOINT) does not answer "
+                    f"({host}:{port}: {reason}); {_hub_hint(datasets)}") from None
+
+
+def _http_status(error: BaseException) -> Optional[str]:
+  """"HTTP <status> (<the Hub's X-Error-Message>)" of the first HTTP answer among the
+  causes of `error`: `datasets` reports a 403 as a file not found, the status three
+  causes down."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    response = getattr(error, "response", None)
+    status = getattr(response, "status_code", None)
+    if isinstance(status, int):
+      words = response.headers.get("X-Error-Message") if response.headers else None
+      return f"HTTP {status}" + (f" ({words})" if words else "")
+    error = error.__cause__ or error.__context__
+  return None
+
+
+def _data_error(names: Sequence[str], error: OSError, manager: Any = None) -> UserError:
+  """One line for task data that cannot be read or downloaded; for data on the Hub
+  (not offline), naming the Hub and the fixes."""
+  lines = [line for line in str(error).strip().splitlines() if line.strip()]
+  text = lines[0] if lines else repr(error)
+  datasets = hub_datasets(manager, names) if manager is not None else []
+  if datasets and not _offline():
+    status = _http_status(error)
+    return UserError(f"Cannot load the data of lm_eval task(s) {', '.join(names)} from "
+                     f"the Hugging Face Hub at {_hub_endpoint()} (HF_ENDPOINT): "
+                     f"{status or text}; {_hub_hint(datasets)}")
+  return UserError(f"Cannot load the data of lm_eval task(s) {', '.join(names)}: {text}")
+
+
+def load_tasks(manager: Any, names: Sequence[str], *, verbose: bool = False
+               ) -> dict[str, Any]:
+  """lm_eval's `manager.load(names)` ({"tasks", "groups", "group_map"}), their data
+  downloaded or read, after `check_hub`; lm_eval's output hidden (`quiet`) unless
+  `verbose`.
+
+  Raises:
+    UserError: the Hub does not answer or refuses, or the data cannot be read.
+  """
+  check_hub(manager, names)
+  try:
+    with contextlib.nullcontext() if verbose else quiet():
+      return manager.load(list(names))
+  except OSError as error:
+    raise _data_error(names, error, manager) from None
+
+
+def top_level(loaded: Mapping[str, Any]) -> list[Any]:
+  """The tasks and groups of `load_tasks`' result that are no group's member: what
+  `simple_evaluate` takes to evaluate them without loading them again."""
+  members = {child for children in loaded["group_map"].values() for child in children}
+  return [item for name, item in [*loaded["groups"].items(), *loaded["tasks"].items()]
+          if name not in members]
 
 
 def task_manager(names: Sequence[str], include_path: Optional[str] = None) -> Any:
@@ -89,17 +243,22 @@ def backend(runtime: Runtime, params: Any, vocabulary: Any, *, max_length: int,
                progress=progress)
 
 
-def simple_evaluate(lm: Any, names: Sequence[str], manager: Any, *,
+def simple_evaluate(lm: Any, names: Sequence[Any], manager: Any, *,
                     num_fewshot: Optional[int] = None, limit: Optional[int] = None
                     ) -> dict[str, Any]:
-  """lm_eval's `simple_evaluate` of `lm` on the tasks: its results dictionary."""
+  """lm_eval's `simple_evaluate` of `lm` on the tasks (names, or `top_level` of
+  `load_tasks`, already loaded): its results dictionary."""
   from lm_eval import evaluator  # pylint: disable=g-import-not-at-top
+  if any(isinstance(name, str) for name in names):
+    check_hub(manager, [name for name in names if isinstance(name, str)])
   try:
     return evaluator.simple_evaluate(model=lm, tasks=list(names), task_manager=manager,
                                      num_fewshot=num_fewshot, limit=limit,
                                      batch_size=lm.batch_size, log_samples=False)
   except OSError as error:  # a dataset that cannot be downloaded or read
-    raise _data_error(names, error) from None
+    named = all(isinstance(name, str) for name in names)
+    raise _data_error([str(name) for name in names], error,
+                      manager if named else None) from None
 
 
 def results_table(results: Mapping[str, Any]) -> str:
@@ -163,11 +322,7 @@ class DownstreamEvaluation:
                max_length: int, batch_size: int, include_path: Optional[str] = None,
                limit: Optional[int] = None):
     manager = task_manager(names, include_path)
-    try:
-      with quiet():
-        self._tasks = manager.load(list(names))
-    except OSError as error:
-      raise _data_error(names, error) from None
+    self._tasks = load_tasks(manager, names)
     for task in self._tasks["tasks"].values():
       if task.get_config("num_fewshot") is None:
         task.set_config(key="num_fewshot", value=0)
