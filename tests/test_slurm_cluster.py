@@ -168,12 +168,18 @@ def _trainer_pid(namespaces, workdir_flag):
   return None
 
 
-def _submit_readme_example(run_env, cwd):
+def _submit_readme_example(run_env, cwd, without_time=False):
   """Submits the README's SLURM example, verbatim, from `cwd`: (job id, its --workdir
-  flag, the workdir)."""
+  flag, the workdir). `without_time`: less its `--time` flag, so the job has no time
+  limit and no time-limit warning (`--signal=B:USR1@S` comes with `--time` only)."""
   assert len(README_SLURM) == 1, README_SLURM
+  command = README_SLURM[0]
+  if without_time:
+    words = shlex.split(command)
+    assert sum(word.startswith("--time=") for word in words) == 1, command
+    command = shlex.join(word for word in words if not word.startswith("--time="))
   os.symlink(os.path.join(REPO, "tests"), cwd / "tests")
-  result = subprocess.run(README_SLURM[0], shell=True, cwd=cwd, env=run_env,
+  result = subprocess.run(command, shell=True, cwd=cwd, env=run_env,
                           capture_output=True, text=True, timeout=60)
   assert_ok(result)
   job = re.search(r"Submitted batch job (\d+)", result.stdout).group(1)
@@ -283,27 +289,22 @@ def test_readme_example_survives_warning_preemption_scancel_and_a_killed_task(
   assert [row["lost_steps"] for row in restart_rows[:-1]] == [0] * len(saved), restart_rows
 
 
-@pytest.mark.parametrize("how", [["scancel"], ["scancel", "--full"]],
-                         ids=["scancel", "scancel-full"])
-def test_a_cancelled_job_saves_and_stays_cancelled(cluster, run_env, reference, tmp_path,
-                                                    how):
-  """`scancel JOB` and `scancel --full JOB` (no signal) are the same cancel: SIGTERM to
-  every process of the job, the tasks, srun (whose "forcing job termination" finds the
-  step cancelled already and leaves the tasks be) and the batch shell. The tasks save
-  the step they agree on, and the job ends CANCELLED, never requeued."""
-  job, _, workdir = _submit_readme_example(run_env, tmp_path)
-  _wait_for_step(cluster, job, workdir, tmp_path, 3)
-  cluster.client(*how, job)
-  cluster.wait_for(job, ["CANCELLED", "PENDING", "COMPLETED", "FAILED"], timeout_s=120)
-  # A requeue would have come from the batch shell before it exited, which the job
-  # waits for; watch for longer than SLURM holds a requeued job back all the same.
+def _assert_never_requeued(cluster, job, state):
+  """The job is `state` and stays so, never requeued: a requeue would have come from
+  the batch shell before it exited, which the job waits for; watch for longer than SLURM
+  holds a requeued job back all the same."""
   deadline = time.monotonic() + slurm_cluster.REQUEUE_DELAY_S + 5
   while time.monotonic() < deadline:
     record = cluster.job(job)
-    assert (record["JobState"], record["Restarts"]) == ("CANCELLED", "0"), record
+    assert (record["JobState"], record["Restarts"]) == (state, "0"), record
     assert not cluster.client("squeue", "--noheader", f"--jobs={job}").strip()
     time.sleep(1)
-  output = _output(tmp_path, job)
+  return record
+
+
+def _assert_saved_once_as_cancelled(job, workdir, output, reference):
+  """The batch shell took a SIGTERM as a cancel, the tasks saved one step (3 or more,
+  complete), and every step up to it was trained once, with the reference's loss."""
   saved = _saved_steps(output)
   assert len(saved) == 1, output[-3000:]
   saved = saved[0]
@@ -316,6 +317,141 @@ def test_a_cancelled_job_saves_and_stays_cancelled(cluster, run_env, reference, 
   assert saved >= 3 and max(losses) == saved, (saved, sorted(losses))
   assert saved in complete_steps(os.path.join(workdir, "checkpoints")), saved
   assert all(rows == [reference[step]] for step, rows in losses.items()), losses
+
+
+@pytest.mark.parametrize("how", [["scancel"], ["scancel", "--full"]],
+                         ids=["scancel", "scancel-full"])
+def test_a_cancelled_job_saves_and_stays_cancelled(cluster, run_env, reference, tmp_path,
+                                                    how):
+  """`scancel JOB` and `scancel --full JOB` (no signal) are the same cancel: SIGTERM to
+  every process of the job, the tasks, srun (whose "forcing job termination" finds the
+  step cancelled already and leaves the tasks be) and the batch shell. The tasks save
+  the step they agree on, and the job ends CANCELLED, never requeued."""
+  job, _, workdir = _submit_readme_example(run_env, tmp_path)
+  _wait_for_step(cluster, job, workdir, tmp_path, 3)
+  cluster.client(*how, job)
+  cluster.wait_for(job, ["CANCELLED", "PENDING", "COMPLETED", "FAILED"], timeout_s=120)
+  _assert_never_requeued(cluster, job, "CANCELLED")
+  _assert_saved_once_as_cancelled(job, workdir, _output(tmp_path, job), reference)
+
+
+def test_scancel_term_to_the_batch_shell_saves_and_ends_the_job_failed(
+    cluster, run_env, reference, tmp_path):
+  """`scancel --signal=TERM --batch JOB` reaches the batch shell alone. Its record names
+  no time limit and no requeue, so the shell takes it as a cancel: it forwards SIGTERM to
+  the tasks, which save the step they agree on, and it exits 143 once srun has: the job
+  ends FAILED, never requeued (an operator's own SIGTERM to the shell means stop)."""
+  job, _, workdir = _submit_readme_example(run_env, tmp_path)
+  _wait_for_step(cluster, job, workdir, tmp_path, 3)
+  cluster.client("scancel", "--signal=TERM", "--batch", job)
+  cluster.wait_for(job, ["CANCELLED", "PENDING", "COMPLETED", "FAILED"], timeout_s=120)
+  record = _assert_never_requeued(cluster, job, "FAILED")
+  output = _output(tmp_path, job)
+  assert record["ExitCode"] == "143:0", (record, _story(output))
+  _assert_saved_once_as_cancelled(job, workdir, output, reference)
+
+
+def test_scancel_term_full_loses_the_steps_since_the_newest_checkpoint(
+    cluster, run_env, reference, tmp_path):
+  """`scancel --signal=TERM --full JOB` reaches srun as well as the tasks and the batch
+  shell, and srun answers SIGTERM by killing its tasks at once: SLURM's doing, which no
+  batch script can undo (the shell never signals srun itself for that reason). The
+  shell takes the signal as a cancel, and the job ends FAILED (exit 143), never
+  requeued; nothing is saved after the notice, so the newest checkpoint is a periodic
+  one (every CHECKPOINT_EVERY steps) and the steps since it are lost."""
+  job, _, workdir = _submit_readme_example(run_env, tmp_path)
+  _wait_for_step(cluster, job, workdir, tmp_path, 5)
+  cluster.client("scancel", "--signal=TERM", "--full", job)
+  cluster.wait_for(job, ["CANCELLED", "PENDING", "COMPLETED", "FAILED"], timeout_s=120)
+  record = _assert_never_requeued(cluster, job, "FAILED")
+  output = _output(tmp_path, job)
+  story = _story(output)
+  assert record["ExitCode"] == "143:0", (record, story)
+  assert not _saved_steps(output), story
+  lines = [line for line in output.splitlines() if line.startswith("launch.slurm:")]
+  assert lines == [
+      f"launch.slurm: received SIGTERM: job {job} was cancelled; the training tasks save "
+      "their current step if they can",
+      f"launch.slurm: job {job} was cancelled; the run saved no step (the step exited "
+      "with code 137); not requeueing it"], story
+  checkpoints = complete_steps(os.path.join(workdir, "checkpoints"))
+  losses = _train_rows(workdir)
+  assert checkpoints and max(checkpoints) % 4 == 0 and max(checkpoints) >= 4, checkpoints
+  assert max(losses) >= 5, sorted(losses)
+  assert all(rows == [reference[step]] for step, rows in losses.items()), losses
+
+
+def _run_time_s(record):
+  """`scontrol show job`'s RunTime ([days-]HH:MM:SS) in seconds."""
+  days, _, clock = record["RunTime"].rpartition("-")
+  hours, minutes, seconds = (int(part) for part in clock.split(":"))
+  return int(days or 0) * 86400 + hours * 3600 + minutes * 60 + seconds
+
+
+def test_the_time_limit_without_a_warning_saves_and_requeues(
+    cluster, run_env, reference, tmp_path):
+  """A job without a time-limit warning (no `--time` at submission, so no
+  `--signal=B:USR1@S`) reaches its limit: SLURM sends SIGTERM to every process of the
+  job, the batch shell included, and SIGKILL after KillWait. The shell tells it from a
+  cancel by the reason slurmctld gives (`TimeLimit`), the tasks save within KillWait,
+  and the shell requeues the job, which resumes and ends with the reference's losses.
+
+  The limit is the real one of slurmctld, but set once the job has run past it
+  (`scontrol update JobId=N TimeLimit=1` after a minute's run) rather than submitted
+  with `--time=1`, which would leave a minute's training to wait through on CI; the
+  controller checks time limits every 30 s or so. The requeued job's limit is lifted
+  again so that it finishes."""
+  job, _, workdir = _submit_readme_example(run_env, tmp_path, without_time=True)
+  assert cluster.job(job)["TimeLimit"] in ("UNLIMITED", "INFINITE"), cluster.job(job)
+  _wait_for_step(cluster, job, workdir, tmp_path, 3)
+  deadline = time.monotonic() + 120
+  while _run_time_s(cluster.job(job)) < 61:
+    assert time.monotonic() < deadline, cluster.job(job)
+    time.sleep(1)
+  cluster.client("scontrol", "update", f"JobId={job}", "TimeLimit=1")
+  _wait_for_restart(cluster, job, 1, timeout_s=150)
+  cluster.client("scontrol", "update", f"JobId={job}", "TimeLimit=UNLIMITED")
+  record = cluster.wait_for(job, ["COMPLETED", "FAILED", "CANCELLED"], timeout_s=300)
+  output = _output(tmp_path, job)
+  story = _story(output)
+  assert (record["JobState"], record["Restarts"]) == ("COMPLETED", "1"), (record, story)
+  saved = _saved_steps(output)
+  assert len(saved) == 1 and saved[0] >= 3, story
+  saved = saved[0]
+  lines = [line for line in output.splitlines() if line.startswith("launch.slurm:")]
+  assert lines == [
+      "launch.slurm: received SIGTERM at the time limit; the training tasks save their "
+      "current step",
+      f"launch.slurm: preempted (SIGTERM at the time limit); the run saved step {saved}; "
+      f"requeueing job {job} (restart 1 of 5)"], story
+  resumed = [int(s) for s in re.findall(r"Resuming from the checkpoint of step (\d+)", output)]
+  assert resumed == [saved], story
+  losses = _train_rows(workdir)
+  assert sorted(losses) == list(range(1, STEPS + 1))
+  assert all(rows == [reference[step]] for step, rows in losses.items()), losses
+  restart_rows = [row for row in read_metrics(workdir) if row.get("kind") == "restart"]
+  assert [(row["step"], row["lost_steps"]) for row in restart_rows] == [(saved, 0)], (
+      restart_rows)
+
+
+def test_a_refused_submission_is_sbatchs_message_and_one_line(cluster, run_env, tmp_path):
+  """sbatch refusing a job (here a partition that does not exist) prints its own
+  message and exits non-zero; `launch.slurm` adds one line naming sbatch and its exit
+  code, exits 1, and nothing is queued."""
+  result = subprocess.run(
+      [sys.executable, "-m", "launch.slurm", "--nodes=1", "--gpus_per_node=1",
+       "--cpus_per_task=1", "--partition=nosuch", f"--output={tmp_path}/slurm-%j.out",
+       "--", "true"],
+      env=run_env, cwd=str(tmp_path), capture_output=True, text=True, timeout=60)
+  assert result.returncode == 1, (result.returncode, result.stderr)
+  assert not result.stdout.strip(), result.stdout
+  lines = result.stderr.splitlines()
+  assert len(lines) >= 2 and lines[-1] == (
+      "error: sbatch exited with code 1 (its message is above)"), result.stderr
+  assert any(line.startswith("sbatch: error: ") and
+             "Invalid partition name specified" in line for line in lines[:-1]), (
+                 result.stderr)
+  assert not cluster.client("squeue", "--noheader").strip()
 
 
 def test_spent_restart_budget_ends_the_job_with_one_line(cluster, run_env, tmp_path):
