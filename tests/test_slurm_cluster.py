@@ -14,7 +14,13 @@ ends the step and the job requeues from the newest checkpoint. The job completes
 the reference's losses at every step, and no step before a signal is trained twice.
 A job whose step keeps failing spends its restart budget and ends FAILED with one line.
 A job cancelled with `scancel JOB` or `scancel --full JOB` saves and ends CANCELLED,
-never requeued.
+never requeued; with `scancel --signal=TERM --batch JOB` it saves and ends FAILED (143),
+never requeued; with `scancel --signal=TERM --full JOB` srun kills the tasks before they
+save (SLURM's doing), and it ends FAILED (143) with its periodic checkpoints only. A job
+that reaches its time limit with no warning saves within KillWait, requeues and
+finishes with the reference's losses. A job that loses a node is requeued by SLURM and
+resumes from its newest checkpoint once the node is back. A submission sbatch refuses
+is sbatch's message and one line.
 
 Every run shares the session's token store and compilation cache.
 """
@@ -432,6 +438,62 @@ def test_the_time_limit_without_a_warning_saves_and_requeues(
   restart_rows = [row for row in read_metrics(workdir) if row.get("kind") == "restart"]
   assert [(row["step"], row["lost_steps"]) for row in restart_rows] == [(saved, 0)], (
       restart_rows)
+
+
+def test_a_lost_node_requeues_the_job_from_the_newest_checkpoint(
+    cluster, run_env, reference, tmp_path):
+  """node2 lost mid-run: every process in its namespace (its slurmd, the step's
+  slurmstepd and tasks) killed at once, as a power cut, and the node marked DOWN, which
+  slurmctld does itself once the node has not answered for SlurmdTimeout (300 s by
+  default). slurmctld requeues the job itself (NODE_FAIL) and ends it on node1: the
+  batch shell's SIGTERM finds the restart count grown, so the shell does not requeue it
+  again; node1's tasks cannot agree on a step with the dead ones and abort, so nothing
+  is saved. The job waits for two nodes, and once node2 is back it resumes from its
+  newest checkpoint, a periodic one: the steps since it are trained again, with the
+  reference's losses."""
+  job, _, workdir = _submit_readme_example(run_env, tmp_path)
+  _wait_for_step(cluster, job, workdir, tmp_path, 5)
+  checkpoints = os.path.join(workdir, "checkpoints")
+  deadline = time.monotonic() + 60   # step 4's save may still be in flight
+  while not complete_steps(checkpoints):
+    assert time.monotonic() < deadline, "no complete checkpoint 60 s after step 5"
+    time.sleep(0.5)
+  newest = max(complete_steps(checkpoints))
+  node2 = cluster.namespace("n2")
+  try:
+    pids = subprocess.run(["ip", "netns", "pids", node2], capture_output=True, text=True,
+                          check=True).stdout.split()
+    for pid in pids:
+      try:
+        os.kill(int(pid), signal.SIGKILL)
+      except ProcessLookupError:
+        pass
+    cluster.client("scontrol", "update", "NodeName=node2", "State=DOWN",
+                   "Reason=lost-by-test")
+    _wait_for_restart(cluster, job, 1, timeout_s=120)
+  finally:
+    cluster._start_in(node2, "node2", ["slurmd", "-f", cluster.conf, "-N", "node2"])  # pylint: disable=protected-access
+    cluster.client("scontrol", "update", "NodeName=node2", "State=RESUME", check=False)
+  record = cluster.wait_for(job, ["COMPLETED", "FAILED", "CANCELLED"], timeout_s=300)
+  output = _output(tmp_path, job)
+  story = _story(output)
+  assert (record["JobState"], record["Restarts"]) == ("COMPLETED", "1"), (record, story)
+  assert "DUE TO NODE FAILURE" in output, story
+  assert [line for line in output.splitlines() if line.startswith("launch.slurm:")][0] == (
+      f"launch.slurm: received SIGTERM: job {job} was requeued by SLURM (a preemption "
+      "whose grace time ran out, or a node failed); the training tasks save their current "
+      "step if they can"), story
+  assert not _saved_steps(output) and "Preempted:" not in output, story
+  resumed = [int(s) for s in re.findall(r"Resuming from the checkpoint of step (\d+)", output)]
+  assert len(resumed) == 1 and resumed[0] >= newest >= 4 and resumed[0] % 4 == 0, story
+  losses = _train_rows(workdir)
+  assert sorted(losses) == list(range(1, STEPS + 1))
+  for step, rows in losses.items():
+    assert all(loss == reference[step] for loss in rows), (step, rows, reference[step])
+  assert any(len(rows) == 2 for rows in losses.values()), losses   # steps trained again
+  restart_rows = [row for row in read_metrics(workdir) if row.get("kind") == "restart"]
+  assert [row["step"] for row in restart_rows] == resumed, restart_rows
+  assert restart_rows[0]["lost_steps"] >= 1, restart_rows
 
 
 def test_a_refused_submission_is_sbatchs_message_and_one_line(cluster, run_env, tmp_path):
