@@ -26,6 +26,7 @@ from launch.clusters import common
 from launch.clusters import slurm
 from launch.dispatch import scheduler
 from plumbing import cli
+from plumbing.errors import UserError
 
 
 FLAGS = flags.FLAGS
@@ -72,7 +73,8 @@ def main(argv: Sequence[str]) -> None:
     code = scheduler.run(["sbatch", handle.name]).returncode
   finally:
     os.unlink(handle.name)
-  sys.exit(code)
+  if code != 0:   # a refusal (a wrong partition or account, no permission)
+    raise UserError(f"sbatch exited with code {code} (its message is above)")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,13 @@ ends the step and the job requeues from the newest checkpoint. The job completes
 the reference's losses at every step, and no step before a signal is trained twice.
 A job whose step keeps failing spends its restart budget and ends FAILED with one line.
 A job cancelled with `scancel JOB` or `scancel --full JOB` saves and ends CANCELLED,
-never requeued.
+never requeued; with `scancel --signal=TERM --batch JOB` it saves and ends FAILED (143),
+never requeued; with `scancel --signal=TERM --full JOB` srun kills the tasks before they
+save (SLURM's doing), and it ends FAILED (143) with its periodic checkpoints only. A job
+that reaches its time limit with no warning saves within KillWait, requeues and
+finishes with the reference's losses. A job that loses a node is requeued by SLURM and
+resumes from its newest checkpoint once the node is back. A submission sbatch refuses
+is sbatch's message and one line.
 
 Every run shares the session's token store and compilation cache.
 """
@@ -168,12 +174,18 @@ def _trainer_pid(namespaces, workdir_flag):
   return None
 
 
-def _submit_readme_example(run_env, cwd):
+def _submit_readme_example(run_env, cwd, without_time=False):
   """Submits the README's SLURM example, verbatim, from `cwd`: (job id, its --workdir
-  flag, the workdir)."""
+  flag, the workdir). `without_time`: less its `--time` flag, so the job has no time
+  limit and no time-limit warning (`--signal=B:USR1@S` comes with `--time` only)."""
   assert len(README_SLURM) == 1, README_SLURM
+  command = README_SLURM[0]
+  if without_time:
+    words = shlex.split(command)
+    assert sum(word.startswith("--time=") for word in words) == 1, command
+    command = shlex.join(word for word in words if not word.startswith("--time="))
   os.symlink(os.path.join(REPO, "tests"), cwd / "tests")
-  result = subprocess.run(README_SLURM[0], shell=True, cwd=cwd, env=run_env,
+  result = subprocess.run(command, shell=True, cwd=cwd, env=run_env,
                           capture_output=True, text=True, timeout=60)
   assert_ok(result)
   job = re.search(r"Submitted batch job (\d+)", result.stdout).group(1)
@@ -283,27 +295,22 @@ def test_readme_example_survives_warning_preemption_scancel_and_a_killed_task(
   assert [row["lost_steps"] for row in restart_rows[:-1]] == [0] * len(saved), restart_rows
 
 
-@pytest.mark.parametrize("how", [["scancel"], ["scancel", "--full"]],
-                         ids=["scancel", "scancel-full"])
-def test_a_cancelled_job_saves_and_stays_cancelled(cluster, run_env, reference, tmp_path,
-                                                    how):
-  """`scancel JOB` and `scancel --full JOB` (no signal) are the same cancel: SIGTERM to
-  every process of the job, the tasks, srun (whose "forcing job termination" finds the
-  step cancelled already and leaves the tasks be) and the batch shell. The tasks save
-  the step they agree on, and the job ends CANCELLED, never requeued."""
-  job, _, workdir = _submit_readme_example(run_env, tmp_path)
-  _wait_for_step(cluster, job, workdir, tmp_path, 3)
-  cluster.client(*how, job)
-  cluster.wait_for(job, ["CANCELLED", "PENDING", "COMPLETED", "FAILED"], timeout_s=120)
-  # A requeue would have come from the batch shell before it exited, which the job
-  # waits for; watch for longer than SLURM holds a requeued job back all the same.
+def _assert_never_requeued(cluster, job, state):
+  """The job is `state` and stays so, never requeued: a requeue would have come from
+  the batch shell before it exited, which the job waits for; watch for longer than SLURM
+  holds a requeued job back all the same."""
   deadline = time.monotonic() + slurm_cluster.REQUEUE_DELAY_S + 5
   while time.monotonic() < deadline:
     record = cluster.job(job)
-    assert (record["JobState"], record["Restarts"]) == ("CANCELLED", "0"), record
+    assert (record["JobState"], record["Restarts"]) == (state, "0"), record
     assert not cluster.client("squeue", "--noheader", f"--jobs={job}").strip()
     time.sleep(1)
-  output = _output(tmp_path, job)
+  return record
+
+
+def _assert_saved_once_as_cancelled(job, workdir, output, reference):
+  """The batch shell took a SIGTERM as a cancel, the tasks saved one step (3 or more,
+  complete), and every step up to it was trained once, with the reference's loss."""
   saved = _saved_steps(output)
   assert len(saved) == 1, output[-3000:]
   saved = saved[0]
@@ -316,6 +323,196 @@ def test_a_cancelled_job_saves_and_stays_cancelled(cluster, run_env, reference, 
   assert saved >= 3 and max(losses) == saved, (saved, sorted(losses))
   assert saved in complete_steps(os.path.join(workdir, "checkpoints")), saved
   assert all(rows == [reference[step]] for step, rows in losses.items()), losses
+
+
+@pytest.mark.parametrize("how", [["scancel"], ["scancel", "--full"]],
+                         ids=["scancel", "scancel-full"])
+def test_a_cancelled_job_saves_and_stays_cancelled(cluster, run_env, reference, tmp_path,
+                                                    how):
+  """`scancel JOB` and `scancel --full JOB` (no signal) are the same cancel: SIGTERM to
+  every process of the job, the tasks, srun (whose "forcing job termination" finds the
+  step cancelled already and leaves the tasks be) and the batch shell. The tasks save
+  the step they agree on, and the job ends CANCELLED, never requeued."""
+  job, _, workdir = _submit_readme_example(run_env, tmp_path)
+  _wait_for_step(cluster, job, workdir, tmp_path, 3)
+  cluster.client(*how, job)
+  cluster.wait_for(job, ["CANCELLED", "PENDING", "COMPLETED", "FAILED"], timeout_s=120)
+  _assert_never_requeued(cluster, job, "CANCELLED")
+  _assert_saved_once_as_cancelled(job, workdir, _output(tmp_path, job), reference)
+
+
+def test_scancel_term_to_the_batch_shell_saves_and_ends_the_job_failed(
+    cluster, run_env, reference, tmp_path):
+  """`scancel --signal=TERM --batch JOB` reaches the batch shell alone. Its record names
+  no time limit and no requeue, so the shell takes it as a cancel: it forwards SIGTERM to
+  the tasks, which save the step they agree on, and it exits 143 once srun has: the job
+  ends FAILED, never requeued (an operator's own SIGTERM to the shell means stop)."""
+  job, _, workdir = _submit_readme_example(run_env, tmp_path)
+  _wait_for_step(cluster, job, workdir, tmp_path, 3)
+  cluster.client("scancel", "--signal=TERM", "--batch", job)
+  cluster.wait_for(job, ["CANCELLED", "PENDING", "COMPLETED", "FAILED"], timeout_s=120)
+  record = _assert_never_requeued(cluster, job, "FAILED")
+  output = _output(tmp_path, job)
+  assert record["ExitCode"] == "143:0", (record, _story(output))
+  _assert_saved_once_as_cancelled(job, workdir, output, reference)
+
+
+def test_scancel_term_full_loses_the_steps_since_the_newest_checkpoint(
+    cluster, run_env, reference, tmp_path):
+  """`scancel --signal=TERM --full JOB` reaches srun as well as the tasks and the batch
+  shell, and srun answers SIGTERM by killing its tasks at once: SLURM's doing, which no
+  batch script can undo (the shell never signals srun itself for that reason). The
+  shell takes the signal as a cancel, and the job ends FAILED (exit 143), never
+  requeued; nothing is saved after the notice, so the newest checkpoint is a periodic
+  one (every CHECKPOINT_EVERY steps) and the steps since it are lost."""
+  job, _, workdir = _submit_readme_example(run_env, tmp_path)
+  _wait_for_step(cluster, job, workdir, tmp_path, 5)
+  cluster.client("scancel", "--signal=TERM", "--full", job)
+  cluster.wait_for(job, ["CANCELLED", "PENDING", "COMPLETED", "FAILED"], timeout_s=120)
+  record = _assert_never_requeued(cluster, job, "FAILED")
+  output = _output(tmp_path, job)
+  story = _story(output)
+  assert record["ExitCode"] == "143:0", (record, story)
+  assert not _saved_steps(output), story
+  lines = [line for line in output.splitlines() if line.startswith("launch.slurm:")]
+  assert lines == [
+      f"launch.slurm: received SIGTERM: job {job} was cancelled; the training tasks save "
+      "their current step if they can",
+      f"launch.slurm: job {job} was cancelled; the run saved no step (the step exited "
+      "with code 137); not requeueing it"], story
+  checkpoints = complete_steps(os.path.join(workdir, "checkpoints"))
+  losses = _train_rows(workdir)
+  assert checkpoints and max(checkpoints) % 4 == 0 and max(checkpoints) >= 4, checkpoints
+  assert max(losses) >= 5, sorted(losses)
+  assert all(rows == [reference[step]] for step, rows in losses.items()), losses
+
+
+def _run_time_s(record):
+  """`scontrol show job`'s RunTime ([days-]HH:MM:SS) in seconds."""
+  days, _, clock = record["RunTime"].rpartition("-")
+  hours, minutes, seconds = (int(part) for part in clock.split(":"))
+  return int(days or 0) * 86400 + hours * 3600 + minutes * 60 + seconds
+
+
+def test_the_time_limit_without_a_warning_saves_and_requeues(
+    cluster, run_env, reference, tmp_path):
+  """A job without a time-limit warning (no `--time` at submission, so no
+  `--signal=B:USR1@S`) reaches its limit: SLURM sends SIGTERM to every process of the
+  job, the batch shell included, and SIGKILL after KillWait. The shell tells it from a
+  cancel by the reason slurmctld gives (`TimeLimit`), the tasks save within KillWait,
+  and the shell requeues the job, which resumes and ends with the reference's losses.
+
+  The limit is the real one of slurmctld, but set once the job has run past it
+  (`scontrol update JobId=N TimeLimit=1` after a minute's run) rather than submitted
+  with `--time=1`, which would leave a minute's training to wait through on CI; the
+  controller checks time limits every 30 s or so. The requeued job's limit is lifted
+  again so that it finishes."""
+  job, _, workdir = _submit_readme_example(run_env, tmp_path, without_time=True)
+  assert cluster.job(job)["TimeLimit"] in ("UNLIMITED", "INFINITE"), cluster.job(job)
+  _wait_for_step(cluster, job, workdir, tmp_path, 3)
+  deadline = time.monotonic() + 120
+  while _run_time_s(cluster.job(job)) < 61:
+    assert time.monotonic() < deadline, cluster.job(job)
+    time.sleep(1)
+  cluster.client("scontrol", "update", f"JobId={job}", "TimeLimit=1")
+  _wait_for_restart(cluster, job, 1, timeout_s=150)
+  cluster.client("scontrol", "update", f"JobId={job}", "TimeLimit=UNLIMITED")
+  record = cluster.wait_for(job, ["COMPLETED", "FAILED", "CANCELLED"], timeout_s=300)
+  output = _output(tmp_path, job)
+  story = _story(output)
+  assert (record["JobState"], record["Restarts"]) == ("COMPLETED", "1"), (record, story)
+  saved = _saved_steps(output)
+  assert len(saved) == 1 and saved[0] >= 3, story
+  saved = saved[0]
+  lines = [line for line in output.splitlines() if line.startswith("launch.slurm:")]
+  assert lines == [
+      "launch.slurm: received SIGTERM at the time limit; the training tasks save their "
+      "current step",
+      f"launch.slurm: preempted (SIGTERM at the time limit); the run saved step {saved}; "
+      f"requeueing job {job} (restart 1 of 5)"], story
+  resumed = [int(s) for s in re.findall(r"Resuming from the checkpoint of step (\d+)", output)]
+  assert resumed == [saved], story
+  losses = _train_rows(workdir)
+  assert sorted(losses) == list(range(1, STEPS + 1))
+  assert all(rows == [reference[step]] for step, rows in losses.items()), losses
+  restart_rows = [row for row in read_metrics(workdir) if row.get("kind") == "restart"]
+  assert [(row["step"], row["lost_steps"]) for row in restart_rows] == [(saved, 0)], (
+      restart_rows)
+
+
+def test_a_lost_node_requeues_the_job_from_the_newest_checkpoint(
+    cluster, run_env, reference, tmp_path):
+  """node2 lost mid-run: every process in its namespace (its slurmd, the step's
+  slurmstepd and tasks) killed at once, as a power cut, and the node marked DOWN, which
+  slurmctld does itself once the node has not answered for SlurmdTimeout (300 s by
+  default). slurmctld requeues the job itself (NODE_FAIL) and ends it on node1: the
+  batch shell's SIGTERM finds the restart count grown, so the shell does not requeue it
+  again; node1's tasks cannot agree on a step with the dead ones and abort, so nothing
+  is saved. The job waits for two nodes, and once node2 is back it resumes from its
+  newest checkpoint, a periodic one: the steps since it are trained again, with the
+  reference's losses."""
+  job, _, workdir = _submit_readme_example(run_env, tmp_path)
+  _wait_for_step(cluster, job, workdir, tmp_path, 5)
+  checkpoints = os.path.join(workdir, "checkpoints")
+  deadline = time.monotonic() + 60   # step 4's save may still be in flight
+  while not complete_steps(checkpoints):
+    assert time.monotonic() < deadline, "no complete checkpoint 60 s after step 5"
+    time.sleep(0.5)
+  newest = max(complete_steps(checkpoints))
+  node2 = cluster.namespace("n2")
+  try:
+    pids = subprocess.run(["ip", "netns", "pids", node2], capture_output=True, text=True,
+                          check=True).stdout.split()
+    for pid in pids:
+      try:
+        os.kill(int(pid), signal.SIGKILL)
+      except ProcessLookupError:
+        pass
+    cluster.client("scontrol", "update", "NodeName=node2", "State=DOWN",
+                   "Reason=lost-by-test")
+    _wait_for_restart(cluster, job, 1, timeout_s=120)
+  finally:
+    cluster._start_in(node2, "node2", ["slurmd", "-f", cluster.conf, "-N", "node2"])  # pylint: disable=protected-access
+    cluster.client("scontrol", "update", "NodeName=node2", "State=RESUME", check=False)
+  record = cluster.wait_for(job, ["COMPLETED", "FAILED", "CANCELLED"], timeout_s=300)
+  output = _output(tmp_path, job)
+  story = _story(output)
+  assert (record["JobState"], record["Restarts"]) == ("COMPLETED", "1"), (record, story)
+  assert "DUE TO NODE FAILURE" in output, story
+  assert [line for line in output.splitlines() if line.startswith("launch.slurm:")][0] == (
+      f"launch.slurm: received SIGTERM: job {job} was requeued by SLURM (a preemption "
+      "whose grace time ran out, or a node failed); the training tasks save their current "
+      "step if they can"), story
+  assert not _saved_steps(output) and "Preempted:" not in output, story
+  resumed = [int(s) for s in re.findall(r"Resuming from the checkpoint of step (\d+)", output)]
+  assert len(resumed) == 1 and resumed[0] >= newest >= 4 and resumed[0] % 4 == 0, story
+  losses = _train_rows(workdir)
+  assert sorted(losses) == list(range(1, STEPS + 1))
+  for step, rows in losses.items():
+    assert all(loss == reference[step] for loss in rows), (step, rows, reference[step])
+  restart_rows = [row for row in read_metrics(workdir) if row.get("kind") == "restart"]
+  assert [row["step"] for row in restart_rows] == resumed, restart_rows
+  assert restart_rows[0]["lost_steps"] >= 1, restart_rows   # trained again: lost
+
+
+def test_a_refused_submission_is_sbatchs_message_and_one_line(cluster, run_env, tmp_path):
+  """sbatch refusing a job (here a partition that does not exist) prints its own
+  message and exits non-zero; `launch.slurm` adds one line naming sbatch and its exit
+  code, exits 1, and nothing is queued."""
+  result = subprocess.run(
+      [sys.executable, "-m", "launch.slurm", "--nodes=1", "--gpus_per_node=1",
+       "--cpus_per_task=1", "--partition=nosuch", f"--output={tmp_path}/slurm-%j.out",
+       "--", "true"],
+      env=run_env, cwd=str(tmp_path), capture_output=True, text=True, timeout=60)
+  assert result.returncode == 1, (result.returncode, result.stderr)
+  assert not result.stdout.strip(), result.stdout
+  lines = result.stderr.splitlines()
+  assert len(lines) >= 2 and lines[-1] == (
+      "error: sbatch exited with code 1 (its message is above)"), result.stderr
+  assert any(line.startswith("sbatch: error: ") and
+             "Invalid partition name specified" in line for line in lines[:-1]), (
+                 result.stderr)
+  assert not cluster.client("squeue", "--noheader").strip()
 
 
 def test_spent_restart_budget_ends_the_job_with_one_line(cluster, run_env, tmp_path):

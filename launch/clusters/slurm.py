@@ -41,8 +41,9 @@ def _recovery_lines(max_restarts: int) -> list[str]:
     well as to the tasks, and SIGKILL after KillWait: the tasks save if they can in that
     time, and the job ends as SLURM cancelled it, not requeued. SLURM ends a job the
     same way at its time limit, where slurmctld gives the reason `TimeLimit` and the
-    shell requeues as after the warning, and at the end of a preemption's grace time,
-    where SLURM has requeued the job itself (its restart count has grown).
+    shell requeues as after the warning, and at the end of a preemption's grace time
+    or when a node of the job fails (slurmctld marks it DOWN), where SLURM has requeued
+    the job itself (its restart count has grown).
   """
   return [
       f"max_restarts={max_restarts}",
@@ -76,7 +77,7 @@ def _recovery_lines(max_restarts: int) -> list[str]:
       '    *" Reason=TimeLimit "*) signalled="SIGTERM at the time limit" ;;',
       '    *" Restarts=$restarts "*) ended="cancelled" ;;',
       '    *" Restarts="*) ended="requeued by SLURM (a preemption whose grace time ran '
-      'out)" ;;',
+      'out, or a node failed)" ;;',
       '    *) ended="cancelled" ;;',
       "  esac",
       "  interrupted=1",
