@@ -32,6 +32,7 @@ from launch.clusters import common
 from launch.clusters import gke
 from launch.dispatch import scheduler
 from plumbing import cli
+from plumbing.errors import UserError
 from sharding.tpu_slice import TpuSlice
 
 
@@ -99,7 +100,9 @@ def main(argv: Sequence[str]) -> None:
   if FLAGS.dry_run:
     sys.stdout.write(manifest)
     return
-  sys.exit(scheduler.run(["kubectl", "apply", "-f", "-"], stdin=manifest).returncode)
+  code = scheduler.run(["kubectl", "apply", "-f", "-"], stdin=manifest).returncode
+  if code != 0:   # a refusal (no cluster credentials, no permission, a bad manifest)
+    raise UserError(f"kubectl apply exited with code {code} (its message is above)")
 
 
 if __name__ == "__main__":
