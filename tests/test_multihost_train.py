@@ -87,7 +87,7 @@ def _run_and_signal(env, workdir, signum, after_steps, to_launcher=False):
                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True)
   try:
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + 420   # a hang guard (see TrainerEnv.run)
     while len(train_losses(workdir)) < after_steps:
       assert launcher.poll() is None and time.monotonic() < deadline, (
           launcher.communicate()[0][-3000:] if launcher.poll() is not None else "timeout")

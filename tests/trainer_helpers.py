@@ -117,7 +117,10 @@ class TrainerEnv:
     args += [f"--gin_param={p}" for p in gin_params]
     return self.command("pretrain.train", *args, f"--workdir={workdir}")
 
-  def run(self, command, timeout=300):
+  def run(self, command, timeout=600):
+    """`command` to its end. The timeout only guards against a hang: in CI's first
+    minutes a two-process run shares 2 cores with the SLURM cluster's four training
+    tasks and took 330 s (262 s of it the trainer's own wall time)."""
     return subprocess.run(command, env=self.env, cwd=REPO, capture_output=True, text=True,
                           timeout=timeout)
 
