@@ -17,8 +17,8 @@ Each node declares 2 CPUs and 2 GPUs as GRES over placeholder character devices 
 processes run on CPU). `JobRequeue=1` with a 10 s requeue delay (`cred_expire`, which
 SLURM waits after a requeue before the job may start again), and two partitions:
 `gpu` (preemptible: `PreemptMode=REQUEUE`, `GraceTime=60`) and `urgent` (a higher
-`PriorityTier`, whose jobs preempt `gpu` jobs). `KillWait` is SLURM's default, 30 s;
-`MessageTimeout` is 60 s, not the default 10 (see MESSAGE_TIMEOUT_S).
+`PriorityTier`, whose jobs preempt `gpu` jobs). `KillWait` is 60 s, not the default 30
+(see KILL_WAIT_S); `MessageTimeout` is 60 s, not the default 10 (see MESSAGE_TIMEOUT_S).
 
 Client commands (`sbatch`, `squeue`, `scontrol`, `scancel`, `sacct`, `sinfo`) reach
 slurmctld through small wrappers that enter the controller's network namespace;
@@ -41,9 +41,13 @@ GPUS_PER_NODE = 2
 CLIENTS = ("sbatch", "squeue", "scontrol", "scancel", "sacct", "sinfo", "srun")
 REQUEUE_DELAY_S = 10
 GRACE_TIME_S = 60
-# SLURM's default: a cancelled job's tasks save, exit (a JAX process takes seconds to
-# finalize on a loaded host) and let the batch shell say so before SIGKILL.
-KILL_WAIT_S = 30
+# The time a cancelled or timed-out job's tasks have to save and exit (a JAX process
+# takes seconds to finalize) before SIGKILL; srun, "forcing job termination" on its own
+# SIGTERM, waits as long. SLURM's default, 30 s, was too short on CI's loaded 2 cores:
+# at a time limit the four tasks had not saved when srun killed them (exit 134, the
+# survivors aborting once the coordinator's process was gone), and the job resumed from
+# an older periodic checkpoint.
+KILL_WAIT_S = 60
 # On a loaded host a node's slurmd can take over SLURM's default 10 s to answer the
 # controller's REQUEST_SIGNAL_TASKS while a dying step's tasks abort (a task killed,
 # srun ending the step). The controller's agent then retries that signal about 60 s

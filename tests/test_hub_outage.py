@@ -10,7 +10,6 @@ import http.server
 import os
 import subprocess
 import sys
-import threading
 import time
 from typing import Iterator
 
@@ -60,14 +59,8 @@ def refusing_hub(status: int) -> Iterator[str]:
     def log_message(self, *args) -> None:   # the test's output is the client's only
       del args
 
-  server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refuse)
-  thread = threading.Thread(target=server.serve_forever, daemon=True)
-  thread.start()
-  try:
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-  finally:
-    server.shutdown()
-    server.server_close()
+  with tracker_tools.serving(Refuse) as url:
+    yield url
 
 
 @contextlib.contextmanager

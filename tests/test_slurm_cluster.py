@@ -24,6 +24,7 @@ is sbatch's message and one line.
 
 Every run shares the session's token store and compilation cache.
 """
+import contextlib
 import csv
 import json
 import os
@@ -32,6 +33,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -157,9 +159,10 @@ def _saved_steps(text):
   return [int(s) for s in re.findall(r"the run saved step (\d+)", text)]
 
 
-def _trainer_pid(namespaces, workdir_flag):
-  """The pid of the training process with `workdir_flag` in its argv running in one of
-  `namespaces` (the trainer itself, not launch.sweep_job around it), or None."""
+def _trainer_pids(namespaces, workdir_flag):
+  """The pids of the training processes with `workdir_flag` in their argv running in
+  `namespaces` (the trainers themselves, not launch.sweep_job around them)."""
+  found = []
   for namespace in namespaces:
     pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True,
                           text=True, check=True).stdout.split()
@@ -170,8 +173,14 @@ def _trainer_pid(namespaces, workdir_flag):
       except FileNotFoundError:
         continue
       if argv[1:3] == [b"-m", b"pretrain.train"] and workdir_flag.encode() in argv:
-        return int(pid)
-  return None
+        found.append(int(pid))
+  return found
+
+
+def _trainer_pid(namespaces, workdir_flag):
+  """The pid of one training process with `workdir_flag` in `namespaces`, or None."""
+  pids = _trainer_pids(namespaces, workdir_flag)
+  return pids[0] if pids else None
 
 
 def _submit_readme_example(run_env, cwd, without_time=False):
@@ -387,34 +396,63 @@ def test_scancel_term_full_loses_the_steps_since_the_newest_checkpoint(
   assert all(rows == [reference[step]] for step, rows in losses.items()), losses
 
 
-def _run_time_s(record):
-  """`scontrol show job`'s RunTime ([days-]HH:MM:SS) in seconds."""
-  days, _, clock = record["RunTime"].rpartition("-")
-  hours, minutes, seconds = (int(part) for part in clock.split(":"))
-  return int(days or 0) * 86400 + hours * 3600 + minutes * 60 + seconds
+def _signal_all(pids, signum):
+  for pid in pids:
+    try:
+      os.kill(pid, signum)
+    except ProcessLookupError:
+      pass
+
+
+@contextlib.contextmanager
+def _throttled(pids, duty=0.1, period_s=0.5):
+  """Lets `pids` run a `duty` fraction of each `period_s` (SIGCONT, then SIGSTOP for the
+  rest, as a CPU quota would) until the block ends, when they are continued. Every
+  thread of a process keeps running now and then, so JAX's heartbeats still reach the
+  coordination service (a task stopped outright for 45 s was declared dead)."""
+  done = threading.Event()
+  def cycle():
+    while not done.is_set():
+      _signal_all(pids, signal.SIGCONT)
+      done.wait(duty * period_s)
+      _signal_all(pids, signal.SIGSTOP)
+      done.wait((1 - duty) * period_s)
+  thread = threading.Thread(target=cycle, daemon=True)
+  thread.start()
+  try:
+    yield
+  finally:
+    done.set()
+    thread.join()
+    _signal_all(pids, signal.SIGCONT)
 
 
 def test_the_time_limit_without_a_warning_saves_and_requeues(
     cluster, run_env, reference, tmp_path):
   """A job without a time-limit warning (no `--time` at submission, so no
-  `--signal=B:USR1@S`) reaches its limit: SLURM sends SIGTERM to every process of the
-  job, the batch shell included, and SIGKILL after KillWait. The shell tells it from a
-  cancel by the reason slurmctld gives (`TimeLimit`), the tasks save within KillWait,
-  and the shell requeues the job, which resumes and ends with the reference's losses.
+  `--signal=B:USR1@S`) reaches its limit: SLURM sends SIGTERM (and SIGCONT) to every
+  process of the job, srun and the batch shell included, and SIGKILL after KillWait. The
+  shell tells it from a cancel by the reason slurmctld gives (`TimeLimit`), the tasks
+  save within KillWait (srun, "forcing job termination", waits that long for them), and
+  the shell requeues the job, which resumes and ends with the reference's losses.
 
-  The limit is the real one of slurmctld, but set once the job has run past it
-  (`scontrol update JobId=N TimeLimit=1` after a minute's run) rather than submitted
-  with `--time=1`, which would leave a minute's training to wait through on CI; the
-  controller checks time limits every 30 s or so. The requeued job's limit is lifted
-  again so that it finishes."""
-  job, _, workdir = _submit_readme_example(run_env, tmp_path, without_time=True)
+  The limit is the real one of slurmctld, one minute (its smallest), set on the running
+  job (`scontrol update JobId=N TimeLimit=1`; the controller checks limits every 30 s or
+  so). The tiny job trains its 32 steps in less than a minute on an idle host, so once
+  it has trained 3 the test slows its tasks to a tenth of their speed (`_throttled`)
+  until the limit has come. The requeued job's limit is lifted again so that it
+  finishes."""
+  job, workdir_flag, workdir = _submit_readme_example(run_env, tmp_path, without_time=True)
   assert cluster.job(job)["TimeLimit"] in ("UNLIMITED", "INFINITE"), cluster.job(job)
   _wait_for_step(cluster, job, workdir, tmp_path, 3)
-  deadline = time.monotonic() + 120
-  while _run_time_s(cluster.job(job)) < 61:
-    assert time.monotonic() < deadline, cluster.job(job)
-    time.sleep(1)
-  cluster.client("scontrol", "update", f"JobId={job}", "TimeLimit=1")
+  pids = _trainer_pids([cluster.namespace(f"n{i + 1}") for i in range(NODES)], workdir_flag)
+  assert len(pids) == NODES * TASKS_PER_NODE, pids
+  with _throttled(pids):
+    cluster.client("scontrol", "update", f"JobId={job}", "TimeLimit=1")
+    deadline = time.monotonic() + 150
+    while "DUE TO TIME LIMIT" not in _output(tmp_path, job):
+      assert time.monotonic() < deadline, (cluster.job(job), _story(_output(tmp_path, job)))
+      time.sleep(0.5)
   _wait_for_restart(cluster, job, 1, timeout_s=150)
   cluster.client("scontrol", "update", f"JobId={job}", "TimeLimit=UNLIMITED")
   record = cluster.wait_for(job, ["COMPLETED", "FAILED", "CANCELLED"], timeout_s=300)

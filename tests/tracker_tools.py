@@ -133,7 +133,15 @@ def refusing_server() -> Iterator[str]:
     def log_message(self, *args) -> None:   # the test's output is the client's only
       del args
 
-  server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refuse)
+  with serving(Refuse) as url:
+    yield url
+
+
+@contextlib.contextmanager
+def serving(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+  """A loopback HTTP server answering with `handler` in a thread of its own until the
+  block ends; yields its URL."""
+  server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
   thread = threading.Thread(target=server.serve_forever, daemon=True)
   thread.start()
   try:
