@@ -304,6 +304,17 @@ def test_readme_example_survives_warning_preemption_scancel_and_a_killed_task(
   assert [row["lost_steps"] for row in restart_rows[:-1]] == [0] * len(saved), restart_rows
 
 
+def _cancel_after_step(cluster, run_env, cwd, step, *scancel):
+  """Submits the README example from `cwd`, waits for `step`, runs `scancel` (the
+  command and its flags) on the job and waits until the job has left the running
+  states: (job id, workdir)."""
+  job, _, workdir = _submit_readme_example(run_env, cwd)
+  _wait_for_step(cluster, job, workdir, cwd, step)
+  cluster.client(*scancel, job)
+  cluster.wait_for(job, ["CANCELLED", "PENDING", "COMPLETED", "FAILED"], timeout_s=120)
+  return job, workdir
+
+
 def _assert_never_requeued(cluster, job, state):
   """The job is `state` and stays so, never requeued: a requeue would have come from
   the batch shell before it exited, which the job waits for; watch for longer than SLURM
@@ -342,10 +353,7 @@ def test_a_cancelled_job_saves_and_stays_cancelled(cluster, run_env, reference, 
   every process of the job, the tasks, srun (whose "forcing job termination" finds the
   step cancelled already and leaves the tasks be) and the batch shell. The tasks save
   the step they agree on, and the job ends CANCELLED, never requeued."""
-  job, _, workdir = _submit_readme_example(run_env, tmp_path)
-  _wait_for_step(cluster, job, workdir, tmp_path, 3)
-  cluster.client(*how, job)
-  cluster.wait_for(job, ["CANCELLED", "PENDING", "COMPLETED", "FAILED"], timeout_s=120)
+  job, workdir = _cancel_after_step(cluster, run_env, tmp_path, 3, *how)
   _assert_never_requeued(cluster, job, "CANCELLED")
   _assert_saved_once_as_cancelled(job, workdir, _output(tmp_path, job), reference)
 
@@ -356,10 +364,8 @@ def test_scancel_term_to_the_batch_shell_saves_and_ends_the_job_failed(
   no time limit and no requeue, so the shell takes it as a cancel: it forwards SIGTERM to
   the tasks, which save the step they agree on, and it exits 143 once srun has: the job
   ends FAILED, never requeued (an operator's own SIGTERM to the shell means stop)."""
-  job, _, workdir = _submit_readme_example(run_env, tmp_path)
-  _wait_for_step(cluster, job, workdir, tmp_path, 3)
-  cluster.client("scancel", "--signal=TERM", "--batch", job)
-  cluster.wait_for(job, ["CANCELLED", "PENDING", "COMPLETED", "FAILED"], timeout_s=120)
+  job, workdir = _cancel_after_step(cluster, run_env, tmp_path, 3, "scancel",
+                                    "--signal=TERM", "--batch")
   record = _assert_never_requeued(cluster, job, "FAILED")
   output = _output(tmp_path, job)
   assert record["ExitCode"] == "143:0", (record, _story(output))
@@ -374,10 +380,8 @@ def test_scancel_term_full_loses_the_steps_since_the_newest_checkpoint(
   shell takes the signal as a cancel, and the job ends FAILED (exit 143), never
   requeued; nothing is saved after the notice, so the newest checkpoint is a periodic
   one (every CHECKPOINT_EVERY steps) and the steps since it are lost."""
-  job, _, workdir = _submit_readme_example(run_env, tmp_path)
-  _wait_for_step(cluster, job, workdir, tmp_path, 5)
-  cluster.client("scancel", "--signal=TERM", "--full", job)
-  cluster.wait_for(job, ["CANCELLED", "PENDING", "COMPLETED", "FAILED"], timeout_s=120)
+  job, workdir = _cancel_after_step(cluster, run_env, tmp_path, 5, "scancel",
+                                    "--signal=TERM", "--full")
   record = _assert_never_requeued(cluster, job, "FAILED")
   output = _output(tmp_path, job)
   story = _story(output)
