@@ -401,6 +401,7 @@ def test_scancel_term_full_loses_the_steps_since_the_newest_checkpoint(
 
 
 def _signal_all(pids, signum):
+  """Sends `signum` to each of `pids` that still exists."""
   for pid in pids:
     try:
       os.kill(pid, signum)
@@ -505,11 +506,7 @@ def test_a_lost_node_requeues_the_job_from_the_newest_checkpoint(
   try:
     pids = subprocess.run(["ip", "netns", "pids", node2], capture_output=True, text=True,
                           check=True).stdout.split()
-    for pid in pids:
-      try:
-        os.kill(int(pid), signal.SIGKILL)
-      except ProcessLookupError:
-        pass
+    _signal_all([int(pid) for pid in pids], signal.SIGKILL)
     cluster.client("scontrol", "update", "NodeName=node2", "State=DOWN",
                    "Reason=lost-by-test")
     _wait_for_restart(cluster, job, 1, timeout_s=120)
