@@ -13,14 +13,17 @@ After 1-3 every task saves the step they agree on and the job requeues; after 4 
 ends the step and the job requeues from the newest checkpoint. The job completes with
 the reference's losses at every step, and no step before a signal is trained twice.
 A job whose step keeps failing spends its restart budget and ends FAILED with one line.
-A job cancelled with `scancel JOB` or `scancel --full JOB` saves and ends CANCELLED,
-never requeued; with `scancel --signal=TERM --batch JOB` it saves and ends FAILED (143),
-never requeued; with `scancel --signal=TERM --full JOB` srun kills the tasks before they
-save (SLURM's doing), and it ends FAILED (143) with its periodic checkpoints only. A job
-that reaches its time limit with no warning saves within KillWait, requeues and
-finishes with the reference's losses. A job that loses a node is requeued by SLURM and
-resumes from its newest checkpoint once the node is back. A submission sbatch refuses
-is sbatch's message and one line.
+The next rows do not depend on the job's shape and run the README example on one node
+with one task (a quarter of the processes on the two cores the tests share), against a
+reference of one process. A job cancelled with `scancel JOB` or `scancel --full JOB`
+saves and ends CANCELLED, never requeued; with `scancel --signal=TERM --batch JOB` it
+saves and ends FAILED (143), never requeued; with `scancel --signal=TERM --full JOB`
+srun kills the tasks before they save (SLURM's doing), and it ends FAILED (143) with its
+periodic checkpoints only. A job that reaches its time limit with no warning saves
+within KillWait, requeues and finishes with the reference's losses. Back on two nodes
+and four tasks, a job that loses a node is requeued by SLURM and resumes from its
+newest checkpoint once the node is back. A submission sbatch refuses is sbatch's message
+and one line.
 
 Every run shares the session's token store and compilation cache.
 """
@@ -107,6 +110,19 @@ def reference(run_env, tmp_path_factory):
   return {step: rows[0] for step, rows in losses.items()}
 
 
+@pytest.fixture(scope="module")
+def one_task_reference(run_env, tmp_path_factory):
+  """{step: loss} of the run as one process on one device, the shape of the jobs
+  `_submit_readme_example(..., one_task=True)` submits."""
+  workdir = str(tmp_path_factory.mktemp("one_task") / "run")
+  result = subprocess.run(_train_command(workdir), env=run_env, cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+  assert_ok(result)
+  losses = _train_rows(workdir)
+  assert sorted(losses) == list(range(1, STEPS + 1))
+  return {step: rows[0] for step, rows in losses.items()}
+
+
 def _train_rows(workdir):
   """{step: [loss of each time the step was trained]}."""
   rows = {}
@@ -183,16 +199,24 @@ def _trainer_pid(namespaces, workdir_flag):
   return pids[0] if pids else None
 
 
-def _submit_readme_example(run_env, cwd, without_time=False):
+def _submit_readme_example(run_env, cwd, without_time=False, one_task=False):
   """Submits the README's SLURM example, verbatim, from `cwd`: (job id, its --workdir
   flag, the workdir). `without_time`: less its `--time` flag, so the job has no time
-  limit and no time-limit warning (`--signal=B:USR1@S` comes with `--time` only)."""
+  limit and no time-limit warning (`--signal=B:USR1@S` comes with `--time` only).
+  `one_task`: on one node with one task (`--nodes=1 --gpus_per_node=1`), for the rows
+  whose promise does not depend on the job's shape: a quarter of the processes to start
+  on the two cores the tests share, compared with `one_task_reference`."""
   assert len(README_SLURM) == 1, README_SLURM
-  command = README_SLURM[0]
+  words = shlex.split(README_SLURM[0])
   if without_time:
-    words = shlex.split(command)
-    assert sum(word.startswith("--time=") for word in words) == 1, command
-    command = shlex.join(word for word in words if not word.startswith("--time="))
+    assert sum(word.startswith("--time=") for word in words) == 1, words
+    words = [word for word in words if not word.startswith("--time=")]
+  if one_task:
+    shape = {"--nodes": "1", "--gpus_per_node": "1"}
+    assert sum(word.split("=")[0] in shape for word in words) == len(shape), words
+    words = [f"{word.split('=')[0]}={shape[word.split('=')[0]]}"
+             if word.split("=")[0] in shape else word for word in words]
+  command = shlex.join(words) if (without_time or one_task) else README_SLURM[0]
   os.symlink(os.path.join(REPO, "tests"), cwd / "tests")
   result = subprocess.run(command, shell=True, cwd=cwd, env=run_env,
                           capture_output=True, text=True, timeout=60)
@@ -304,15 +328,49 @@ def test_readme_example_survives_warning_preemption_scancel_and_a_killed_task(
   assert [row["lost_steps"] for row in restart_rows[:-1]] == [0] * len(saved), restart_rows
 
 
-def _cancel_after_step(cluster, run_env, cwd, step, *scancel):
-  """Submits the README example from `cwd`, waits for `step`, runs `scancel` (the
-  command and its flags) on the job and waits until the job has left the running
-  states: (job id, workdir)."""
-  job, _, workdir = _submit_readme_example(run_env, cwd)
-  _wait_for_step(cluster, job, workdir, cwd, step)
-  cluster.client(*scancel, job)
+def _cancel_after_step(cluster, run_env, cwd, step, *scancel, checkpointed=False):
+  """Submits the README example from `cwd` as one task, holds it at `step`
+  (`_held_at_step`), runs `scancel` (the command and its flags) on the job and waits
+  until the job has left the running states: (job id, workdir). `checkpointed`: waits
+  for a complete periodic checkpoint before the cancel."""
+  job, workdir_flag, workdir = _submit_readme_example(run_env, cwd, one_task=True)
+  with _held_at_step(cluster, job, workdir_flag, workdir, cwd, step):
+    if checkpointed:
+      _wait_for_checkpoint(workdir, timeout_s=120)
+    cluster.client(*scancel, job)
+    _wait_for_output(cwd, job, "launch.slurm: received SIGTERM")
   cluster.wait_for(job, ["CANCELLED", "PENDING", "COMPLETED", "FAILED"], timeout_s=120)
   return job, workdir
+
+
+@contextlib.contextmanager
+def _held_at_step(cluster, job, workdir_flag, workdir, cwd, step):
+  """Waits until the one-task job has trained `step`, then slows its task to a tenth of
+  its speed (`_throttled`) for the block: one process trains the tiny job's 32 steps in
+  a few seconds, and the job would otherwise end before the signal that the block sends
+  has reached it."""
+  _wait_for_step(cluster, job, workdir, cwd, step)
+  pids = _trainer_pids([cluster.namespace(f"n{i + 1}") for i in range(NODES)], workdir_flag)
+  assert len(pids) == 1, (pids, _story(_output(cwd, job)))
+  with _throttled(pids):
+    yield
+
+
+def _wait_for_output(cwd, job, text, timeout_s=150):
+  deadline = time.monotonic() + timeout_s
+  while text not in _output(cwd, job):
+    assert time.monotonic() < deadline, (text, _story(_output(cwd, job)))
+    time.sleep(0.5)
+
+
+def _wait_for_checkpoint(workdir, timeout_s=60):
+  """The newest complete checkpoint's step, once there is one."""
+  checkpoints = os.path.join(workdir, "checkpoints")
+  deadline = time.monotonic() + timeout_s
+  while not complete_steps(checkpoints):
+    assert time.monotonic() < deadline, f"no complete checkpoint in {timeout_s} s"
+    time.sleep(0.5)
+  return max(complete_steps(checkpoints))
 
 
 def _assert_never_requeued(cluster, job, state):
@@ -347,19 +405,19 @@ def _assert_saved_once_as_cancelled(job, workdir, output, reference):
 
 @pytest.mark.parametrize("how", [["scancel"], ["scancel", "--full"]],
                          ids=["scancel", "scancel-full"])
-def test_a_cancelled_job_saves_and_stays_cancelled(cluster, run_env, reference, tmp_path,
-                                                    how):
+def test_a_cancelled_job_saves_and_stays_cancelled(cluster, run_env, one_task_reference,
+                                                    tmp_path, how):
   """`scancel JOB` and `scancel --full JOB` (no signal) are the same cancel: SIGTERM to
   every process of the job, the tasks, srun (whose "forcing job termination" finds the
   step cancelled already and leaves the tasks be) and the batch shell. The tasks save
   the step they agree on, and the job ends CANCELLED, never requeued."""
   job, workdir = _cancel_after_step(cluster, run_env, tmp_path, 3, *how)
   _assert_never_requeued(cluster, job, "CANCELLED")
-  _assert_saved_once_as_cancelled(job, workdir, _output(tmp_path, job), reference)
+  _assert_saved_once_as_cancelled(job, workdir, _output(tmp_path, job), one_task_reference)
 
 
 def test_scancel_term_to_the_batch_shell_saves_and_ends_the_job_failed(
-    cluster, run_env, reference, tmp_path):
+    cluster, run_env, one_task_reference, tmp_path):
   """`scancel --signal=TERM --batch JOB` reaches the batch shell alone. Its record names
   no time limit and no requeue, so the shell takes it as a cancel: it forwards SIGTERM to
   the tasks, which save the step they agree on, and it exits 143 once srun has: the job
@@ -369,11 +427,11 @@ def test_scancel_term_to_the_batch_shell_saves_and_ends_the_job_failed(
   record = _assert_never_requeued(cluster, job, "FAILED")
   output = _output(tmp_path, job)
   assert record["ExitCode"] == "143:0", (record, _story(output))
-  _assert_saved_once_as_cancelled(job, workdir, output, reference)
+  _assert_saved_once_as_cancelled(job, workdir, output, one_task_reference)
 
 
 def test_scancel_term_full_loses_the_steps_since_the_newest_checkpoint(
-    cluster, run_env, reference, tmp_path):
+    cluster, run_env, one_task_reference, tmp_path):
   """`scancel --signal=TERM --full JOB` reaches srun as well as the tasks and the batch
   shell, and srun answers SIGTERM by killing its tasks at once: SLURM's doing, which no
   batch script can undo (the shell never signals srun itself for that reason). The
@@ -381,7 +439,7 @@ def test_scancel_term_full_loses_the_steps_since_the_newest_checkpoint(
   requeued; nothing is saved after the notice, so the newest checkpoint is a periodic
   one (every CHECKPOINT_EVERY steps) and the steps since it are lost."""
   job, workdir = _cancel_after_step(cluster, run_env, tmp_path, 5, "scancel",
-                                    "--signal=TERM", "--full")
+                                    "--signal=TERM", "--full", checkpointed=True)
   record = _assert_never_requeued(cluster, job, "FAILED")
   output = _output(tmp_path, job)
   story = _story(output)
@@ -397,7 +455,7 @@ def test_scancel_term_full_loses_the_steps_since_the_newest_checkpoint(
   losses = _train_rows(workdir)
   assert checkpoints and max(checkpoints) % 4 == 0 and max(checkpoints) >= 4, checkpoints
   assert max(losses) >= 5, sorted(losses)
-  assert all(rows == [reference[step]] for step, rows in losses.items()), losses
+  assert all(rows == [one_task_reference[step]] for step, rows in losses.items()), losses
 
 
 def _signal_all(pids, signum):
@@ -433,7 +491,7 @@ def _throttled(pids, duty=0.1, period_s=0.5):
 
 
 def test_the_time_limit_without_a_warning_saves_and_requeues(
-    cluster, run_env, reference, tmp_path):
+    cluster, run_env, one_task_reference, tmp_path):
   """A job without a time-limit warning (no `--time` at submission, so no
   `--signal=B:USR1@S`) reaches its limit: SLURM sends SIGTERM (and SIGCONT) to every
   process of the job, srun and the batch shell included, and SIGKILL after KillWait. The
@@ -443,21 +501,16 @@ def test_the_time_limit_without_a_warning_saves_and_requeues(
 
   The limit is the real one of slurmctld, one minute (its smallest), set on the running
   job (`scontrol update JobId=N TimeLimit=1`; the controller checks limits every 30 s or
-  so). The tiny job trains its 32 steps in less than a minute on an idle host, so once
-  it has trained 3 the test slows its tasks to a tenth of their speed (`_throttled`)
-  until the limit has come. The requeued job's limit is lifted again so that it
+  so). The tiny job trains its 32 steps in seconds, so once it has trained 3 the test
+  slows its task to a tenth of its speed (`_held_at_step`) until the limit has come.
+  The requeued job's limit is lifted again so that it
   finishes."""
-  job, workdir_flag, workdir = _submit_readme_example(run_env, tmp_path, without_time=True)
+  job, workdir_flag, workdir = _submit_readme_example(run_env, tmp_path, without_time=True,
+                                                      one_task=True)
   assert cluster.job(job)["TimeLimit"] in ("UNLIMITED", "INFINITE"), cluster.job(job)
-  _wait_for_step(cluster, job, workdir, tmp_path, 3)
-  pids = _trainer_pids([cluster.namespace(f"n{i + 1}") for i in range(NODES)], workdir_flag)
-  assert len(pids) == NODES * TASKS_PER_NODE, pids
-  with _throttled(pids):
+  with _held_at_step(cluster, job, workdir_flag, workdir, tmp_path, 3):
     cluster.client("scontrol", "update", f"JobId={job}", "TimeLimit=1")
-    deadline = time.monotonic() + 150
-    while "DUE TO TIME LIMIT" not in _output(tmp_path, job):
-      assert time.monotonic() < deadline, (cluster.job(job), _story(_output(tmp_path, job)))
-      time.sleep(0.5)
+    _wait_for_output(tmp_path, job, "DUE TO TIME LIMIT")
   _wait_for_restart(cluster, job, 1, timeout_s=150)
   cluster.client("scontrol", "update", f"JobId={job}", "TimeLimit=UNLIMITED")
   record = cluster.wait_for(job, ["COMPLETED", "FAILED", "CANCELLED"], timeout_s=300)
@@ -477,7 +530,7 @@ def test_the_time_limit_without_a_warning_saves_and_requeues(
   assert resumed == [saved], story
   losses = _train_rows(workdir)
   assert sorted(losses) == list(range(1, STEPS + 1))
-  assert all(rows == [reference[step]] for step, rows in losses.items()), losses
+  assert all(rows == [one_task_reference[step]] for step, rows in losses.items()), losses
   restart_rows = [row for row in read_metrics(workdir) if row.get("kind") == "restart"]
   assert [(row["step"], row["lost_steps"]) for row in restart_rows] == [(saved, 0)], (
       restart_rows)
@@ -496,12 +549,7 @@ def test_a_lost_node_requeues_the_job_from_the_newest_checkpoint(
   reference's losses."""
   job, _, workdir = _submit_readme_example(run_env, tmp_path)
   _wait_for_step(cluster, job, workdir, tmp_path, 5)
-  checkpoints = os.path.join(workdir, "checkpoints")
-  deadline = time.monotonic() + 60   # step 4's save may still be in flight
-  while not complete_steps(checkpoints):
-    assert time.monotonic() < deadline, "no complete checkpoint 60 s after step 5"
-    time.sleep(0.5)
-  newest = max(complete_steps(checkpoints))
+  newest = _wait_for_checkpoint(workdir)   # step 4's save may still be in flight
   node2 = cluster.namespace("n2")
   try:
     pids = subprocess.run(["ip", "netns", "pids", node2], capture_output=True, text=True,
