@@ -41,10 +41,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
-# Orbax's default jax.Array handler is built with this store, and is registered in this
-# registry; neither has a public alias.
+# Orbax's default jax.Array handler is built with this store; it has no public alias.
 from orbax.checkpoint._src.metadata import array_metadata_store
-from orbax.checkpoint._src.serialization import type_handler_registry
 
 from model.config import ModelConfig, describe_parametrization, recorded_parametrization
 from plumbing import storage
@@ -70,12 +68,10 @@ def _save_replicas_whole_on_cpu() -> None:
   same either way: only the writer of each slice changes (Orbax's default handler
   otherwise, with its array metadata store)."""
   if jax.default_backend() == "cpu":
-    # `ocp.type_handlers.register_type_handler` would log a warning for the override
-    # on stderr, which the project's commands keep to their own lines.
-    type_handler_registry.GLOBAL_TYPE_HANDLER_REGISTRY.add(
+    ocp.type_handlers.register_type_handler(
         jax.Array, ocp.type_handlers.ArrayHandler(
             use_replica_parallel=False, array_metadata_store=array_metadata_store.Store()),
-        override=True, ignore_warnings=True)
+        override=True)
 
 
 def _step_of(path: epath.Path) -> Optional[int]:
