@@ -41,6 +41,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
+# Orbax's default jax.Array handler is built with this store, and is registered in this
+# registry; neither has a public alias.
+from orbax.checkpoint._src.metadata import array_metadata_store
+from orbax.checkpoint._src.serialization import type_handler_registry
 
 from model.config import ModelConfig, describe_parametrization, recorded_parametrization
 from plumbing import storage
@@ -53,6 +57,29 @@ from pretrain.run_directory import RunDirectory
 from sharding.partition import path_str
 
 T = TypeVar("T")
+
+
+def _save_replicas_whole_on_cpu() -> None:
+  """On one CPU process, saves write each replicated array whole instead of as
+  per-replica slices.
+
+  Orbax's replica-parallel save splits a replicated array into one slice per replica,
+  a dispatched slice each, so that the copies from several accelerators to the host
+  overlap and several processes share the writing. One CPU process has neither: its
+  arrays are already in host memory and it writes every slice itself, so the slices only
+  add dispatches, measured at 3 s of every save of the quickstart on 8 CPU devices (15 s
+  of checkpoint time for 4 saves, 3 s without). Accelerators and multi-process runs keep
+  Orbax's default (on two CPU processes, replica 0 of every shard would sit on process
+  0, which would then write it all); the files are the same either way: only the writer
+  of each slice changes (Orbax's default handler otherwise, with its array metadata
+  store)."""
+  if jax.default_backend() == "cpu" and jax.process_count() == 1:
+    # `ocp.type_handlers.register_type_handler` would log a warning for the override
+    # on stderr, which the project's commands keep to their own lines.
+    type_handler_registry.GLOBAL_TYPE_HANDLER_REGISTRY.add(
+        jax.Array, ocp.type_handlers.ArrayHandler(
+            use_replica_parallel=False, array_metadata_store=array_metadata_store.Store()),
+        override=True, ignore_warnings=True)
 
 
 def _step_of(path: epath.Path) -> Optional[int]:
@@ -159,6 +186,7 @@ class PersistentTier:
 
   def _open_manager(self, options: Optional[ocp.CheckpointManagerOptions] = None
                     ) -> ocp.CheckpointManager:
+    _save_replicas_whole_on_cpu()
     handlers = dict(params=ocp.StandardCheckpointHandler(),
                     opt_state=ocp.StandardCheckpointHandler(),
                     train=ocp.JsonCheckpointHandler(),
