@@ -10,6 +10,7 @@ import dataclasses
 from typing import Optional
 
 from pretrain.observability import trackers as trackers_lib
+from pretrain.observability.trackers import delivery
 from pretrain.observability import watchdog as watchdog_lib
 
 
@@ -60,6 +61,10 @@ class TrainConfig:
       "mlflow"; `pretrain.observability.trackers`); () for none.
     tracker_group: the study the run belongs to in the trackers (a W&B group, an MLflow
       experiment); `launch.sweep` sets it to the sweep's directory name.
+    tracker_exit_wait_s: the longest the session's end waits for a tracker call that
+      has had no answer (the rows it lacks are kept for the next session); a tracker
+      slow to start, such as W&B's first `init` on a loaded machine, may need more
+      than the default when sessions are only seconds long.
   """
   train_steps: int = 1000
   batch_size: int = 8
@@ -86,6 +91,7 @@ class TrainConfig:
   hang_long_s: float = watchdog_lib.LONG_S
   trackers: tuple[str, ...] = ("tensorboard",)
   tracker_group: Optional[str] = None
+  tracker_exit_wait_s: float = delivery.EXIT_WAIT_S
 
   def __post_init__(self):
     for name in ("train_steps", "batch_size", "sequence_length", "checkpoint_every",
@@ -93,6 +99,9 @@ class TrainConfig:
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"TrainConfig.{name} must be a positive integer, got {value!r}")
+    if not self.tracker_exit_wait_s >= 0:
+      raise ValueError("TrainConfig.tracker_exit_wait_s must be >= 0 seconds, got "
+                       f"{self.tracker_exit_wait_s!r}")
     if self.eval_every < 0:
       raise ValueError(f"TrainConfig.eval_every must be >= 0, got {self.eval_every}")
     if self.batch_size % self.microbatches:

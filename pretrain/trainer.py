@@ -440,7 +440,8 @@ def train(run: RunDirectory, config: TrainConfig, runtime: Runtime,
   if not quiet.verbose_requested(sys.argv):
     quiet.keep_client_logs(run.client_log)
   writer = MetricsWriter(run.root, config.train_steps, trackers=config.trackers,
-                         storage_config=storage_config, unsent_path=run.unsent_metrics)
+                         storage_config=storage_config, unsent_path=run.unsent_metrics,
+                         tracker_exit_wait_s=config.tracker_exit_wait_s)
   flush_timeout_s, failed = FLUSH_TIMEOUT_S, True
   try:
     with clock.timed("startup"):

@@ -368,6 +368,9 @@ def test_tracker_commands_run_verbatim_with_offline_wandb_and_a_local_mlflow_ser
   url = f"http://127.0.0.1:{port}"
   corpus = make_corpus(str(tmp_path / "corpus"))
   env = _env()
+  # A 2-step session lasts seconds, less than W&B's offline `init` and MLflow's first
+  # calls can take on 2 loaded cores; its end waits for them (`tracker_exit_wait_s`),
+  # since this test is about what reaches them (the bound has tests in test_trackers).
   env.update(JAX_PLATFORMS="cpu", GRIFFIN_DATA_CACHE=str(tmp_path / "tokens"),
              WANDB_CONFIG_DIR=str(tmp_path / "wandb_home"),
              WANDB_CACHE_DIR=str(tmp_path / "wandb_home"),
@@ -375,7 +378,7 @@ def test_tracker_commands_run_verbatim_with_offline_wandb_and_a_local_mlflow_ser
              GRIFFIN_EXTRA_GIN_PARAMS="\n".join([
                  "TRAIN_STEPS = 2", "CHECKPOINT_EVERY = 2", "EVAL_EVERY = 0",
                  f"TRAIN_FILES = '{corpus}/*.txt'", "TrainConfig.eval_batches = 1",
-                 "TrainConfig.sample_tokens = 4"]))
+                 "TrainConfig.sample_tokens = 4", "TrainConfig.tracker_exit_wait_s = 120"]))
   with filelock.FileLock(os.path.join(tempfile.gettempdir(), f"griffin-mlflow-{port}.lock")):
     with open(tmp_path / "mlflow.log", "w", encoding="utf-8") as log:
       process = subprocess.Popen(["/bin/bash", "-c", f"{server}\nwait"], cwd=tmp_path,

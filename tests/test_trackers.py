@@ -54,15 +54,16 @@ class _Crash(Exception):
   pass
 
 
-def _session(workdir, trackers, crash_at=None, hooks=()):
+def _session(workdir, trackers, crash_at=None, hooks=(), exit_wait_s=delivery.EXIT_WAIT_S):
   """One session of the 6-step run (checkpoints every 2 steps, an evaluation every 2),
-  ended by an exception after step `crash_at`, as a crash would end it."""
+  ended by an exception after step `crash_at`, as a crash would end it; its end waits
+  up to `exit_wait_s` for a tracker call without an answer."""
   def crash(info):
     if info.step == crash_at:
       raise _Crash
   config = TrainConfig(train_steps=STEPS, batch_size=4, sequence_length=32,
                        checkpoint_every=2, eval_every=2, eval_batches=1, log_every=1,
-                       seed=1, trackers=trackers)
+                       seed=1, trackers=trackers, tracker_exit_wait_s=exit_wait_s)
   try:
     train_in_process(str(workdir), MODEL, config, hooks=[*hooks, crash])
   except _Crash:
@@ -188,12 +189,6 @@ def test_a_tracker_is_one_registered_class_and_a_dead_one_costs_one_line(
 def test_a_run_restarted_twice_is_one_wandb_and_one_mlflow_run_with_every_step_once(
     tmp_path, mlflow_url, monkeypatch, capfd):  # pylint: disable=redefined-outer-name
   from mlflow.tracking import MlflowClient  # pylint: disable=import-outside-toplevel
-  # Trackers that answer, however slowly: a session's end leaves a call unanswered for
-  # `EXIT_WAIT_S` (10 s) to its thread, and on CI's loaded cores W&B's first offline
-  # `init` took longer. The abandoned call still delivers, after trackers.json was
-  # written, so the next session sent those steps again. The bound has tests of its own
-  # (a server that never answers); this one is about what each restart sends.
-  monkeypatch.setattr(delivery, "EXIT_WAIT_S", outage.FLUSH_TIMEOUT_S)
   monkeypatch.setenv("WANDB_MODE", "offline")
   for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
     monkeypatch.setenv(name, str(tmp_path / "wandb_home"))
@@ -202,18 +197,24 @@ def test_a_run_restarted_twice_is_one_wandb_and_one_mlflow_run_with_every_step_o
   trackers = ("wandb", "mlflow")
 
   monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_url)
-  _session(workdir, trackers, crash_at=3)
+  # Trackers that answer, however slowly: a session's end leaves a call unanswered for
+  # `EXIT_WAIT_S` (10 s) to its thread, and on CI's loaded cores W&B's first offline
+  # `init` took longer. The abandoned call still delivers, after trackers.json was
+  # written, so the next session sent those steps again. The bound has tests of its own
+  # (a server that never answers); this one is about what each restart sends, so its
+  # sessions wait as long as the run's other writes (`tracker_exit_wait_s`).
+  _session(workdir, trackers, crash_at=3, exit_wait_s=outage.FLUSH_TIMEOUT_S)
   _, err = capfd.readouterr()
   assert "mlflow" not in err and "wandb" not in err, err
   # The second session finds no MLflow server: one line, and it trains on.
   monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")
-  _session(workdir, trackers, crash_at=5)
+  _session(workdir, trackers, crash_at=5, exit_wait_s=outage.FLUSH_TIMEOUT_S)
   _, err = capfd.readouterr()
   lines = [line for line in err.splitlines() if line.strip()]
   assert len(lines) == 1 and lines[0].startswith("warning: mlflow tracker: "), err
   # The third finds it again: it gets the rows the second session logged.
   monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_url)
-  _session(workdir, trackers)
+  _session(workdir, trackers, exit_wait_s=outage.FLUSH_TIMEOUT_S)
   _, err = capfd.readouterr()
   assert "mlflow" not in err and "wandb" not in err, err
 
@@ -320,10 +321,11 @@ def client_log(tmp_path, monkeypatch):
 _ROWS = [{"step": step, "loss": 3.0 - step / 10} for step in (1, 2, 3)]
 
 
-def _mlflow_session(workdir):
+def _mlflow_session(workdir, exit_wait_s=None):
   """One session of the MLflow tracker alone (no trainer): two rows already in the
   file, a third logged, then the session's end; returns the seconds the end took."""
-  trackers = delivery.Trackers(["mlflow"], TrackerContext(str(workdir)))
+  trackers = delivery.Trackers(["mlflow"], TrackerContext(str(workdir)),
+                               exit_wait_s=exit_wait_s)
   trackers.start(RunInfo("outage"), _ROWS[:2])
   trackers.log(rows_lib.from_json(_ROWS[2]))
   began = time.monotonic()
@@ -420,6 +422,23 @@ def test_mlflow_down_silent_or_refusing_costs_one_line_a_bounded_end_and_gets_it
   history = MlflowClient(mlflow_url).get_metric_history(state["run_id"], "train/loss")
   assert sorted((m.step, m.value) for m in history) == [
       (row["step"], pytest.approx(row["loss"])) for row in _ROWS]
+
+
+def test_the_session_end_waits_for_an_unanswered_call_as_long_as_the_run_sets(
+    tmp_path, monkeypatch, capfd):
+  """`TrainConfig.tracker_exit_wait_s` is the bound: a server that never answers holds
+  the end 1 s when the run sets 1 s (the default's 10 s has the tests above), and its
+  line says so."""
+  monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "outages")
+  with tracker_tools.silent_server() as url:
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
+    waited_s = _mlflow_session(tmp_path, exit_wait_s=1.0)
+  lines = capfd.readouterr().err.splitlines()
+  assert len(lines) == 1 and lines[0].startswith(
+      f"warning: mlflow tracker: no answer from the MLflow server at {url} "
+      "(MLFLOW_TRACKING_URI) in 1 s at the end of the session; 3 row(s) not sent"), lines
+  assert 0.5 <= waited_s <= 2.0, waited_s
+  assert _tracker_state(tmp_path)["mlflow"]["unsent_rows"] == len(_ROWS)
 
 
 @pytest.mark.slow   # one tiny training run in a subprocess (CI runs it)

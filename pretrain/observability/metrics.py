@@ -151,12 +151,15 @@ class MetricsWriter:
 
   `trackers`: the registered names of the trackers that get every row written
   (`TrainConfig.trackers`); they start with `start_trackers` (or the first row).
+  `tracker_exit_wait_s`: the longest `close` waits for a tracker call without an answer
+  (`TrainConfig.tracker_exit_wait_s`; `delivery.EXIT_WAIT_S` unless given).
   """
 
   def __init__(self, workdir: str, total_steps: int, *,
                trackers: Sequence[str] = ("tensorboard",), stream: Optional[TextIO] = None,
                storage_config: StorageConfig = StorageConfig(),
-               unsent_path: Optional[str] = None):
+               unsent_path: Optional[str] = None,
+               tracker_exit_wait_s: Optional[float] = None):
     self._enabled = jax.process_index() == 0
     self._workdir = workdir
     self._total_steps = total_steps
@@ -178,7 +181,7 @@ class MetricsWriter:
     else:
       self._jsonl = _LocalJsonl(path)
     self._trackers = Trackers(trackers, TrackerContext(workdir, self._uploads),
-                              info=self._line)
+                              info=self._line, exit_wait_s=tracker_exit_wait_s)
 
   def _send_unsent(self) -> None:
     """Adopts the rows a run stopped by an outage kept locally, when the bucket's file

@@ -46,7 +46,8 @@ for _builtin in (TensorBoardTracker, WandbTracker, MlflowTracker):
 
 FIRST_BACKOFF_S = 1.0
 MAX_BACKOFF_S = 60.0
-# The longest a session's end waits for a tracker call that has not answered.
+# The longest a session's end waits for a tracker call that has not answered, unless
+# the run sets its own (`TrainConfig.tracker_exit_wait_s`).
 EXIT_WAIT_S = 10.0
 
 
@@ -124,8 +125,9 @@ class _Sender:
   place among the file's records, or None for a step row."""
 
   def __init__(self, tracker: Tracker, state: _State, info: Callable[[str], None],
-               workdir: str):
+               workdir: str, exit_wait_s: float):
     self.tracker = tracker
+    self.exit_wait_s = exit_wait_s
     self.workdir = workdir
     self.name = tracker.name
     self.service = getattr(tracker, "service", "") or f"the {self.name} service"
@@ -161,11 +163,11 @@ class _Sender:
 
   def wait(self, deadline: float) -> bool:
     """Waits for the thread to end, until `deadline` (monotonic), or until a call has
-    had no answer for `EXIT_WAIT_S`; not for a tracker that is down. Returns whether a
+    had no answer for `exit_wait_s`; not for a tracker that is down. Returns whether a
     call was left without an answer. Afterwards the thread prints nothing more."""
     while self._thread is not None and self._thread.is_alive() and not self.down:
       since = self.calling_since
-      until = deadline if since is None else min(deadline, since + EXIT_WAIT_S)
+      until = deadline if since is None else min(deadline, since + self.exit_wait_s)
       left_s = until - time.monotonic()
       if left_s <= 0:
         break
@@ -173,7 +175,7 @@ class _Sender:
     with self._cond:
       self._silent = True
       since = self.calling_since
-      return since is not None and time.monotonic() >= since + EXIT_WAIT_S
+      return since is not None and time.monotonic() >= since + self.exit_wait_s
 
   def _say(self, message: str) -> None:
     with self._cond:
@@ -285,13 +287,16 @@ class Trackers:
     names: registered tracker names (`TrainConfig.trackers`).
     context: the workdir and its uploader, handed to each tracker's constructor.
     info: prints one line (the writer's console).
+    exit_wait_s: the longest `close` waits for a call that has had no answer
+      (`EXIT_WAIT_S` unless given).
   """
 
   def __init__(self, names: Sequence[str], context: TrackerContext,
-               info: Callable[[str], None] = print):
+               info: Callable[[str], None] = print, exit_wait_s: Optional[float] = None):
     self._state = _State(context.workdir, context.uploads) if names else None
+    exit_wait_s = EXIT_WAIT_S if exit_wait_s is None else exit_wait_s
     self._senders = [_Sender(trackers_lib.create(name, context), self._state, info,
-                             context.workdir) for name in names]
+                             context.workdir, exit_wait_s) for name in names]
     self._run: Optional[RunInfo] = None
     self._records = 0
     self._finals = Finals()
@@ -333,7 +338,7 @@ class Trackers:
 
   def close(self, timeout_s: float, failed: bool = False) -> None:
     """Ends each tracker's session with the run's summary, waiting at most `timeout_s`
-    for the trackers that answer, and at most `EXIT_WAIT_S` for a call that does not
+    for the trackers that answer, and at most `exit_wait_s` for a call that does not
     (not at all for a tracker that is down). What one still lacks is counted in
     `trackers.json`; one line says so when no warning has yet."""
     if self._run is None or not self._senders:
@@ -352,7 +357,7 @@ class Trackers:
         continue
       if unanswered:
         warn(f"{sender.name} tracker: no answer from {sender.service} in "
-             f"{EXIT_WAIT_S:.0f} s at the end of the session; {unsent} row(s) not sent "
+             f"{sender.exit_wait_s:.0f} s at the end of the session; {unsent} row(s) not sent "
              f"(metrics.jsonl has them), which the next run in this workdir sends"
              f"{_client_log_note(sender.workdir)}")
       elif unsent:
