@@ -227,6 +227,7 @@ def _run_chaos(workdir: str, **kwargs):
 
 
 @pytest.mark.slow
+@pytest.mark.soak   # about 2 minutes; kills in CI: test_resume, test_sigterm_to_one_process_...
 def test_chaos_run_recovers_from_sigkill_and_sigterm_with_equal_losses(
     trainer_env, two_process_run, tmp_path, monkeypatch):
   """launch.chaos with A as its reference: one SIGKILL and one SIGTERM at seeded steps,
@@ -271,6 +272,7 @@ def test_chaos_run_recovers_from_sigkill_and_sigterm_with_equal_losses(
 
 
 @pytest.mark.slow
+@pytest.mark.soak   # about 1 minute; one process's outage stays in CI (test_storage_outage)
 def test_chaos_run_survives_a_bucket_outage_with_equal_losses(
     trainer_env, two_process_run, tmp_path, monkeypatch):
   """launch.chaos --gcs_emulator, seed 2: the bucket is cut off at step 2 for 10 s,
@@ -312,6 +314,7 @@ def test_chaos_run_survives_a_bucket_outage_with_equal_losses(
 
 
 @pytest.mark.slow
+@pytest.mark.soak   # about 1 minute of two processes and a restart
 def test_a_process_stuck_in_its_data_loader_is_restarted_with_equal_losses(
     trainer_env, two_process_run, tmp_path):
   """Process 1's input pipeline stalls for 3 s before step 4 (a straggler) and hangs
@@ -424,6 +427,7 @@ def _steps(rows):
 
 
 @pytest.mark.slow
+@pytest.mark.soak   # about 2 minutes; one SIGTERM stays in CI (test_sigterm_to_one_process_...)
 def test_a_sigterm_at_any_moment_is_agreed_and_saved(trainer_env, two_process_run, tmp_path):
   """The preemption sync asks JAX's service with the session's step count (a resumed
   session asked with the global step agreed on step 1 when the notice beat its first

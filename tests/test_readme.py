@@ -514,6 +514,7 @@ def tpu_training_command(bucket: str) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.soak   # 2.5 minutes (Beam, 1 and 2 processes); bucket runs: test_object_storage
 def test_tpu_example_trains_against_the_emulated_bucket(gcs_bucket, tmp_path):
   """The issue's "done when": the TPU example runs unchanged against a GCS emulator,
   workdir and token store both in the bucket. `prepare` (2 Beam workers) writes the C4

@@ -260,6 +260,7 @@ def test_a_controller_that_does_not_answer_costs_one_line_and_a_bounded_wait(
   _wait_until_queue_empty(cluster, timeout_s=60)
 
 
+@pytest.mark.soak   # 4 tasks, 5 sessions and a 4-process reference: about 9 minutes
 def test_readme_example_survives_warning_preemption_scancel_and_a_killed_task(
     cluster, run_env, reference, tmp_path):
   """The README's SLURM example, verbatim, interrupted four ways; it ends with the
@@ -345,14 +346,15 @@ def _cancel_after_step(cluster, run_env, cwd, step, *scancel, checkpointed=False
 
 @contextlib.contextmanager
 def _held_at_step(cluster, job, workdir_flag, workdir, cwd, step):
-  """Waits until the one-task job has trained `step`, then slows its task to a tenth of
-  its speed (`_throttled`) for the block: one process trains the tiny job's 32 steps in
-  a few seconds, and the job would otherwise end before the signal that the block sends
-  has reached it."""
+  """Waits until the one-task job has trained `step`, then slows its task to a fiftieth
+  of its speed (`_throttled`) for the block: one process trains the tiny job's 32 steps
+  in a few seconds, and the job would otherwise end before the signal that the block
+  sends has reached it. A tenth was not enough for the time limit, which slurmctld
+  enforces up to 90 s after it is set: a CI run's task trained its last step first."""
   _wait_for_step(cluster, job, workdir, cwd, step)
   pids = _trainer_pids([cluster.namespace(f"n{i + 1}") for i in range(NODES)], workdir_flag)
   assert len(pids) == 1, (pids, _story(_output(cwd, job)))
-  with _throttled(pids):
+  with _throttled(pids, duty=0.02):
     yield
 
 
@@ -490,6 +492,7 @@ def _throttled(pids, duty=0.1, period_s=0.5):
     _signal_all(pids, signal.SIGCONT)
 
 
+@pytest.mark.soak   # waits for slurmctld's one-minute limit: about 2 minutes
 def test_the_time_limit_without_a_warning_saves_and_requeues(
     cluster, run_env, one_task_reference, tmp_path):
   """A job without a time-limit warning (no `--time` at submission, so no
@@ -502,7 +505,7 @@ def test_the_time_limit_without_a_warning_saves_and_requeues(
   The limit is the real one of slurmctld, one minute (its smallest), set on the running
   job (`scontrol update JobId=N TimeLimit=1`; the controller checks limits every 30 s or
   so). The tiny job trains its 32 steps in seconds, so once it has trained 3 the test
-  slows its task to a tenth of its speed (`_held_at_step`) until the limit has come.
+  slows its task to a fiftieth of its speed (`_held_at_step`) until the limit has come.
   The requeued job's limit is lifted again so that it
   finishes."""
   job, workdir_flag, workdir = _submit_readme_example(run_env, tmp_path, without_time=True,
@@ -536,6 +539,7 @@ def test_the_time_limit_without_a_warning_saves_and_requeues(
       restart_rows)
 
 
+@pytest.mark.soak   # 4 tasks on 2 nodes and the 4-process reference: about 3 minutes
 def test_a_lost_node_requeues_the_job_from_the_newest_checkpoint(
     cluster, run_env, reference, tmp_path):
   """node2 lost mid-run: every process in its namespace (its slurmd, the step's
@@ -643,6 +647,7 @@ def _wait_until_queue_empty(cluster, timeout_s=300):
                        + cluster.client("squeue"))
 
 
+@pytest.mark.soak   # a study of SLURM jobs: about 2 minutes
 def test_sweep_runs_a_forked_study_as_slurm_jobs_retries_a_killed_run_and_fits(
     cluster, trainer_env, tmp_path):
   """`launch.sweep --backend=slurm`: each call submits what can run (the forks only once

@@ -221,6 +221,7 @@ def test_dns_names_keep_the_attempt_suffix():
 
 
 @pytest.mark.slow
+@pytest.mark.soak   # about 2 minutes; the toy sweep's kill and resume stays in CI (test_sweep)
 def test_local_parallel_isoflop_study_is_killed_and_resumed(tmp_path):
   """Griffin, Hawk and MQA on an isoFLOP design with a tiny budget, 2 runs at a time:
   the sweep is SIGKILLed once a run has finished (its other run keeps training,

@@ -238,6 +238,7 @@ def _losses(run_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.soak   # about 3 minutes of local runs; forks' planning and dispatch: fast tests
 def test_local_wsd_study_is_killed_and_resumed_and_forks_match_unforked_runs(tmp_path):
   """Hawk at its smallest size: two learning-rate probes, then a stable run and two
   forks at the rate of the rule fitted to the probes. The sweep is SIGKILLed as soon as
