@@ -350,7 +350,8 @@ def _held_at_step(cluster, job, workdir_flag, workdir, cwd, step):
   of its speed (`_throttled`) for the block: one process trains the tiny job's 32 steps
   in a few seconds, and the job would otherwise end before the signal that the block
   sends has reached it. A tenth was not enough for the time limit, which slurmctld
-  enforces up to 90 s after it is set: a CI run's task trained its last step first."""
+  enforces up to 90 s after it is set: in a full run the task trained its last step
+  first."""
   _wait_for_step(cluster, job, workdir, cwd, step)
   pids = _trainer_pids([cluster.namespace(f"n{i + 1}") for i in range(NODES)], workdir_flag)
   assert len(pids) == 1, (pids, _story(_output(cwd, job)))
