@@ -187,6 +187,7 @@ def test_scan_script_times_each_implementation():
     _assert_usage_error(_run_benchmark("scan.py", bad), named)
 
 
+@pytest.mark.slow   # fast tier under 5 min: compiles for TPU (10 s)
 def test_scan_tpu_bytes_script_splits_kernel_and_relayout_bytes():
   """benchmarks/scan_tpu_bytes.py on one tiny shape: libtpu's bytes of the Pallas scan
   program, the kernels' declared share and what lies outside them."""

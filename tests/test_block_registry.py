@@ -123,6 +123,7 @@ def _prefill_then_step_equals_one_call(config):
   np.testing.assert_allclose(step[:, 0], full[:, 9], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow   # fast tier under 5 min: 13 s of counting, planning, decoding and a sweep
 def test_a_registered_block_counts_plans_decodes_and_sweeps(diagonal):
   config = diagonal
   with pytest.raises(ValueError, match="rnn_width=256 must be at most 4 x width"):

@@ -193,6 +193,7 @@ def test_readme_snippet_generate_and_pipeline_need_no_flags(exported, greedy, tm
   assert text == tokenizer.decode(prompt + until_eos(ours, 8), skip_special_tokens=True)
 
 
+@pytest.mark.slow   # fast tier under 5 min: lm_eval's hf backend per export (3-5 s)
 def test_lm_evals_hf_backend_with_default_model_args_scores_like_ours(exported):
   """lm_eval's `hf` backend given only the export (`model_args="pretrained=DIR"`; the
   device is this machine's) gives each choice of a local task our backend's

@@ -13,6 +13,7 @@ from launch.clusters import common
 from launch.clusters import gke
 from plumbing.errors import EXIT_USAGE, UserError
 from sharding.tpu_slice import TpuSlice
+from tiers import slow_after_first
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TRAIN = ["python", "-m", "pretrain.train", "--gin_file=configs/models/griffin_7b.gin",
@@ -80,7 +81,7 @@ def test_tpu_slice_errors():
     TpuSlice("v5p-7")
 
 
-@pytest.mark.parametrize("module, flags, fragment", [
+@pytest.mark.parametrize("module, flags, fragment", slow_after_first([
     ("launch.tpu_vm", ["--tpu=t", "--dry_run"], "--zone"),
     ("launch.tpu_vm", ["--tpu=t", "--zone=z", "--env=1X=2", "--dry_run"], "NAME=VALUE"),
     ("launch.tpu_vm", ["--tpu=t", "--zone=z", "--tpu_type=v9-8", "--dry_run"],
@@ -94,7 +95,7 @@ def test_tpu_slice_errors():
     ("launch.slurm", ["--nodes=0", "--dry_run"], "--nodes"),
     ("launch.slurm", ["--nodes=1", "--gpus_per_node=-8", "--dry_run"], "--gpus_per_node"),
     ("launch.slurm", ["--dry_run"], "--nodes"),
-])
+], group=lambda case: case[0]))
 def test_bad_flag_value_is_one_line_and_exit_code_2(module, flags, fragment):
   result = _run(module, *flags, "--", *TRAIN)
   assert result.returncode == 2, (result.stdout, result.stderr)
@@ -140,6 +141,7 @@ def test_gke_single_slice_manifest():
   assert container["env"] == [{"name": "WANDB_MODE", "value": "offline"}]
 
 
+@pytest.mark.slow   # fast tier under 5 min: two dry runs (5 s); the single-slice manifest stays fast
 def test_gke_multi_slice_manifest_joins_slices_over_dcn():
   command = TRAIN + ["--gin_param=MeshConfig.replica=2"]
   out, err = _dry_run("launch.gke", "--name=g14b", "--image=img:1", "--tpu_type=v5e-256",
@@ -165,6 +167,7 @@ def test_gke_multi_slice_manifest_joins_slices_over_dcn():
   assert "MeshConfig.replica=2" in err
 
 
+@pytest.mark.slow   # fast tier under 5 min: several dry runs (8 s)
 def test_gke_grace_period_follows_the_checkpoint_size():
   # griffin_7b: 6.92e9 params x 12 bytes = 83.1 GB; over v5p-128's 16 hosts 5.19 GB each,
   # 21 s at 2 Gbit/s: 60 + 21 + 30 = 111 s, raised to the 120 s floor.

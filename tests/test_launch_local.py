@@ -120,6 +120,7 @@ def test_max_restarts_starts_every_process_again_until_they_succeed(tmp_path):
   assert "restart 1 of 3" in err and "restart 2 of 3" in err and "restart 3" not in err
 
 
+@pytest.mark.slow   # fast tier under 5 min: restarts of real processes (6 s); max_restarts stays fast
 def test_restart_budget_spent_exits_with_the_failure():
   script = "import os, sys\nsys.exit(5 if os.environ['JAX_PROCESS_ID'] == '0' else 0)\n"
   launcher = _launch("--num_processes=2", "--max_restarts=2", "--", sys.executable, "-c",
@@ -130,6 +131,7 @@ def test_restart_budget_spent_exits_with_the_failure():
   assert "restart 2 of 2" in err
 
 
+@pytest.mark.slow   # fast tier under 5 min: waits out the backoff (4 s)
 def test_restarts_that_fail_at_once_back_off():
   """A failure that repeats at once (a bucket still down) must not spend the budget in
   seconds: the pauses double while attempts keep failing within a minute."""
@@ -254,6 +256,7 @@ cli.run(main)
 """
 
 
+@pytest.mark.slow   # fast tier under 5 min: 6 s of processes
 def test_a_process_stopped_by_an_outage_exits_without_waiting_for_the_others(tmp_path):
   """An outage stop skips JAX's shutdown barrier, which the others, waiting in the next
   collective, never reach: the stopped process exits at once and the launcher stops the

@@ -192,6 +192,7 @@ def test_tasks_loaded_before_the_checkpoint_score_as_their_names_do(tiny):
   assert "downstream/tiny_mc/acc" in downstream.metric_values(preloaded)
 
 
+@pytest.mark.slow   # fast tier under 5 min: trains a run first (100 s); the backend's own tests stay fast
 def test_evaluate_command_runs_a_local_task_and_prints_lm_evals_table(
     trainer_env, trained_workdir, tmp_path):
   workdir, _ = trained_workdir

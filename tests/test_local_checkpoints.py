@@ -278,6 +278,7 @@ print("STEPS", jax.process_index(), *steps, flush=True)
 """
 
 
+@pytest.mark.slow   # fast tier under 5 min: two processes (8 s)
 def test_a_local_save_failed_on_one_process_turns_the_tier_off_on_every_process(tmp_path):
   """Process 1's local save of step 1 fails (its disk is full); both turn the tier off at
   the next local save, so process 0 keeps the step 1 they could restart from rather

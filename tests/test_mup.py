@@ -142,6 +142,7 @@ GRIFFIN = ModelConfig(vocab_size=64, width=64, rnn_width=64, num_heads=2, depth=
                       attention_window=8)
 
 
+@pytest.mark.slow   # fast tier under 5 min: an export and transformers per case (11 s)
 @pytest.mark.parametrize("scaled", [False, True])
 def test_export_folds_the_multipliers_and_unties(scaled):
   torch = pytest.importorskip("torch")
@@ -162,6 +163,7 @@ def test_export_folds_the_multipliers_and_unties(scaled):
   np.testing.assert_allclose(logits, np.asarray(ours), atol=2e-4, rtol=2e-4)
 
 
+@pytest.mark.slow   # fast tier under 5 min: 9 s; the coordinate check stays fast
 def test_decoding_cache_of_a_mup_model():
   config = _mup(GRIFFIN, 32)
   params = init_params(config, jax.random.key(2))

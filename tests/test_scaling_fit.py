@@ -13,6 +13,7 @@ import pytest
 from launch.scaling import scaling_fit
 from launch.scaling import scaling_laws
 from plumbing import storage
+from tiers import slow_after_first
 
 
 def synthetic_points(e, a, alpha, n=7, noise=0.0, seed=0):
@@ -135,14 +136,14 @@ def test_cli_uses_the_flops_column_for_the_frontier(tmp_path):
   assert "alpha = 0.3" in result.stdout
 
 
-@pytest.mark.parametrize("content, flags, fragment", [
+@pytest.mark.parametrize("content, flags, fragment", slow_after_first([
     ("params,tokens\n1,2\n", [], "has no column loss"),
     ("params,tokens,loss\n1e6,2e7,x\n", [], "could not convert"),
     ("params,tokens,loss\n1e6,2e7,-1\n", [], "positive"),
     # A sweep.csv written before bits per byte were recorded.
     ("params,tokens,loss\n1e6,2e7,2.0\n", ["--metric=bits_per_byte"],
      "has no column bits_per_byte"),
-])
+]))
 def test_cli_bad_csv_is_one_line_and_exit_code_2(tmp_path, content, flags, fragment):
   path = tmp_path / "runs.csv"
   path.write_text(content)
@@ -196,6 +197,7 @@ def test_study_directory_gives_approach_1_the_training_curves(tmp_path):
   assert fit.a.value == pytest.approx(0.28 / 0.62, abs=0.08)   # beta / (alpha + beta)
 
 
+@pytest.mark.slow   # fast tier under 5 min: a study's CLI fit (8 s)
 def test_cli_fits_bits_per_byte_of_a_study(tmp_path):
   """`--metric=bits_per_byte` fits the bits_per_byte column and the runs'
   eval_bits_per_byte curves. Here they are the loss over a constant bytes per token, a

@@ -80,6 +80,7 @@ def test_mesh_adds_per_device_memory():
   assert summary["memory_fits"] in (True, False)
 
 
+@pytest.mark.slow   # fast tier under 5 min: three summaries of the 1.3B preset (23 s)
 def test_attention_and_platform_plans():
   """The summary says what attention each platform runs, and `--platform=tpu` plans the
   splash kernel's memory: one log-sum-exp per head where XLA keeps 2 x 2w scores."""

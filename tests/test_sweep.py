@@ -94,6 +94,7 @@ def test_aspect_tolerance_gives_more_distinct_toy_sizes(tmp_path):
   assert (iso.config.width, iso.config.depth) == (32, 4)
 
 
+@pytest.mark.slow   # fast tier under 5 min: a sweep dry run (4.5 s); the plain dry run stays fast
 def test_dry_run_aspect_tolerance_flag(tmp_path):
   workdir = tmp_path / "sweep"
   result = subprocess.run(

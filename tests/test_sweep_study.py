@@ -191,6 +191,7 @@ def test_sweep_job_records_how_the_command_ended(tmp_path, code, state, failures
   assert sweep_dispatch.run_state(run_dir, False) == (state, failures)
 
 
+@pytest.mark.slow   # fast tier under 5 min: a local study of subprocess runs (6-10 s)
 def test_local_backend_retries_failures_up_to_max_retries(tmp_path):
   """A job failing every time runs 1 + max_retries times; a good one once."""
   bad = sweep_dispatch.Job("bad", str(tmp_path / "bad"),
@@ -207,6 +208,7 @@ def test_local_backend_retries_failures_up_to_max_retries(tmp_path):
   assert sweep_job.read_status(good.run_dir)["failures"] == 0
 
 
+@pytest.mark.slow   # fast tier under 5 min: a local study of subprocess runs (6-10 s)
 def test_local_backend_gives_up_on_runs_that_end_unfinished(tmp_path):
   """Exit 0 without the final evaluation (e.g. no validation split) is not retried forever."""
   job = sweep_dispatch.Job("quiet", str(tmp_path / "quiet"), [sys.executable, "-c", "pass"])
@@ -269,6 +271,7 @@ def test_local_parallel_isoflop_study_is_killed_and_resumed(tmp_path):
                                                 * 64 / float(row["flop_budget"]) + 1e-9)
 
 
+@pytest.mark.slow   # fast tier under 5 min: a local study of subprocess runs (6-10 s)
 def test_local_backend_gives_up_on_runs_that_never_record_their_status(tmp_path, monkeypatch):
   """A launch.sweep_job that records nothing (here: the environment names it process 1,
   which leaves the status to process 0) is started 1 + max_retries times, not forever."""

@@ -128,6 +128,7 @@ def test_fork_copies_the_stable_checkpoint_once(tmp_path):
   assert not fork_lib.seed(stable, 4, fork)      # a resumed fork keeps its own state
 
 
+@pytest.mark.slow   # fast tier under 5 min: real forked runs (8 s)
 def test_local_dispatch_starts_a_fork_only_after_its_source(tmp_path):
   """The fork is first in the queue but waits for the stable job; a fork whose source
   gives up is never started."""

@@ -14,6 +14,7 @@ from pretrain.data import DataError
 from pretrain.data.hf_vocabulary import HfTokenizerVocabulary
 from pretrain.data.vocabularies import get_vocabulary, token_byte_lengths
 from test_data_corpora import write_parquet, write_zst
+from tiers import slow_after_first
 
 
 def write_code_corpus(directory):
@@ -149,7 +150,7 @@ def test_byte_lengths_of_a_sentencepiece_model(tmp_path):
   np.testing.assert_array_equal(token_byte_lengths(as_json, pieces + 4), lengths)
 
 
-@pytest.mark.parametrize("args, fragment", [
+@pytest.mark.parametrize("args, fragment", slow_after_first([
     (["--input_glob=x", "--vocab_size=4", "--output=m"], "--vocab_size"),
     (["--input_glob=x", "--vocab_size=100", "--output=m", "--model_type=word"],
      "--model_type"),
@@ -157,7 +158,7 @@ def test_byte_lengths_of_a_sentencepiece_model(tmp_path):
     (["--input_glob=x", "--vocab_size=100", "--output=m", "extra"], "Unexpected arguments"),
     (["--input_glob=x", "--vocab_size=100", "--output=m", "--model_type=byte_level_bpe"],
      "--vocab_size=100 is too small for a byte-level BPE"),
-])
+]))
 def test_bad_flag_value_is_one_line_and_exit_code_2(tmp_path, args, fragment):
   result = subprocess.run([sys.executable, "-m", "pretrain.tokenizer", *args], cwd=tmp_path,
                           capture_output=True, text=True, timeout=60)

@@ -37,6 +37,7 @@ from pretrain.run_directory import CLIENT_LOG, RunDirectory
 from pretrain.train_config import TrainConfig
 from inprocess_trainer import train_in_process
 from storage_servers import free_port
+from tiers import slow_after_first
 from trainer_helpers import REPO, trainer_env  # pylint: disable=unused-import
 import tracker_tools
 
@@ -368,9 +369,9 @@ def _reader_of(url, experiment):
         "permission": "READ"})
 
 
-@pytest.mark.parametrize("server", ["closed port", "never answers",
-                                    "never answers, client retrying", "wrong password",
-                                    "no permission"])
+@pytest.mark.parametrize("server", slow_after_first(
+    [("closed port",), ("never answers",), ("never answers, client retrying",),
+     ("wrong password",), ("no permission",)]))
 def test_mlflow_down_silent_or_refusing_costs_one_line_a_bounded_end_and_gets_its_rows_later(
     server, tmp_path, monkeypatch, capfd, client_log, mlflow_url):  # pylint: disable=redefined-outer-name
   from mlflow.tracking import MlflowClient  # pylint: disable=import-outside-toplevel
