@@ -28,7 +28,14 @@ that does not answer, or that refuses (401, 403), is one line naming the Hub, th
 dataset and the fixes (`HF_DATASETS_OFFLINE=1` with a filled cache, `HF_TOKEN`,
 `HF_ENDPOINT`), before any checkpoint loads. huggingface_hub's per-request timeouts
 (HF_HUB_ETAG_TIMEOUT, HF_HUB_DOWNLOAD_TIMEOUT) default to `HUB_REQUEST_TIMEOUT_S` where
-unset.
+unset. They do not bound a Hub that answers the check and then stalls: huggingface_hub
+asks again with a fixed 60 s timeout and retries that five times with backoff: 3 s (its
+agent registry) + 10 + 6 x 60 s + 23 s of backoff, about 6.5 minutes for the first file
+alone (its first five tries measured against a loopback Hub). So the data of such tasks loads in a thread of its own, waited for at
+most `hub_timeout_s()` (`GRIFFIN_HUB_TIMEOUT_S`, else `HUB_LOAD_S`), and then that is
+the line. `quiet` hides datasets' and huggingface_hub's warnings too (their handlers
+write to the stderr of their import, which redirect_stderr does not reach): offline,
+datasets warns twice that it uses the cache.
 """
 from __future__ import annotations
 
@@ -40,6 +47,7 @@ import logging
 import os
 import socket
 import ssl
+import threading
 import time
 import urllib.parse
 from typing import Any, Iterator, Mapping, Optional, Sequence
@@ -55,6 +63,14 @@ FEWSHOT_SEED = 1234
 HUB_PROBE_S = 5.0
 # huggingface_hub's per-request timeouts (its own defaults too), set where unset.
 HUB_REQUEST_TIMEOUT_S = 10
+# The most the data of tasks on the Hub may take to load once the Hub has answered the
+# check. Most of lm_eval's datasets are megabytes; a large one on a slow link needs more
+# (`GRIFFIN_HUB_TIMEOUT_S`), and what it downloaded stays in the cache for the next try.
+HUB_LOAD_S = 300.0
+HUB_TIMEOUT_ENV = "GRIFFIN_HUB_TIMEOUT_S"
+# The loggers `quiet` hides below ERROR: lm_eval's and those of the clients it loads
+# data with.
+_QUIET_LOGGERS = ("lm_eval", "datasets", "huggingface_hub")
 _HUB_TIMEOUTS = ("HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT")
 _OFFLINE = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
 # `datasets`' packaged builders: a task naming one reads local files (`data_files`).
@@ -101,6 +117,26 @@ def hub_datasets(manager: Any, names: Sequence[str]) -> list[str]:
       continue
     found.append(path)
   return found
+
+
+def hub_timeout_s() -> float:
+  """The bound on loading tasks' data from the Hub: `GRIFFIN_HUB_TIMEOUT_S` when set,
+  else `HUB_LOAD_S`.
+
+  Raises:
+    UserError: the variable is not a positive number (exit code 2).
+  """
+  text = os.environ.get(HUB_TIMEOUT_ENV, "").strip()
+  if not text:
+    return HUB_LOAD_S
+  try:
+    value = float(text)
+  except ValueError:
+    value = 0.0
+  if not value > 0:
+    raise usage_error(f"{HUB_TIMEOUT_ENV}={text!r}: give the seconds the data of lm_eval "
+                      "tasks may take to load from the Hugging Face Hub, a positive number")
+  return value
 
 
 def _hub_hint(datasets: Sequence[str]) -> str:
@@ -180,21 +216,59 @@ def _data_error(names: Sequence[str], error: OSError, manager: Any = None) -> Us
   return UserError(f"Cannot load the data of lm_eval task(s) {', '.join(names)}: {text}")
 
 
+def _load_within(manager: Any, names: Sequence[str], bound_s: float
+                 ) -> Optional[dict[str, Any]]:
+  """`manager.load(names)` in a daemon thread, waited for at most `bound_s`; None when
+  it has not ended by then. A thread cannot be stopped: a load given up on is left to
+  end (or to die with the process), its outcome dropped."""
+  outcome: dict[str, Any] = {}
+
+  def load() -> None:
+    try:
+      outcome["loaded"] = manager.load(list(names))
+    except BaseException as error:  # pylint: disable=broad-exception-caught
+      outcome["error"] = error      # raised in the caller's thread, or dropped if late
+
+  thread = threading.Thread(target=load, name="lm_eval task data", daemon=True)
+  thread.start()
+  thread.join(bound_s)
+  if thread.is_alive():
+    return None
+  if "error" in outcome:
+    raise outcome["error"]
+  return outcome["loaded"]
+
+
 def load_tasks(manager: Any, names: Sequence[str], *, verbose: bool = False
                ) -> dict[str, Any]:
   """lm_eval's `manager.load(names)` ({"tasks", "groups", "group_map"}), their data
-  downloaded or read, after `check_hub`; lm_eval's output hidden (`quiet`) unless
-  `verbose`.
+  downloaded or read, after `check_hub`; lm_eval's and the Hub clients' output hidden
+  (`quiet`) unless `verbose`. Data on the Hub (not offline) must load within
+  `hub_timeout_s()`; past it the load is left behind with the clients' warnings hidden
+  for good (unless `verbose`): it may go on retrying for minutes.
 
   Raises:
-    UserError: the Hub does not answer or refuses, or the data cannot be read.
+    UserError: the Hub does not answer, refuses or stalls, or the data cannot be read.
   """
   check_hub(manager, names)
+  datasets = [] if _offline() else hub_datasets(manager, names)
+  bound_s = hub_timeout_s() if datasets else None
   try:
     with contextlib.nullcontext() if verbose else quiet():
-      return manager.load(list(names))
+      loaded = (manager.load(list(names)) if bound_s is None
+                else _load_within(manager, names, bound_s))
   except OSError as error:
     raise _data_error(names, error, manager) from None
+  if loaded is None:
+    if not verbose:   # the load left behind retries on: not a word of it after the line
+      for name in _QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    raise UserError(f"Cannot load the data of lm_eval task(s) {', '.join(names)} from the "
+                    f"Hugging Face Hub at {_hub_endpoint()} (HF_ENDPOINT): it answered but "
+                    f"the data had not arrived after {bound_s:g} s ({HUB_TIMEOUT_ENV} "
+                    f"sets the bound; raise it for a large dataset or a slow link); "
+                    f"{_hub_hint(datasets)}")
+  return loaded
 
 
 def top_level(loaded: Mapping[str, Any]) -> list[Any]:
@@ -294,18 +368,21 @@ def metric_values(results: Mapping[str, Any]) -> dict[str, float]:
 
 @contextlib.contextmanager
 def quiet() -> Iterator[None]:
-  """Hides lm_eval's log lines and progress bars (tqdm on stderr, which no setting turns
-  off once imported): the training console gets one line per evaluation instead, the
-  command line our own progress lines and lm_eval's table (`--verbose` shows them all).
-  Exceptions still propagate; our progress lines write to the real stderr."""
-  logger = logging.getLogger("lm_eval")
-  level = logger.level
-  logger.setLevel(logging.ERROR)
+  """Hides lm_eval's, datasets' and huggingface_hub's log lines below ERROR and the
+  progress bars (tqdm on stderr, which no setting turns off once imported): the training
+  console gets one line per evaluation instead, the command line our own progress lines
+  and lm_eval's table (`--verbose` shows them all). Exceptions still propagate; our
+  progress lines write to the real stderr."""
+  loggers = [logging.getLogger(name) for name in _QUIET_LOGGERS]
+  levels = [logger.level for logger in loggers]
+  for logger in loggers:
+    logger.setLevel(logging.ERROR)
   try:
     with contextlib.redirect_stderr(io.StringIO()):
       yield
   finally:
-    logger.setLevel(level)
+    for logger, level in zip(loggers, levels):
+      logger.setLevel(level)
 
 
 class DownstreamEvaluation:
