@@ -34,6 +34,7 @@ import re
 import socket
 import ssl
 import tempfile
+import threading
 import time
 import urllib.parse
 import uuid
@@ -51,6 +52,11 @@ SCHEMES = ("gs://", "s3://")
 # answer (`check_writable`): a storage that is not there fails in one line before any
 # compute, not after the clients' own timeouts and retries.
 STARTUP_PROBE_S = 5.0
+# The most the start-up check then waits for its probe file to be written and removed: a
+# storage that answers the connection check and then stalls, or a client that retries a
+# refusal (gcsfs retries a 401 'Invalid Credentials' 6 times, about 35 s), fails in one
+# line within STARTUP_PROBE_S + STARTUP_WRITE_S.
+STARTUP_WRITE_S = 10.0
 # gcsfs logs each request that ran out of retries with a traceback; `guarded` reports the
 # failure itself, in one line.
 logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
@@ -247,19 +253,19 @@ def local_copy(path: str) -> str:
 
 def check_writable(directory: str, flag: str = "--workdir") -> None:
   """Creates `directory` and proves it writable (a probe file written and removed), so
-  a wrong bucket, endpoint or permission fails in one line before any compute."""
+  a wrong bucket, endpoint or permission fails in one line before any compute: on
+  object storage within STARTUP_PROBE_S (the endpoint answers) + STARTUP_WRITE_S (the
+  probe file)."""
   if not is_url(directory) and os.path.exists(directory) and not os.path.isdir(directory):
     raise usage_error(f"{flag} {directory} is a file, not a directory; choose a "
                       "directory (it is created if missing)")
   check_reachable(directory, STARTUP_PROBE_S, schemes=SCHEMES, answer=True)
   try:
-    if not is_url(directory):  # on S3, s3fs's makedirs would create a missing bucket
-      makedirs(directory)
-    if is_url(directory):
+    if is_url(directory):  # on S3, s3fs's makedirs would create a missing bucket
       probe = join(directory, f".write_test-{uuid.uuid4().hex[:8]}")
-      write_bytes(probe, b"")
-      remove(probe)
+      _within(probe, STARTUP_WRITE_S, lambda: (write_bytes(probe, b""), remove(probe)))
     else:
+      makedirs(directory)
       with tempfile.NamedTemporaryFile(dir=directory, prefix=".write_test"):
         pass
   except UserError as error:
@@ -267,6 +273,58 @@ def check_writable(directory: str, flag: str = "--workdir") -> None:
   except OSError as error:
     raise UserError(f"{flag} {directory} is not writable: {error.strerror or error}. "
                     f"Choose another {flag} or fix its permissions.") from None
+
+
+class _RetriedErrors(logging.Handler):
+  """Collects the errors gcsfs retries (it logs each at DEBUG and says nothing else
+  until it gives up), so that a call cut short by `_within` can name the refusal it
+  was retrying (a 401) rather than only the time it took."""
+
+  def __init__(self):
+    super().__init__(logging.DEBUG)
+    self.errors: list[str] = []
+
+  def emit(self, record: logging.LogRecord) -> None:
+    message = record.getMessage()
+    if " retrying after exception: " in message:
+      self.errors.append(message.split(" retrying after exception: ", 1)[1])
+
+
+def _within(path: str, timeout_s: float, action: Callable[[], T]) -> T:
+  """`action()` (storage calls on `path`), waited for at most `timeout_s`, else a
+  one-line UserError naming the last error the client retried or, when none, the
+  silence. The action runs in a daemon thread that is left behind when it does not
+  end: the clients' own timeouts and retries (minutes) are not the project's bound.
+  Meanwhile gcsfs's records go to the collector only, not to the console."""
+  outcome: dict[str, Any] = {}
+
+  def run() -> None:
+    try:
+      outcome["value"] = action()
+    except BaseException as error:  # pylint: disable=broad-except  # re-raised below
+      outcome["error"] = error
+
+  logger, collector = logging.getLogger("gcsfs"), _RetriedErrors()
+  level, propagate = logger.level, logger.propagate
+  logger.addHandler(collector)
+  logger.setLevel(logging.DEBUG)
+  logger.propagate = False
+  try:
+    worker = threading.Thread(target=run, name="storage-check", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+  finally:
+    logger.removeHandler(collector)
+    logger.setLevel(level)
+    logger.propagate = propagate
+  if worker.is_alive():
+    host, port, _ = _endpoint(path)
+    reason = (f"{collector.errors[-1]}; retried for {timeout_s:g} s" if collector.errors
+              else f"{host}:{port}: no answer in {timeout_s:g} s")
+    raise UserError(describe_error(path, TimeoutError(reason)))
+  if "error" in outcome:
+    raise outcome["error"]
+  return outcome["value"]
 
 
 def _endpoint(url: str) -> tuple[str, int, bool]:
@@ -331,11 +389,14 @@ def _await_answer(connection: socket.socket, host: str, tls: bool, deadline: flo
 
 
 def reachable(url: str, timeout_s: float = 2.0) -> Optional[str]:
-  """None when the storage of `url` answers (always, for a local path); otherwise why
-  not, in one line. One TCP connection: cheap enough to ask at every step of an
-  outage."""
+  """None when the storage of `url` answers within `timeout_s` (always, for a local
+  path); otherwise why not, in one line. One connection and the first byte of an
+  answer (`check_reachable`'s `answer`): cheap enough to ask at every step of an
+  outage, and a storage that accepts connections and stalls (a hung server, a black
+  hole behind a load balancer) counts as down, so a save waits for it as for one that
+  refuses connections instead of for the clients' own timeouts."""
   try:
-    check_reachable(url, timeout_s, schemes=SCHEMES)
+    check_reachable(url, timeout_s, schemes=SCHEMES, answer=True)
   except UserError as error:
     return str(error)
   return None
@@ -349,14 +410,21 @@ def describe_error(path: str, error: BaseException) -> str:
   scheme = "gs" if str(path).startswith("gs://") else "s3"
   endpoint_vars = ("STORAGE_EMULATOR_HOST" if scheme == "gs"
                    else "AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_S3")
+  credentials = ("GOOGLE_APPLICATION_CREDENTIALS or `gcloud auth application-default "
+                 "login`" if scheme == "gs" else "AWS_ACCESS_KEY_ID / "
+                 "AWS_SECRET_ACCESS_KEY or AWS_PROFILE")
   bucket = str(path).split("/")[2] if "//" in str(path) else path
   # A refused connection names the endpoint, whose port may hold "403" (127.0.0.1:40383):
   # HTTP statuses count as whole numbers, and only in errors that are no ConnectionError.
   if not isinstance(error, ConnectionError):
+    if re.search(r"\b401\b", text) or "Unauthorized" in text:
+      return (f"the storage of {path} refused the credentials (HTTP 401: {text}); check "
+              f"the credentials in use ({credentials}) and {endpoint_vars}")
+    # gcsfs raises a 403 as OSError("Forbidden: URL\nmessage"), s3fs as PermissionError.
     if (isinstance(error, PermissionError) or re.search(r"\b403\b", text)
-        or "AccessDenied" in text):
-      return (f"permission denied on {path}: the credentials in use may not write bucket "
-              f"'{bucket}' ({text})")
+        or "AccessDenied" in text or text.startswith("Forbidden")):
+      return (f"permission denied on {path} (HTTP 403): the credentials in use may not "
+              f"write bucket '{bucket}' ({text}); check their permissions ({credentials})")
     if (isinstance(error, FileNotFoundError) or "NoSuchBucket" in text
         or re.search(r"\b404\b", text)):
       return f"{path}: not found; does bucket '{bucket}' exist? ({text})"

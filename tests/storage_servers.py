@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -162,6 +163,15 @@ class StoppableGcs:
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _wait_until_serving(self.endpoint + "/storage/v1/b", self._process)
 
+  def pause(self) -> None:
+    """Freezes the server (SIGSTOP) until `resume`: the kernel still accepts its
+    connections, and nothing answers them (a hung storage, or one behind a load
+    balancer that lost its backends); what it was serving resumes where it was."""
+    self._process.send_signal(signal.SIGSTOP)
+
+  def resume(self) -> None:
+    self._process.send_signal(signal.SIGCONT)
+
   def stop(self) -> None:
     """Stops the server: connections are refused until `start`.
 
@@ -170,6 +180,7 @@ class StoppableGcs:
     SIGKILL during that left the file empty and the restarted server failing to read
     it (1 start in 3 when the bucket was stopped during a checkpoint save)."""
     if self._process is not None:
+      self.resume()   # a paused server would not see the signal
       self._process.send_signal(signal.SIGINT)
       try:
         self._process.wait(timeout=10)
@@ -195,6 +206,122 @@ def stoppable_gcs(tmp_path) -> Iterator[StoppableGcs]:
       gcs.clear_instance_cache()
   finally:
     bucket.stop()
+
+
+class StorageProxy:
+  """A loopback TCP proxy in front of a storage server, which a test switches between
+  forwarding (`resume`), stalling (`stall`: every connection, old or new, is accepted
+  and held, and nothing is forwarded either way: a hung storage, or a load balancer
+  that lost its backends; unlike a frozen server, whose listen queue fills up, it
+  accepts every connection) and closed (`close`: connections refused, until `open`
+  listens on the same port again). The server behind it keeps its objects throughout.
+
+  Attributes:
+    endpoint: the proxy's URL, for the clients' endpoint variables.
+  """
+
+  def __init__(self, upstream: str):
+    parsed = upstream.split("://", 1)[-1]
+    host, port = parsed.rsplit(":", 1)
+    self._upstream = (host, int(port))
+    self._port = free_port()
+    self.endpoint = f"http://127.0.0.1:{self._port}"
+    self._forwarding = threading.Event()
+    self._forwarding.set()
+    self._listener: socket.socket | None = None
+    self._connections: list[socket.socket] = []
+    self._lock = threading.Lock()
+    self.open()
+
+  def open(self) -> None:
+    self._listener = socket.create_server(("127.0.0.1", self._port), backlog=256)
+    threading.Thread(target=self._accept, args=(self._listener,), daemon=True).start()
+
+  def close(self) -> None:
+    """Refuses connections, and ends the open ones, until `open`."""
+    listener, self._listener = self._listener, None
+    if listener is not None:
+      listener.close()
+    with self._lock:
+      connections, self._connections = self._connections, []
+    for connection in connections:
+      with contextlib.suppress(OSError):
+        connection.shutdown(socket.SHUT_RDWR)
+      connection.close()
+
+  def stall(self) -> None:
+    self._forwarding.clear()
+
+  def resume(self) -> None:
+    self._forwarding.set()
+
+  def _accept(self, listener: socket.socket) -> None:
+    while True:
+      try:
+        client = listener.accept()[0]
+      except OSError:   # closed
+        return
+      with self._lock:
+        self._connections.append(client)
+      threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+  def _serve(self, client: socket.socket) -> None:
+    self._forwarding.wait()
+    try:
+      upstream = socket.create_connection(self._upstream)
+    except OSError:
+      client.close()
+      return
+    with self._lock:
+      self._connections.append(upstream)
+    threading.Thread(target=self._pump, args=(upstream, client), daemon=True).start()
+    self._pump(client, upstream)
+
+  def _pump(self, source: socket.socket, target: socket.socket) -> None:
+    """Copies `source` to `target` while forwarding; holds the bytes while stalled."""
+    try:
+      while data := source.recv(65536):
+        self._forwarding.wait()
+        target.sendall(data)
+    except OSError:
+      pass
+    finally:
+      for end in (source, target):
+        with contextlib.suppress(OSError):
+          end.shutdown(socket.SHUT_RDWR)
+
+
+@pytest.fixture()
+def proxied_bucket(request, tmp_path) -> Iterator[tuple[str, StorageProxy]]:
+  """(`gs://bucket` or `s3://bucket`, as the test's parameter says, its `StorageProxy`):
+  the GCS emulator (objects on disk) or a moto server of the test's own, behind a proxy
+  that every client is pointed at."""
+  if request.param == "gs":
+    bucket = StoppableGcs(str(tmp_path / "gcs_data"))
+    bucket.start()
+    proxy = StorageProxy(bucket.endpoint)
+    gcs = fsspec.get_filesystem_class("gs")
+    try:
+      with (environment(**gcs_environment(proxy.endpoint)),
+            fsspec_options(("gs", "gcs"), token="anon")):
+        gcs.clear_instance_cache()   # each is bound to the endpoint it was made with
+        yield bucket.url, proxy
+        gcs.clear_instance_cache()
+    finally:
+      proxy.close()
+      bucket.stop()
+    return
+  port = free_port()
+  endpoint = f"http://127.0.0.1:{port}"
+  command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+  with server(command, endpoint), environment(**s3_environment(endpoint)):
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=BUCKET)
+    proxy = StorageProxy(endpoint)
+    try:
+      with environment(AWS_ENDPOINT_URL=proxy.endpoint):
+        yield f"s3://{BUCKET}", proxy
+    finally:
+      proxy.close()
 
 
 if __name__ == "__main__":

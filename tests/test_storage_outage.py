@@ -7,6 +7,7 @@ loss at every step. Longer: the run saves its local tier and stops with one line
 once the bucket is back, it resumes from that local step, to the same losses.
 """
 import os
+import re
 import subprocess
 import time
 
@@ -14,7 +15,7 @@ import pytest
 
 from pretrain.checkpoints.persistent import complete_steps
 from pretrain.run_directory import RunDirectory
-from storage_servers import stoppable_gcs  # pylint: disable=unused-import
+from storage_servers import proxied_bucket, stoppable_gcs  # pylint: disable=unused-import
 from trainer_helpers import (REPO, assert_ok, bucket_rows,  # pylint: disable=unused-import
                              storage_env, train_losses, trained_workdir, trainer_env)
 
@@ -120,3 +121,84 @@ def test_a_longer_outage_stops_after_a_local_save_and_resumes_from_it(
       train_losses(trained_workdir[0])
   steps = complete_steps(RunDirectory(workdir).checkpoints)
   assert steps and steps[-1] == 24, (steps, rerun.stdout[-3000:], rerun.stderr[-3000:])
+
+
+
+def _logged_step(out) -> int:
+  """The newest step whose progress line the run has printed (0 before the first)."""
+  out.seek(0)
+  steps = re.findall(r"^step (\d+)/", out.read(), re.M)
+  return int(steps[-1]) if steps else 0
+
+
+def _stopped_by_the_outage(trainer_env, workdir, tmp_path, params, go_down, come_back):
+  """Starts the run (saves every 12 steps), calls `go_down` once it has logged step 5
+  (7 steps before the next save: the storage goes down between saves, not inside a
+  save's synchronous part, which the clients' own timeouts bound) and `come_back` once
+  the run has ended; returns (seconds from `go_down` to the run's end, its stderr).
+  (The rows in the bucket lag behind the steps, newer versions replacing queued ones:
+  waiting for them, a fast run could be at its end.)"""
+  process, out, err = _start(trainer_env, workdir, tmp_path, *params, "CHECKPOINT_EVERY=12")
+  _wait_until(lambda: _logged_step(out), 5, process)
+  go_down()
+  down = time.monotonic()
+  try:
+    process.wait(timeout=240)
+  finally:
+    come_back()
+  err.seek(0)
+  errors = err.read()
+  assert process.returncode == 1, errors[-3000:]
+  return time.monotonic() - down, errors
+
+
+def _resumed_to_the_reference(trainer_env, trained_workdir, workdir, params, saved):
+  """The rerun resumes from the local step `saved`, sends the rows the stopped run
+  kept, and ends with every step's row equal to the reference and the last step saved."""
+  rerun = subprocess.run(trainer_env.train_command(workdir, *params),
+                         env=storage_env(trainer_env.env), cwd=REPO, capture_output=True,
+                         text=True, timeout=300)
+  assert_ok(rerun)
+  assert f"Resuming from the local checkpoint of step {saved}" in rerun.stdout
+  assert "the last run logged while the storage was down, kept in " in rerun.stdout
+  assert {row["step"]: row["loss"] for row in bucket_rows(workdir)} == \
+      train_losses(trained_workdir[0])
+  assert complete_steps(RunDirectory(workdir).checkpoints)[-1] == 24
+
+
+@pytest.mark.parametrize("proxied_bucket", [
+    "gs", pytest.param("s3", marks=pytest.mark.soak)], indirect=True)
+def test_a_storage_that_stalls_mid_run_stops_within_the_outage_bound_and_loses_nothing(
+    trainer_env, trained_workdir, proxied_bucket, tmp_path):
+  """The storage stalls mid-run (`StorageProxy.stall`: every connection, new ones too,
+  is accepted and nothing answers), which the clients would wait out for their own
+  timeouts and retries (minutes; a frozen server's full listen queue would refuse
+  connections instead, the unreachable case). The checkpoint's probe
+  (`storage.reachable`) waits 2 s for an answer, so the stall is an outage: one line,
+  the run stops after `StorageConfig.outage_s` (5 s) with its local save, the metric
+  rows the bucket did not take kept locally. Once the storage answers, the rerun
+  resumes and sends them: the bucket ends with every step's row, each equal to the
+  reference. (s3 in the soak tier: a second pair of runs, for the same policy.)"""
+  url, proxy = proxied_bucket
+  workdir = url + "/runs/stalled"
+  local = str(tmp_path / "local")
+  params = ("StorageConfig.outage_s=5", f"CheckpointConfig.local_dir='{local}'",
+            "CheckpointConfig.local_every=1")
+  stopped_after, errors = _stopped_by_the_outage(trainer_env, workdir, tmp_path, params,
+                                                 proxy.stall, proxy.resume)
+  # The stall is seen at the next save (step 12) in a 2 s probe, then 5 s of outage with
+  # probes, a local save and the exit.
+  assert stopped_after < 30, (stopped_after, errors[-3000:])
+  lines = [line for line in errors.splitlines() if line.strip()]
+  assert len(lines) == 3 and "Traceback" not in errors, errors[-3000:]
+  deferred, kept, stop = lines
+  assert deferred.startswith("warning: checkpoint ") and " deferred: cannot reach the " \
+      f"storage of {workdir}/checkpoints (ConnectionError: 127.0.0.1:" in deferred
+  assert ": no answer in 2 s)" in deferred, deferred
+  assert kept.startswith("warning: ") and "did not reach the storage" in kept, kept
+  assert kept.endswith("metrics.unsent.jsonl: the next run sends them"), kept
+  assert stop.startswith(f"error: cannot reach the storage of {workdir}"), stop
+  assert "longer than StorageConfig.outage_s = 5 s; saved the local checkpoint of step " \
+      in stop, stop
+  saved = int(stop.split("local checkpoint of step ")[1].split()[0])
+  _resumed_to_the_reference(trainer_env, trained_workdir, workdir, params, saved)

@@ -134,7 +134,7 @@ class Essential:
       while self._storage_down(step, info):  # the last save waits for the storage
         time.sleep(max(0.0, self._retry_at - time.monotonic()))
       failure = self._attempt(step, snapshot, info, wait=True)
-      if failure is None and self.last_saved == step:
+      if failure is None and self.last_saved == step and self._down is None:
         break
 
   def newest_good(self) -> Optional[int]:
@@ -230,13 +230,15 @@ class Essential:
     """Saves `step` unless it is saved already, and waits for it when `wait`; returns
     the failure of that save or of the one before it, if any. When the storage stops
     answering while the save before it is still being written, the save is deferred
-    (`_storage_down`) instead."""
+    (`_storage_down`) instead; and so is the wait for this one (the final save waits
+    for a stalled storage as for an outage, up to `outage_s`, not for the clients'
+    own timeouts)."""
     if step != self.last_saved and not self._previous_save_ended(step, info):
       return None
     try:
       if step != self.last_saved:
         self._save(step, snapshot)
-      if wait:
+      if wait and self._previous_save_ended(step, info):
         self.tier.wait()
     except CheckpointSaveError as failure:
       return failure
