@@ -292,10 +292,10 @@ class _RetriedErrors(logging.Handler):
 
 def _within(path: str, timeout_s: float, action: Callable[[], T]) -> T:
   """`action()` (storage calls on `path`), waited for at most `timeout_s`, else a
-  one-line UserError naming the last error the client retried or, when none, the
-  silence. The action runs in a daemon thread that is left behind when it does not
-  end: the clients' own timeouts and retries (minutes) are not the project's bound.
-  Meanwhile gcsfs's records go to the collector only, not to the console."""
+  one-line UserError naming the last error gcsfs retried (for a gs:// path) or, when
+  none, the silence. The action runs in a daemon thread that is left behind when it
+  does not end: the clients' own timeouts and retries (minutes) are not the project's
+  bound. Meanwhile gcsfs's records go to the collector only, not to the console."""
   outcome: dict[str, Any] = {}
 
   def run() -> None:
@@ -306,9 +306,10 @@ def _within(path: str, timeout_s: float, action: Callable[[], T]) -> T:
 
   logger, collector = logging.getLogger("gcsfs"), _RetriedErrors()
   level, propagate = logger.level, logger.propagate
-  logger.addHandler(collector)
-  logger.setLevel(logging.DEBUG)
-  logger.propagate = False
+  if str(path).startswith("gs://"):
+    logger.addHandler(collector)
+    logger.setLevel(logging.DEBUG)
+    logger.propagate = False
   try:
     worker = threading.Thread(target=run, name="storage-check", daemon=True)
     worker.start()

@@ -15,6 +15,8 @@ talking to the first, so a subprocess writes to one server and the test reads th
 conftest.py fails the collection when a test module imports one.
 """
 import contextlib
+import http.server
+import json
 import os
 import signal
 import socket
@@ -289,6 +291,50 @@ class StorageProxy:
       for end in (source, target):
         with contextlib.suppress(OSError):
           end.shutdown(socket.SHUT_RDWR)
+
+
+@contextlib.contextmanager
+def answering_storage(status: int | None, message: str = "") -> Iterator[str]:
+  """A loopback HTTP server in a thread that answers the start-up probe (`HEAD /`, a
+  400 as GCS gives) and every API request with `status` and `message` in GCS's error
+  JSON (`{"error": {"code", "message", "errors"}}`), or, with `status` None, never
+  answers an API request (a storage that passes the probe and then stalls); yields
+  its URL, for `STORAGE_EMULATOR_HOST` or `AWS_ENDPOINT_URL`."""
+  stop = threading.Event()
+
+  class Answer(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *args) -> None:  # pylint: disable=arguments-differ
+      del args
+
+    def do_HEAD(self) -> None:  # pylint: disable=invalid-name
+      self.send_response(400)
+      self.send_header("Content-Length", "0")
+      self.end_headers()
+
+    def do_GET(self) -> None:  # pylint: disable=invalid-name
+      self.rfile.read(int(self.headers.get("Content-Length") or 0))
+      if status is None:
+        stop.wait()
+        return
+      body = json.dumps({"error": {"code": status, "message": message, "errors": [
+          {"message": message, "domain": "global", "reason": "forbidden"}]}}).encode()
+      self.send_response(status)
+      self.send_header("Content-Type", "application/json; charset=UTF-8")
+      self.send_header("Content-Length", str(len(body)))
+      self.end_headers()
+      self.wfile.write(body)
+
+    do_POST = do_PUT = do_DELETE = do_GET
+
+  listener = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+  listener.daemon_threads = True
+  threading.Thread(target=listener.serve_forever, daemon=True).start()
+  try:
+    yield f"http://127.0.0.1:{listener.server_address[1]}"
+  finally:
+    stop.set()
+    listener.shutdown()
+    listener.server_close()
 
 
 @pytest.fixture()

@@ -93,7 +93,10 @@ class Uploads:
   order; a write that fails (a `UserError` from `plumbing.storage`, which is how every
   client failure surfaces) is retried after the `Outage` backoff, and later writes wait
   behind it, so a file's versions land in order. `check` raises the outage's
-  `StorageOutageError` in the caller's thread once it has lasted `outage_s`.
+  `StorageOutageError` in the caller's thread once it has lasted `outage_s`, and so
+  it does when one write has not returned for `outage_s` (a storage that accepts
+  connections and stalls: the client would wait for its own timeouts and retries,
+  minutes, before the write failed and the outage began).
   """
 
   def __init__(self, outage_s: float):
@@ -101,6 +104,7 @@ class Uploads:
     self._queue: dict[str, Callable[[], None]] = {}
     self._condition = threading.Condition()
     self._busy = False
+    self._writing: Optional[tuple[str, float]] = None   # the write in flight, since when
     self._error: Optional[StorageOutageError] = None
     self._closed = False
     self._thread = threading.Thread(target=self._run, name="uploads", daemon=True)
@@ -114,9 +118,15 @@ class Uploads:
       self._condition.notify_all()
 
   def check(self) -> None:
-    """Raises the StorageOutageError of an outage longer than `outage_s`."""
+    """Raises the StorageOutageError of an outage longer than `outage_s`, or of a write
+    in flight for longer than that."""
     if self._error is not None:
       raise self._error
+    writing = self._writing
+    if writing is not None and time.monotonic() - writing[1] > self.outage.outage_s:
+      key, started = writing
+      raise StorageOutageError(key, time.monotonic() - started, self.outage.outage_s,
+                               TimeoutError("the storage does not answer"))
 
   def flush(self, timeout_s: float = FLUSH_TIMEOUT_S) -> bool:
     """Waits until every queued write has landed (True) or `timeout_s` passed."""
@@ -152,11 +162,13 @@ class Uploads:
       key, write = job
       while True:
         started = time.monotonic()
+        self._writing = (key, started)
         try:
           write()
           self.outage.succeeded()
           break
         except UserError as error:
+          self._writing = None
           try:
             backoff = self.outage.failed(error, key, started)
           except StorageOutageError as outage:
@@ -172,5 +184,5 @@ class Uploads:
             break
           write = self._queue.pop(key, write)  # a newer version of the file replaces it
       with self._condition:
-        self._busy = False
+        self._busy, self._writing = False, None
         self._condition.notify_all()
