@@ -276,9 +276,11 @@ def check_writable(directory: str, flag: str = "--workdir") -> None:
 
 
 class _RetriedErrors(logging.Handler):
-  """Collects the errors gcsfs retries (it logs each at DEBUG and says nothing else
-  until it gives up), so that a call cut short by `_within` can name the refusal it
-  was retrying (a 401) rather than only the time it took."""
+  """Collects the HTTP errors gcsfs retries (it logs each at DEBUG and says nothing
+  else until it gives up), so that a call cut short by `_within` can name the refusal
+  it was retrying (a 401) rather than only the time it took. Errors without a status
+  (a refused connection) are left out: gcsfs's records name no request, and another
+  thread's retries (a call left behind by an earlier check) must not name this one."""
 
   def __init__(self):
     super().__init__(logging.DEBUG)
@@ -287,7 +289,9 @@ class _RetriedErrors(logging.Handler):
   def emit(self, record: logging.LogRecord) -> None:
     message = record.getMessage()
     if " retrying after exception: " in message:
-      self.errors.append(message.split(" retrying after exception: ", 1)[1])
+      error = message.split(" retrying after exception: ", 1)[1]
+      if re.search(r"\b[45]\d\d$", error):   # gcsfs's HttpError: "message, status"
+        self.errors.append(error)
 
 
 def _within(path: str, timeout_s: float, action: Callable[[], T]) -> T:

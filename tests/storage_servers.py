@@ -293,6 +293,15 @@ class StorageProxy:
           end.shutdown(socket.SHUT_RDWR)
 
 
+def forget_clients() -> None:
+  """Drops this process's cached gcsfs and s3fs file systems (fsspec's instance caches,
+  and etils.epath's one a protocol): each is bound to the endpoint it was made with."""
+  from etils import epath  # pylint: disable=import-outside-toplevel
+  for protocol in ("gs", "s3"):
+    fsspec.get_filesystem_class(protocol).clear_instance_cache()
+  epath.backend.fsspec_backend._get_filesystem.cache_clear()  # pylint: disable=protected-access
+
+
 @contextlib.contextmanager
 def answering_storage(status: int | None, message: str = "") -> Iterator[str]:
   """A loopback HTTP server in a thread that answers the start-up probe (`HEAD /`, a
@@ -346,13 +355,12 @@ def proxied_bucket(request, tmp_path) -> Iterator[tuple[str, StorageProxy]]:
     bucket = StoppableGcs(str(tmp_path / "gcs_data"))
     bucket.start()
     proxy = StorageProxy(bucket.endpoint)
-    gcs = fsspec.get_filesystem_class("gs")
     try:
       with (environment(**gcs_environment(proxy.endpoint)),
             fsspec_options(("gs", "gcs"), token="anon")):
-        gcs.clear_instance_cache()   # each is bound to the endpoint it was made with
+        forget_clients()
         yield bucket.url, proxy
-        gcs.clear_instance_cache()
+        forget_clients()
     finally:
       proxy.close()
       bucket.stop()
@@ -365,7 +373,9 @@ def proxied_bucket(request, tmp_path) -> Iterator[tuple[str, StorageProxy]]:
     proxy = StorageProxy(endpoint)
     try:
       with environment(AWS_ENDPOINT_URL=proxy.endpoint):
+        forget_clients()
         yield f"s3://{BUCKET}", proxy
+        forget_clients()
     finally:
       proxy.close()
 

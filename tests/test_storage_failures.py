@@ -14,8 +14,6 @@ import json
 import subprocess
 import time
 
-import fsspec
-from etils import epath
 import jax
 import jax.numpy as jnp
 import pytest
@@ -27,8 +25,8 @@ from pretrain.checkpoints.persistent import PersistentTier, complete_steps
 from pretrain.checkpoints.policies import Essential, Snapshot
 from pretrain.observability.metrics import MetricsWriter
 from pretrain.run_directory import RunDirectory, UNSENT_METRICS
-from storage_servers import (answering_storage, environment, fsspec_options,  # pylint: disable=unused-import
-                             gcs_environment, proxied_bucket, s3_environment)
+from storage_servers import (answering_storage, environment, forget_clients,  # pylint: disable=unused-import
+                             fsspec_options, gcs_environment, proxied_bucket, s3_environment)
 from trainer_helpers import REPO, storage_env, trainer_env  # pylint: disable=unused-import
 
 WRITE_S = 2.0   # `storage.STARTUP_WRITE_S` in these tests (10 s in a command)
@@ -39,15 +37,10 @@ def _clients_at(scheme: str, endpoint: str):
   """Points this process's clients of `scheme` at `endpoint` for the block; gcsfs and
   s3fs cache their file systems, each bound to the endpoint it was made with."""
   variables = gcs_environment(endpoint) if scheme == "gs" else s3_environment(endpoint)
-  cached = fsspec.get_filesystem_class(scheme)
-  forget = (cached.clear_instance_cache,
-            epath.backend.fsspec_backend._get_filesystem.cache_clear)  # pylint: disable=protected-access
-  for clear in forget:
-    clear()
+  forget_clients()
   with environment(**variables), fsspec_options(("gs", "gcs"), token="anon"):
     yield
-  for clear in forget:
-    clear()
+  forget_clients()
 
 
 def _refused_at_start_up(url: str, capfd) -> tuple[str, float]:
