@@ -42,7 +42,9 @@ import time
 import pytest
 
 import slurm_cluster
+from launch.clusters import slurm as slurm_backend
 from launch.dispatch import scheduler
+from launch.dispatch import sweep_job
 from plumbing.errors import UserError
 from pretrain.checkpoints.persistent import complete_steps
 from slurm_cluster import SlurmCluster, unavailable_reason
@@ -231,7 +233,8 @@ def test_a_controller_that_does_not_answer_costs_one_line_and_a_bounded_wait(
   """slurmctld stopped (SIGSTOP: its socket still accepts, nothing answers, as a hung
   controller): sbatch, which would wait MessageTimeout and retry, is given up after
   GRIFFIN_SCHEDULER_TIMEOUT_S, and `launch.slurm` ends with one line naming it and the
-  check."""
+  check. So is squeue, which a sweep asks about each run it submitted (`job_alive`):
+  `launch.sweep --backend=slurm` run again to see progress ends with one line too."""
   with open(os.path.join(cluster.root, "ctld", "pid"), encoding="ascii") as f:
     controller = int(f.read())
   for name, value in cluster.env().items():
@@ -247,6 +250,19 @@ def test_a_controller_that_does_not_answer_costs_one_line_and_a_bounded_wait(
         [sys.executable, "-m", "launch.slurm", "--nodes=1", "--gpus_per_node=1",
          f"--output={tmp_path}/%j.out", "--", "true"],
         cwd=REPO, capture_output=True, text=True, timeout=120)
+    # A sweep's status: a run it submitted (its array task) is looked up with squeue.
+    began = time.monotonic()
+    with pytest.raises(UserError, match="^squeue did not answer in 3 s"):
+      slurm_backend.SweepBackend().job_alive("1_0")
+    squeue_s = time.monotonic() - began
+    study = tmp_path / "study"
+    (study / "runs" / "hawk_20k").mkdir(parents=True)
+    sweep_job.write_status(str(study / "runs" / "hawk_20k"), {
+        "state": "submitted", "backend": "slurm", "job_id": "1_0", "failures": 0})
+    status = subprocess.run(
+        [sys.executable, "-m", "launch.sweep", "--families=hawk", "--sizes=20k",
+         f"--workdir={study}", "--backend=slurm"],
+        cwd=REPO, capture_output=True, text=True, timeout=120)
   finally:
     os.kill(controller, signal.SIGCONT)
   assert 3 <= waited_s < 3 + 2, waited_s
@@ -254,6 +270,11 @@ def test_a_controller_that_does_not_answer_costs_one_line_and_a_bounded_wait(
   lines = result.stderr.splitlines()
   assert len(lines) == 1 and lines[0].startswith(
       "error: sbatch did not answer in 3 s: is slurmctld (scontrol ping) up?"), result.stderr
+  assert 3 <= squeue_s < 3 + 2, squeue_s
+  assert status.returncode == 1, status.stderr
+  lines = status.stderr.splitlines()
+  assert len(lines) == 1 and lines[0].startswith(
+      "error: squeue did not answer in 3 s: is slurmctld (scontrol ping) up?"), status.stderr
   # As the line warns, the submissions may have reached the controller: none is left
   # for the tests that follow.
   cluster.client("scancel", "--user=root", check=False)

@@ -18,7 +18,7 @@ from launch.clusters import common
 from launch.dispatch import scheduler
 from launch.dispatch import sweep_dispatch
 from plumbing import storage
-from plumbing.errors import usage_error
+from plumbing.errors import UserError, usage_error
 
 
 def _recovery_lines(max_restarts: int) -> list[str]:
@@ -232,14 +232,22 @@ class SweepBackend(cluster_backend.ClusterBackend):
                                       directories=(logs,) if logs != "." else (),
                                       job_ids=job_ids)]
 
-  def job_alive(self, job_id: str) -> Optional[bool]:
+  def job_alive(self, job_id: str) -> bool:
     """Whether array task `job_id` ("ID_i") is queued or running (squeue); False once
-    it has ended or SLURM has forgotten it, None when squeue fails otherwise (a squeue
-    that does not answer ends the command: `scheduler.run`)."""
+    it has ended or SLURM has forgotten it. A squeue that fails otherwise ends the
+    command with one line, its message and what to check (as one that does not answer:
+    `scheduler.run`): when slurmctld is down squeue retries for 2 x (MessageTimeout - 1)
+    s and says so on its captured stderr, and a sweep that read that as "cannot tell"
+    kept every run `running` in silence, that wait once per run."""
     result = scheduler.run(["squeue", "--noheader", "--array", "--format=%i %T",
                             f"--jobs={job_id}"], stdout=True, stderr=True)
     if result.returncode != 0:
-      return False if "Invalid job id" in result.stderr else None
+      if "Invalid job id" in result.stderr:
+        return False
+      said = (result.stderr.strip().splitlines() or ["no message"])[-1]
+      raise UserError(f"squeue exited with code {result.returncode} ({said}): is "
+                      f"slurmctld (scontrol ping) up? The sweep reads its runs' jobs "
+                      f"from it")
     states = [line.split()[1] for line in result.stdout.splitlines()
               if line.split() and line.split()[0] == job_id]
     return any(state not in _ENDED_STATES for state in states)
