@@ -21,6 +21,7 @@ import threading
 import time
 from typing import Callable, Optional
 
+from plumbing import storage
 from plumbing.errors import StorageOutageError, UserError
 
 FIRST_BACKOFF_S = 1.0
@@ -124,9 +125,10 @@ class Uploads:
       raise self._error
     writing = self._writing
     if writing is not None and time.monotonic() - writing[1] > self.outage.outage_s:
-      key, started = writing
+      key, started = writing   # keys are the files' URLs: ask their storage why
+      reason = storage.reachable(key) or "the storage has not finished a write"
       raise StorageOutageError(key, time.monotonic() - started, self.outage.outage_s,
-                               TimeoutError("the storage does not answer"))
+                               UserError(reason))
 
   def flush(self, timeout_s: float = FLUSH_TIMEOUT_S) -> bool:
     """Waits until every queued write has landed (True) or `timeout_s` passed."""
