@@ -154,6 +154,7 @@ def test_a_storage_that_stalls_during_the_final_save_is_an_outage(proxied_bucket
   policy.close()
 
 
+@pytest.mark.slow   # about 4 s, 5 on a loaded machine
 @pytest.mark.parametrize("proxied_bucket", ["gs"], indirect=True)
 def test_metric_rows_of_a_storage_that_stalls_are_kept_and_sent_when_it_answers(
     proxied_bucket, tmp_path, capfd):
