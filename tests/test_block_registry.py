@@ -152,6 +152,7 @@ def test_a_registered_block_counts_plans_decodes_and_sweeps(diagonal):
   assert sized.block_pattern == (NAME,)
 
 
+@pytest.mark.slow   # fast tier under 5 min: 20 s on a loaded machine
 def test_a_block_of_layer_and_param_count_alone_counts_plans_decodes_and_sweeps(bare):
   config = bare
   # Counts: its parameter count is checked against the tree; its FLOPs are 6N.

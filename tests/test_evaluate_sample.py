@@ -205,6 +205,7 @@ def test_answer_metrics_count_only_weighted_positions_across_batches():
     evaluation.answer_metrics(runtime, params, iter([]))
 
 
+@pytest.mark.slow   # fast tier under 5 min: 17 s on a loaded machine
 def test_eval_step_bits_per_byte_are_nats_over_ln2_bytes():
   """Over batches of byte-vocabulary targets, special ids (0 bytes) and ids past the
   vocabulary (0 bytes) included: bits per byte = weighted nats / (ln 2 · weighted bytes),

@@ -240,6 +240,7 @@ def test_import_of_the_export_is_bit_identical(exported, tmp_path):
   assert restored.vocabulary_spec == "byte" and restored.sequence_length == 64
 
 
+@pytest.mark.slow   # fast tier under 5 min: transformers builds a model (7 s); the export round trip stays fast
 def test_checkpoint_built_by_transformers_imports(tmp_path):
   """A model transformers initialises and saves itself (tied, scaled, its own window
   counting) imports with its logits intact."""
@@ -264,6 +265,7 @@ def test_checkpoint_built_by_transformers_imports(tmp_path):
   assert np.abs(mine - theirs).max() <= 1e-4 * np.abs(mine).max()
 
 
+@pytest.mark.slow   # fast tier under 5 min: an export in bfloat16 (6 s)
 def test_bfloat16_export_loads_close(tmp_path):
   config = CONFIGS["griffin"]
   workdir = str(tmp_path / "run")

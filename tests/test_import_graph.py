@@ -348,6 +348,7 @@ def test_importing_quiet_changes_nothing():
   assert last_line_of_fresh_python(script, env=env).split() == ["True", "False"]
 
 
+@pytest.mark.slow   # fast tier under 5 min: fresh interpreters per entry point (10 s)
 def test_entry_points_load_tensorflow_only_when_data_is_read():
   """SeqIO and TensorFlow cost about 6 s to import; parsing configs, `--help`, memory
   planning, compiling for TPU and launching must not pay it. Nor lm_eval, which loads

@@ -105,6 +105,7 @@ def test_standard_optimizer_and_metadata_are_unchanged():
   assert "mup_base_width" not in model_config_to_dict(CONFIG)
 
 
+@pytest.mark.slow   # fast tier under 5 min: 15 s on a loaded machine; the coordinate check stays fast
 def test_mup_at_its_base_width_is_the_standard_model_bit_for_bit():
   """Every multiplier is 1 at m = 1: the proxy a rate is tuned on is an ordinary model."""
   base = _mup(CONFIG, CONFIG.width)

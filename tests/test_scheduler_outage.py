@@ -207,7 +207,7 @@ _KUBE_REFUSALS = {
           "reason": "Forbidden", "code": 403}}
 
 
-@pytest.mark.parametrize("status", [401, 403])
+@pytest.mark.parametrize("status", [401, pytest.param(403, marks=pytest.mark.slow)])
 def test_kubectl_apply_refused_is_kubectls_message_and_one_line(tmp_path, status):
   """The API server refuses the token (401) or the permission (403): kubectl's own
   message, then `launch.gke`'s one line naming `kubectl apply` and its exit code."""
