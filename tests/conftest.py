@@ -34,12 +34,12 @@ LONGEST_MODULES = (
     "test_readme.py",             # ~650 s
     "test_object_storage.py",     # ~350 s
     "test_gpu_compile.py",        # ~250 s
+    "test_storage_outage.py",     # ~200 s
     "test_sweep_wsd.py",          # ~190 s
     "test_train_e2e.py",          # ~170 s
     "test_benchmarks.py",         # ~170 s
     "test_data_corpora.py",       # ~160 s
     "test_failures.py",           # ~160 s
-    "test_storage_outage.py",     # ~140 s
 )
 
 
