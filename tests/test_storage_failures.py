@@ -86,7 +86,7 @@ def test_refused_gcs_credentials_are_one_line_before_compute(
   assert line.startswith(f"--workdir {url} is not writable: "), line
   assert expected in line, line
   assert "GOOGLE_APPLICATION_CREDENTIALS" in line, line
-  assert took < WRITE_S + 2, took
+  assert took < WRITE_S + 4, took   # the bound, and the probe and imports on loaded cores
   cli.prepare_workdir(f"{gcs_bucket}/refused/{tmp_path.name}")   # the emulator's
 
 
@@ -106,7 +106,7 @@ def test_a_storage_that_stalls_after_the_probe_fails_at_start_up_within_the_boun
                          f"{url}/.write_test-"), line
   assert f"(TimeoutError: {endpoint.split('//')[1]}: no answer in 2 s); check the " \
       f"network, the credentials and {variable}" in line, line
-  assert took < WRITE_S + 2, took
+  assert took < WRITE_S + 4, took   # the bound, and the probe and imports on loaded cores
   bucket = gcs_bucket if scheme == "gs" else s3_bucket
   cli.prepare_workdir(f"{bucket}/stalled/{tmp_path.name}")
 
@@ -182,7 +182,7 @@ def test_metric_rows_of_a_storage_that_stalls_are_kept_and_sent_when_it_answers(
       step += 1
       writer.log_train(step, _row(3.0 - step / 100))
       time.sleep(0.1)
-  assert time.monotonic() - stalled < config.outage_s + 2 + 2   # and the 2 s probe
+  assert time.monotonic() - stalled < config.outage_s + 2 + 4   # the 2 s probe, loaded cores
   closing = time.monotonic()
   writer.close(0.0, failed=True)   # as the trainer closes it after an outage stop
   assert time.monotonic() - closing < 2
