@@ -151,6 +151,7 @@ def _assert_usage_error(run: subprocess.CompletedProcess, named: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # 45 s of CPU timings; the script's numbers count only on a device
 def test_depth_scan_script_times_scanned_and_unrolled(tiny_gin):
   """benchmarks/depth_scan.py on the tiny Griffin at depth 6 (two scanned units)."""
   with open(tiny_gin, "a") as f:

@@ -150,6 +150,8 @@ def _largest_params_file(step_dir):
 
 
 @pytest.mark.slow  # subprocesses; the fast tier has the in-process checks
+@pytest.mark.soak  # a minute of subprocesses; CI keeps test_checkpointing's in-process
+#                    test_load_skips_an_unreadable_newest_step_without_renaming
 def test_unreadable_newest_checkpoint_is_skipped_for_the_previous_one(
     trainer_env, trained_workdir, tmp_path):
   """The issue's reproduction: one data file of the newest step torn (commit marker

@@ -243,6 +243,8 @@ def test_results_files(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # 80 s of real runs; CI keeps a study end to end through the same
+#                    machinery (test_sweep_backend) and the sweep's dry runs here
 def test_toy_sweep_trains_fits_and_resumes(tmp_path):
   """Hawk at 2 sizes with the real trainer, in two calls: the second adds only the size
   the first did not train, then fits and plots both."""
