@@ -77,31 +77,6 @@ def _closed_port() -> int:
 
 
 @contextlib.contextmanager
-def _silent() -> Iterator[tuple[str, list[float]]]:
-  """A loopback socket that accepts every connection and never answers (a scheduler
-  that hangs); yields its URL and the times (monotonic) of the connections it took."""
-  listener = socket.create_server(("127.0.0.1", 0))
-  listener.settimeout(0.1)
-  stop, held, accepted = threading.Event(), [], []
-
-  def accept() -> None:
-    while not stop.is_set():
-      with contextlib.suppress(TimeoutError):
-        held.append(listener.accept()[0])
-        accepted.append(time.monotonic())
-
-  thread = threading.Thread(target=accept, daemon=True)
-  thread.start()
-  try:
-    yield f"http://127.0.0.1:{listener.getsockname()[1]}", accepted
-  finally:
-    stop.set()
-    thread.join(5)
-    for connection in [*held, listener]:
-      connection.close()
-
-
-@contextlib.contextmanager
 def _refusing(status: int, body: dict) -> Iterator[tuple[str, list[str]]]:
   """A loopback HTTP server answering every request `status` with JSON `body`; yields
   its URL and the requests it answered."""
@@ -152,6 +127,22 @@ GKE = [sys.executable, "-m", "launch.gke", "--name=outage", "--image=griffin:tes
        "--tpu_type=v5p-8", "--", "python", "-m", "pretrain.train"]
 
 
+def _assert_given_up_after_the_bound(command: str, launcher) -> None:
+  """Runs `launcher(url)` (its argv and environment) against a server that accepts and
+  never answers; asserts one line naming `command`, exit 1, and that the launcher ended
+  after the bound and within a few seconds of its client connecting."""
+  accepted = []
+  with tracker_tools.silent_server(accepted) as url:
+    result, began, ended = _run(*launcher(url))
+  assert result.returncode == 1, result.stderr
+  lines = result.stderr.splitlines()
+  assert len(lines) == 1 and lines[0].startswith(NO_ANSWER[command]), result.stderr
+  assert accepted, f"{command} never connected"
+  # The client started before it connected, so the bound ran out at most BOUND_S after.
+  assert ended - began >= BOUND_S and ended - accepted[0] < BOUND_S + 4, (
+      ended - began, ended - accepted[0])
+
+
 def _kube_env(tmp_path, server: str, bound_s: float) -> dict:
   """kubectl pointed at `server` (plain HTTP, a bearer token) by a kubeconfig of its
   own; its caches in `tmp_path`."""
@@ -187,15 +178,8 @@ def test_kubectl_apply_to_an_api_server_that_does_not_answer_is_one_line_after_t
   of its own); `launch.gke` stops it after the bound and prints one line naming kubectl
   and `kubectl cluster-info`."""
   _require("kubectl")
-  with _silent() as (url, accepted):
-    result, began, ended = _run(GKE, _kube_env(tmp_path, url, BOUND_S))
-  assert result.returncode == 1, result.stderr
-  lines = result.stderr.splitlines()
-  assert len(lines) == 1 and lines[0].startswith(NO_ANSWER["kubectl"]), result.stderr
-  assert accepted, "kubectl never connected"
-  # kubectl started before it connected, so the bound ran out at most BOUND_S after that.
-  assert ended - began >= BOUND_S and ended - accepted[0] < BOUND_S + 4, (
-      ended - began, ended - accepted[0])
+  _assert_given_up_after_the_bound("kubectl", lambda url: (GKE, _kube_env(tmp_path, url,
+                                                                         BOUND_S)))
 
 
 # How a Kubernetes API server refuses: a Status object.
@@ -271,14 +255,8 @@ def test_gcloud_to_an_api_that_does_not_answer_is_one_line_after_the_bound(tmp_p
   """The Cloud TPU API accepts and never answers: gcloud would wait its socket timeout
   (300 s) per try; the sweep stops it after the bound with one line."""
   _require("gcloud")
-  with _silent() as (url, accepted):
-    result, began, ended = _run(_sweep(tmp_path), _gcloud_env(tmp_path, url, BOUND_S))
-  assert result.returncode == 1, result.stderr
-  lines = result.stderr.splitlines()
-  assert len(lines) == 1 and lines[0].startswith(NO_ANSWER["gcloud"]), result.stderr
-  assert accepted, "gcloud never connected"
-  assert ended - began >= BOUND_S and ended - accepted[0] < BOUND_S + 4, (
-      ended - began, ended - accepted[0])
+  _assert_given_up_after_the_bound("gcloud", lambda url: (_sweep(tmp_path),
+                                                          _gcloud_env(tmp_path, url, BOUND_S)))
 
 
 # How a Google API refuses: its error object.

@@ -81,6 +81,12 @@ def test_a_short_outage_is_ridden_out_with_equal_losses(trainer_env, trained_wor
   assert complete_steps(RunDirectory(workdir).checkpoints)[-1] == 24
 
 
+def _outage_params(tmp_path) -> tuple:
+  """Gin bindings of the outage runs: a 5 s outage bound and a local tier every step."""
+  return ("StorageConfig.outage_s=5", f"CheckpointConfig.local_dir='{tmp_path}/local'",
+          "CheckpointConfig.local_every=1")
+
+
 def test_a_longer_outage_stops_after_a_local_save_and_resumes_from_it(
     trainer_env, trained_workdir, stoppable_gcs, tmp_path):
   """The bucket stays down past `outage_s` (5 s): one line, the local tier holds the
@@ -88,9 +94,7 @@ def test_a_longer_outage_stops_after_a_local_save_and_resumes_from_it(
   was down are kept beside the local tier and sent by the rerun: the bucket ends with
   every step's row, each equal to the reference."""
   workdir = stoppable_gcs.url + "/runs/long"
-  local = str(tmp_path / "local")
-  params = ("StorageConfig.outage_s=5", f"CheckpointConfig.local_dir='{local}'",
-            "CheckpointConfig.local_every=1")
+  params = _outage_params(tmp_path)
   process, out, err = _start(trainer_env, workdir, tmp_path, *params)
   _wait_until(lambda: len(bucket_rows(workdir)), 4, process)
   stoppable_gcs.stop()
@@ -105,9 +109,10 @@ def test_a_longer_outage_stops_after_a_local_save_and_resumes_from_it(
       in line
   assert line.endswith("stopped: run the same command again once the storage answers")
   saved = int(line.split("local checkpoint of step ")[1].split()[0])
-  assert f"local checkpoint of step {saved} in {local}" in line
+  assert f"local checkpoint of step {saved} in {tmp_path}/local" in line
   (kept,) = [line for line in errors.splitlines() if "did not reach the storage" in line]
-  assert kept.startswith("warning: ") and f"the metric rows are kept in {local}/" in kept
+  assert kept.startswith("warning: ") and \
+      f"the metric rows are kept in {tmp_path}/local/" in kept
   assert kept.endswith("metrics.unsent.jsonl: the next run sends them"), kept
 
   stoppable_gcs.start()
@@ -183,9 +188,7 @@ def test_a_storage_that_stalls_mid_run_stops_within_the_outage_bound_and_loses_n
   reference. (s3 in the soak tier: a second pair of runs, for the same policy.)"""
   url, proxy = proxied_bucket
   workdir = url + "/runs/stalled"
-  local = str(tmp_path / "local")
-  params = ("StorageConfig.outage_s=5", f"CheckpointConfig.local_dir='{local}'",
-            "CheckpointConfig.local_every=1")
+  params = _outage_params(tmp_path)
   stopped_after, errors = _stopped_by_the_outage(trainer_env, workdir, tmp_path, params,
                                                  proxy.stall, proxy.resume)
   # The stall is seen within 5 s (the upload in flight) or at the next save (step 12) in
@@ -217,9 +220,7 @@ def test_an_s3_outage_longer_than_outage_s_stops_after_a_local_save_and_resumes_
   connections: moto keeps its objects in memory, so the server itself cannot stop)."""
   url, proxy = proxied_bucket
   workdir = url + "/runs/long"
-  local = str(tmp_path / "local")
-  params = ("StorageConfig.outage_s=5", f"CheckpointConfig.local_dir='{local}'",
-            "CheckpointConfig.local_every=1")
+  params = _outage_params(tmp_path)
   stopped_after, errors = _stopped_by_the_outage(trainer_env, workdir, tmp_path, params,
                                                  proxy.close, proxy.open)
   assert stopped_after < 60, (stopped_after, errors[-3000:])

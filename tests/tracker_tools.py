@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 import urllib.request
-from typing import Iterator, Sequence
+from typing import Iterator, Optional, Sequence
 
 # The environment of a test's `mlflow server`: no job runner (see `start_mlflow`), and
 # the key basic authentication's CSRF protection demands.
@@ -89,10 +89,11 @@ def wandb_records(run_path: str) -> list:
 
 
 @contextlib.contextmanager
-def silent_server() -> Iterator[str]:
+def silent_server(accepted: Optional[list] = None) -> Iterator[str]:
   """A loopback TCP server that accepts every connection and never answers (a service
-  that hangs); yields its URL. Its thread stops, and the connections close, with the
-  block."""
+  that hangs); yields its URL. The time (monotonic) of each connection it takes is
+  appended to `accepted` where given. Its thread stops, and the connections close, with
+  the block."""
   listener = socket.create_server(("127.0.0.1", 0))
   listener.settimeout(0.1)
   stop = threading.Event()
@@ -102,6 +103,8 @@ def silent_server() -> Iterator[str]:
     while not stop.is_set():
       with contextlib.suppress(TimeoutError):
         held.append(listener.accept()[0])
+        if accepted is not None:
+          accepted.append(time.monotonic())
 
   thread = threading.Thread(target=accept, daemon=True)
   thread.start()

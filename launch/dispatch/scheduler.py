@@ -18,7 +18,8 @@ import signal
 import subprocess
 from typing import Optional, Sequence
 
-from plumbing.errors import UserError, usage_error
+from plumbing import environment
+from plumbing.errors import UserError
 
 # Seconds a scheduler command may take before the launcher gives up on it; a busy
 # scheduler answers in seconds, so this only ever ends a scheduler that is not there.
@@ -32,17 +33,8 @@ _CHECKS = {"sbatch": "slurmctld (scontrol ping)", "squeue": "slurmctld (scontrol
 
 def timeout_s() -> float:
   """The bound: `GRIFFIN_SCHEDULER_TIMEOUT_S` when set, else `DEFAULT_TIMEOUT_S`."""
-  text = os.environ.get(TIMEOUT_ENV, "").strip()
-  if not text:
-    return DEFAULT_TIMEOUT_S
-  try:
-    value = float(text)
-  except ValueError:
-    value = 0.0
-  if not value > 0:
-    raise usage_error(f"{TIMEOUT_ENV}={text!r}: give the seconds a scheduler command may "
-                      "take, a positive number")
-  return value
+  return environment.positive_seconds(TIMEOUT_ENV, DEFAULT_TIMEOUT_S,
+                                      "a scheduler command may take")
 
 
 def run(argv: Sequence[str], stdin: Optional[str] = None, stdout: bool = False,

@@ -52,6 +52,7 @@ import time
 import urllib.parse
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
+from plumbing import environment
 from plumbing.errors import UserError, usage_error
 from pretrain import extras
 from pretrain.observability.metrics import DOWNSTREAM_PREFIX
@@ -126,17 +127,9 @@ def hub_timeout_s() -> float:
   Raises:
     UserError: the variable is not a positive number (exit code 2).
   """
-  text = os.environ.get(HUB_TIMEOUT_ENV, "").strip()
-  if not text:
-    return HUB_LOAD_S
-  try:
-    value = float(text)
-  except ValueError:
-    value = 0.0
-  if not value > 0:
-    raise usage_error(f"{HUB_TIMEOUT_ENV}={text!r}: give the seconds the data of lm_eval "
-                      "tasks may take to load from the Hugging Face Hub, a positive number")
-  return value
+  return environment.positive_seconds(
+      HUB_TIMEOUT_ENV, HUB_LOAD_S,
+      "the data of lm_eval tasks may take to load from the Hugging Face Hub")
 
 
 def _hub_hint(datasets: Sequence[str]) -> str:
