@@ -25,7 +25,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
 from typing import Iterator
 
