@@ -15,9 +15,7 @@ submitting.
 """
 from __future__ import annotations
 
-import os
 import sys
-import tempfile
 from typing import Sequence
 
 from absl import flags
@@ -67,12 +65,8 @@ def main(argv: Sequence[str]) -> None:
     sys.stdout.write(script)
     print("# submit with: sbatch <this script>")
     return
-  with tempfile.NamedTemporaryFile("w", suffix=".sbatch", delete=False) as handle:
-    handle.write(script)
-  try:
-    code = scheduler.run(["sbatch", handle.name]).returncode
-  finally:
-    os.unlink(handle.name)
+  # The script goes in on stdin: no file that sbatch, run as the user, may not read.
+  code = scheduler.run(["sbatch"], stdin=script).returncode
   if code != 0:   # a refusal (a wrong partition or account, no permission)
     raise UserError(f"sbatch exited with code {code} (its message is above)")
 

@@ -57,7 +57,7 @@ import subprocess
 import sys
 import traceback
 import types
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -101,7 +101,8 @@ LOG_NOISE = ("Given directory is read only", "Waiting for previous save to compl
 CLIENT_LOGGERS = ("urllib3", "requests", "botocore", "aiobotocore", "s3fs", "boto3",
                   "google.auth", "google_auth_httplib2", "google.api_core",
                   "google.cloud.storage", "gcsfs", "fsspec", "mlflow", "wandb",
-                  "opentelemetry")   # W&B's telemetry exporter: 401s, timeouts
+                  "opentelemetry",   # W&B's telemetry exporter: 401s, timeouts
+                  "datasets", "huggingface_hub")   # the Hub's, for lm_eval's tasks
 
 # The filter ends when the command closes the pipe. It ignores SIGTERM, which a
 # scheduler may send to every process of a job (SLURM's `scancel`, its time limit) while
@@ -269,6 +270,20 @@ def keep_client_logs(path: str) -> None:
     logger.propagate = False
   if previous is not None:
     previous.close()
+
+
+def client_log_in_use(names: Sequence[str]) -> bool:
+  """Whether a client log is kept (`keep_client_logs`); if so, loggers `names` (some of
+  `CLIENT_LOGGERS`) write to it again. A library that installs a console handler of its
+  own when it is imported (datasets, huggingface_hub) may have done so after the client
+  log was set up."""
+  if _client_log is None:
+    return False
+  for name in names:
+    logger = logging.getLogger(name)
+    logger.handlers[:] = [_client_log]
+    logger.propagate = False
+  return True
 
 
 def _route_stderr_through_filter() -> tuple[subprocess.Popen, int]:

@@ -57,6 +57,9 @@ KILL_WAIT_S = 60
 MESSAGE_TIMEOUT_S = 60
 DAEMONS = ("munged", "slurmctld", "slurmd")
 
+# The user of `SlurmCluster.unprivileged_bin`'s clients: nobody.
+UNPRIVILEGED_UID = 65534
+
 
 def unavailable_reason() -> Optional[str]:
   """Why no cluster can start on this host (one line), or None."""
@@ -90,6 +93,9 @@ class SlurmCluster:
     self.conf = os.path.join(self.root, "slurm.conf")
     self.bin = os.path.join(self.root, "bin")
     self._namespaces: list[str] = []
+    # munged's socket, key and log: where user nobody (`unprivileged_bin`) can reach the
+    # socket, which a test's private temporary directory is not.
+    self.munge = os.path.join("/run", f"{self.tag}-munge")
 
   def namespace(self, host: str) -> str:
     return f"{self.tag}-{host}"
@@ -122,10 +128,11 @@ class SlurmCluster:
 
   def _write_files(self) -> None:
     root = self.root
-    for sub in ("munge", "ctld/state", "dev", "bin", *(f"{n}/spool" for n in NODES)):
+    for sub in ("ctld/state", "dev", "bin", *(f"{n}/spool" for n in NODES)):
       os.makedirs(os.path.join(root, sub), exist_ok=True)
-    os.chmod(os.path.join(root, "munge"), 0o755)
-    key = os.path.join(root, "munge", "munge.key")
+    os.makedirs(self.munge, exist_ok=True)
+    os.chmod(self.munge, 0o755)
+    key = os.path.join(self.munge, "munge.key")
     with open(key, "wb") as f:
       f.write(os.urandom(1024))
     os.chmod(key, 0o400)
@@ -146,7 +153,7 @@ class SlurmCluster:
           "ClusterName=griffintest",
           f"SlurmctldHost=ctl({CONTROLLER_ADDRESS})",
           "AuthType=auth/munge",
-          f"AuthInfo=socket={root}/munge/socket,cred_expire={REQUEUE_DELAY_S}",
+          f"AuthInfo=socket={self.munge}/socket,cred_expire={REQUEUE_DELAY_S}",
           "CredType=cred/munge",
           "SlurmUser=root", "SlurmdUser=root",
           f"StateSaveLocation={root}/ctld/state",
@@ -168,20 +175,57 @@ class SlurmCluster:
           f"PriorityTier=1 PreemptMode=REQUEUE GraceTime={GRACE_TIME_S}",
           f"PartitionName=urgent Nodes={nodes} MaxTime=INFINITE State=UP "
           "PriorityTier=10 PreemptMode=OFF",
+          # Only group root may use it: how a site refuses a user without permission.
+          f"PartitionName=restricted Nodes={nodes} MaxTime=INFINITE State=UP "
+          "AllowGroups=root",
       ]) + "\n")
     with open(os.path.join(root, "gres.conf"), "w", encoding="ascii") as f:
       f.write(f"NodeName=node[1-{len(NODES)}] Name=gpu "
               f"File={root}/dev/nvidia[0-{GPUS_PER_NODE - 1}]\n")
+    self._write_clients(self.bin)
+    self._write_clients(self.unprivileged_bin,
+                        f"setpriv --reuid={UNPRIVILEGED_UID} --regid={UNPRIVILEGED_UID} "
+                        "--clear-groups ")
+
+  @property
+  def unprivileged_bin(self) -> str:
+    """Clients that run as user nobody: root may use every partition, so a refusal for
+    want of permission needs another user. Put first on PATH instead of `env`'s."""
+    return os.path.join(self.root, "bin-nobody")
+
+  def _stop_munge(self) -> None:
+    """Ends munged (it writes its seed file as it goes), then removes its directory."""
+    pid_file = os.path.join(self.munge, "pid")
+    try:
+      with open(pid_file, encoding="ascii") as f:
+        pid = int(f.read().strip())
+      os.kill(pid, signal.SIGTERM)
+      deadline = time.monotonic() + 10
+      while time.monotonic() < deadline:
+        os.kill(pid, 0)
+        time.sleep(0.05)
+    except (OSError, ValueError):   # gone, or never started
+      pass
+    shutil.rmtree(self.munge, ignore_errors=True)
+
+  def _write_clients(self, directory: str, run_as: str = "") -> None:
+    """Client wrappers in `directory` that reach the controller's namespace, run through
+    `run_as` (a command prefix that changes the user, or nothing)."""
+    os.makedirs(directory, exist_ok=True)
     controller_ns = f"/run/netns/{self.namespace('ctl')}"
     for client in CLIENTS:
-      path = os.path.join(self.bin, client)
+      path = os.path.join(directory, client)
       with open(path, "w", encoding="ascii") as f:
-        f.write(f'#!/bin/sh\nexport SLURM_CONF="{self.conf}"\n'
-                f'exec nsenter --net={controller_ns} /usr/bin/{client} "$@"\n')
+        # With another user, the configuration goes in as descriptor 3, opened here:
+        # that user may not enter the test's private temporary directories.
+        conf = ('SLURM_CONF=/dev/fd/3\nexec 3<"{}"'.format(self.conf) if run_as
+                else f'SLURM_CONF="{self.conf}"')
+        f.write(f'#!/bin/sh\nexport {conf}\n'
+                f'exec nsenter --net={controller_ns} {run_as}/usr/bin/{client} "$@"\n')
       os.chmod(path, 0o755)
 
   def _start_munge(self) -> None:
-    munge = os.path.join(self.root, "munge")
+    munge = self.munge
     _run("munged", "--force", f"--socket={munge}/socket", f"--key-file={munge}/munge.key",
          f"--log-file={munge}/log", f"--pid-file={munge}/pid", f"--seed-file={munge}/seed")
 
@@ -273,13 +317,7 @@ class SlurmCluster:
           os.kill(int(pid), signal.SIGKILL)
         except ProcessLookupError:
           pass
-    pid_file = os.path.join(self.root, "munge", "pid")
-    if os.path.exists(pid_file):
-      with open(pid_file, encoding="ascii") as f:
-        try:
-          os.kill(int(f.read().strip()), signal.SIGTERM)
-        except (ProcessLookupError, ValueError):
-          pass
+    self._stop_munge()
     for namespace in reversed(self._namespaces):
       subprocess.run(["ip", "netns", "del", namespace], capture_output=True, check=False)
     self._namespaces = []

@@ -351,11 +351,15 @@ def test_evaluate_with_a_hub_that_stalls_after_the_check_prints_one_line_within_
   assert not os.path.exists(tmp_path / "none")
 
 
-# Loads hub_cached's data as the trainer and `pretrain.evaluate` do; prints how long the
-# load took and the documents.
+# Loads hub_cached's data as the trainer and `pretrain.evaluate` do (the trainer keeping
+# its clients' records in argv[2], where given); prints how long the load took and the
+# documents.
 LOAD_CACHED = """
 import json, sys, time
+from plumbing import quiet
 from pretrain.evaluation import downstream
+if len(sys.argv) > 2:
+  quiet.keep_client_logs(sys.argv[2])
 manager = downstream.task_manager(["hub_cached"], sys.argv[1])
 began = time.monotonic()
 loaded = downstream.load_tasks(manager, ["hub_cached"])
@@ -366,14 +370,15 @@ print(json.dumps({"load_s": time.monotonic() - began,
 
 @pytest.mark.slow   # two processes of lm_eval's imports: 3-4 s each idle
 def test_a_cache_filled_from_the_hub_serves_offline_mode_with_the_hub_down(
-    tasks):  # pylint: disable=redefined-outer-name
+    tasks, tmp_path):  # pylint: disable=redefined-outer-name
   """The cache (HF_HOME) filled as a user fills it, by loading the task once from a Hub
   (`serving_hub`); then, with HF_ENDPOINT at a closed port and HF_DATASETS_OFFLINE=1,
   the task's documents load from it: no check, no line, no wait. Both loads print
-  nothing on stderr (datasets' "Using the latest cached version" warnings hidden)."""
-  def load(url: str, **settings: str) -> dict:
+  nothing on stderr: datasets' "Using the latest cached version" warnings are hidden,
+  or, where the run keeps a client log (the trainer's `clients.log`), written there."""
+  def load(url: str, *client_log: str, **settings: str) -> dict:
     result = subprocess.run(
-        [sys.executable, "-c", LOAD_CACHED, tasks],
+        [sys.executable, "-c", LOAD_CACHED, tasks, *client_log],
         env=dict(os.environ, PYTHONPATH=REPO, HF_ENDPOINT=url, **settings), cwd=REPO,
         capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0 and result.stderr == "", result.stderr
@@ -383,8 +388,11 @@ def test_a_cache_filled_from_the_hub_serves_offline_mode_with_the_hub_down(
     filled = load(url)
   assert f"GET /datasets/{SERVED}/resolve/{SERVED_SHA}/{SERVED_FILE}" in served, served
   assert filled["docs"] == SERVED_ROWS
-  offline = load(f"http://127.0.0.1:{free_port()}", HF_DATASETS_OFFLINE="1")
+  client_log = tmp_path / "clients.log"
+  offline = load(f"http://127.0.0.1:{free_port()}", str(client_log), HF_DATASETS_OFFLINE="1")
   assert offline["docs"] == SERVED_ROWS
+  assert "WARNING datasets" in client_log.read_text() and \
+      "Using the latest cached version" in client_log.read_text(), client_log.read_text()
   assert offline["load_s"] < downstream.HUB_PROBE_S / 2, offline["load_s"]
 
 

@@ -328,12 +328,13 @@ def test_each_package_sets_up_quiet_first(package):
 def test_quiet_is_used_only_by_the_packages_and_the_command_runner():
   """Its effect comes from `setup()`, called by the package `__init__`s (and scripts run
   as files): no module imports it for a side effect. The trainer calls
-  `keep_client_logs` when it knows its workdir."""
+  `keep_client_logs` when it knows its workdir, and the downstream tasks' loading sends
+  the Hub clients' records to that log (`client_log_in_use`)."""
   users = sorted(module for module, path in MODULES.items()
                  if "plumbing.quiet" in {t for node in ast.walk(_parse(path))
                                          for t in _targets(node)})
-  assert users == ["launch", "model", "plumbing.cli", "pretrain", "pretrain.trainer",
-                   "sharding"]
+  assert users == ["launch", "model", "plumbing.cli", "pretrain",
+                   "pretrain.evaluation.downstream", "pretrain.trainer", "sharding"]
 
 
 def test_importing_quiet_changes_nothing():

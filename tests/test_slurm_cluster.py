@@ -608,24 +608,34 @@ def test_a_lost_node_requeues_the_job_from_the_newest_checkpoint(
   assert restart_rows[0]["lost_steps"] >= 1, restart_rows   # trained again: lost
 
 
-def test_a_refused_submission_is_sbatchs_message_and_one_line(cluster, run_env, tmp_path):
-  """sbatch refusing a job (here a partition that does not exist) prints its own
-  message and exits non-zero; `launch.slurm` adds one line naming sbatch and its exit
-  code, exits 1, and nothing is queued."""
+@pytest.mark.parametrize("flags, user, message", [
+    (["--partition=nosuch"], "root", "Invalid partition name specified"),
+    (["--partition=restricted"], "nobody",
+     "User's group not permitted to use this partition")],
+    ids=["no such partition", "no permission"])
+def test_a_refused_submission_is_sbatchs_message_and_one_line(cluster, run_env, tmp_path,
+                                                              flags, user, message):
+  """sbatch refusing a job (a partition that does not exist; a user whose group the
+  partition does not admit, as a site refuses a user without permission) prints its
+  own message and exits non-zero; `launch.slurm` adds one line naming sbatch and its
+  exit code, exits 1, and nothing is queued."""
+  env = dict(run_env)
+  if user == "nobody":
+    env["PATH"] = cluster.unprivileged_bin + os.pathsep + env["PATH"]
   result = subprocess.run(
       [sys.executable, "-m", "launch.slurm", "--nodes=1", "--gpus_per_node=1",
-       "--cpus_per_task=1", "--partition=nosuch", f"--output={tmp_path}/slurm-%j.out",
-       "--", "true"],
-      env=run_env, cwd=str(tmp_path), capture_output=True, text=True, timeout=60)
+       "--cpus_per_task=1", *flags, f"--output={tmp_path}/slurm-%j.out", "--", "true"],
+      env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=60)
   assert result.returncode == 1, (result.returncode, result.stderr)
   assert not result.stdout.strip(), result.stdout
   lines = result.stderr.splitlines()
   assert len(lines) >= 2 and lines[-1] == (
       "error: sbatch exited with code 1 (its message is above)"), result.stderr
-  assert any(line.startswith("sbatch: error: ") and
-             "Invalid partition name specified" in line for line in lines[:-1]), (
-                 result.stderr)
+  assert any(line.startswith("sbatch: error: ") and message in line
+             for line in lines[:-1]), result.stderr
   assert not cluster.client("squeue", "--noheader").strip()
+  if user == "nobody":   # the partition takes root's job: the refusal was the user's
+    cluster.client("sbatch", "--test-only", *flags, "--wrap=true")
 
 
 def test_spent_restart_budget_ends_the_job_with_one_line(cluster, run_env, tmp_path):

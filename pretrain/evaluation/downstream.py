@@ -53,6 +53,7 @@ import urllib.parse
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
 from plumbing import environment
+from plumbing import quiet as quiet_logs
 from plumbing.errors import UserError, usage_error
 from pretrain import extras
 from pretrain.observability.metrics import DOWNSTREAM_PREFIX
@@ -69,9 +70,10 @@ HUB_REQUEST_TIMEOUT_S = 10
 # (`GRIFFIN_HUB_TIMEOUT_S`), and what it downloaded stays in the cache for the next try.
 HUB_LOAD_S = 300.0
 HUB_TIMEOUT_ENV = "GRIFFIN_HUB_TIMEOUT_S"
-# The loggers `quiet` hides below ERROR: lm_eval's and those of the clients it loads
-# data with.
+# The loggers `quiet` keeps off the console: lm_eval's, and those of the clients it
+# loads data with, which go to the run's client log where it keeps one.
 _QUIET_LOGGERS = ("lm_eval", "datasets", "huggingface_hub")
+_HUB_CLIENT_LOGGERS = ("datasets", "huggingface_hub")
 _HUB_TIMEOUTS = ("HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT")
 _OFFLINE = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
 # `datasets`' packaged builders: a task naming one reads local files (`data_files`).
@@ -254,7 +256,7 @@ def load_tasks(manager: Any, names: Sequence[str], *, verbose: bool = False
     raise _data_error(names, error, manager) from None
   if loaded is None:
     if not verbose:   # the load left behind retries on: not a word of it after the line
-      for name in _QUIET_LOGGERS:
+      for name in _hidden_loggers():
         logging.getLogger(name).setLevel(logging.ERROR)
     raise UserError(f"Cannot load the data of lm_eval task(s) {', '.join(names)} from the "
                     f"Hugging Face Hub at {_hub_endpoint()} (HF_ENDPOINT): it answered but "
@@ -359,14 +361,23 @@ def metric_values(results: Mapping[str, Any]) -> dict[str, float]:
   return values
 
 
+def _hidden_loggers() -> tuple[str, ...]:
+  """The loggers to hide below ERROR: all of `_QUIET_LOGGERS`, less the Hub clients'
+  where the run keeps a client log, which then receives their records instead (the
+  trainer's `clients.log`)."""
+  if quiet_logs.client_log_in_use(_HUB_CLIENT_LOGGERS):
+    return tuple(name for name in _QUIET_LOGGERS if name not in _HUB_CLIENT_LOGGERS)
+  return _QUIET_LOGGERS
+
+
 @contextlib.contextmanager
 def quiet() -> Iterator[None]:
-  """Hides lm_eval's, datasets' and huggingface_hub's log lines below ERROR and the
-  progress bars (tqdm on stderr, which no setting turns off once imported): the training
+  """Hides lm_eval's, datasets' and huggingface_hub's log lines below ERROR (the latter
+  two go to the run's client log instead where it keeps one) and the progress bars (tqdm on stderr, which no setting turns off once imported): the training
   console gets one line per evaluation instead, the command line our own progress lines
   and lm_eval's table (`--verbose` shows them all). Exceptions still propagate; our
   progress lines write to the real stderr."""
-  loggers = [logging.getLogger(name) for name in _QUIET_LOGGERS]
+  loggers = [logging.getLogger(name) for name in _hidden_loggers()]
   levels = [logger.level for logger in loggers]
   for logger in loggers:
     logger.setLevel(logging.ERROR)
