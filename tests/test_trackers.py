@@ -8,7 +8,9 @@ or accepts and never answers (a real socket on loopback), or refuses the client'
 password or a write it has no permission for (the server's basic authentication), costs
 one line at a session's end, which waits for it at most `delivery.EXIT_WAIT_S`, and
 keeps its client's retry warnings in the workdir's `clients.log`; the reported case (the
-trainer, a closed port) end to end in a subprocess."""
+trainer, a closed port) end to end in a subprocess. W&B's server gone mid-run (a loopback
+stand-in for its HTTP API, `wandb_server`, closing its port or holding every request)
+costs one line and a bounded `finish`, and the next session sends it every row."""
 import base64
 import contextlib
 import glob
@@ -40,6 +42,7 @@ from storage_servers import free_port
 from tiers import slow_after_first
 from trainer_helpers import REPO, trainer_env  # pylint: disable=unused-import
 import tracker_tools
+import wandb_server
 
 # test_trainer_seams' model and schedule: the train step comes from the shared JAX cache.
 MODEL = ModelConfig(vocab_size=260, width=32, rnn_width=32, num_heads=2, depth=2,
@@ -47,7 +50,8 @@ MODEL = ModelConfig(vocab_size=260, width=32, rnn_width=32, num_heads=2, depth=2
                     scan_impl="lax")
 STEPS = 6
 # The most a process with a W&B server that does not answer takes, imports and W&B's own
-# exit handlers included, with WANDB_INIT_TIMEOUT=3 (measured: 26 s on 2 shared cores).
+# exit handlers included, with WANDB_INIT_TIMEOUT=3 (measured on 2 shared cores: 26 s, 10 s
+# since the tracker turns W&B's telemetry off).
 WANDB_PROCESS_S = 45
 
 
@@ -322,10 +326,10 @@ def client_log(tmp_path, monkeypatch):
 _ROWS = [{"step": step, "loss": 3.0 - step / 10} for step in (1, 2, 3)]
 
 
-def _mlflow_session(workdir, exit_wait_s=None):
-  """One session of the MLflow tracker alone (no trainer): two rows already in the
-  file, a third logged, then the session's end; returns the seconds the end took."""
-  trackers = delivery.Trackers(["mlflow"], TrackerContext(str(workdir)),
+def _tracker_session(workdir, exit_wait_s=None, name="mlflow"):
+  """One session of tracker `name` alone (no trainer): two rows already in the file, a
+  third logged, then the session's end; returns the seconds the end took."""
+  trackers = delivery.Trackers([name], TrackerContext(str(workdir)),
                                exit_wait_s=exit_wait_s)
   trackers.start(RunInfo("outage"), _ROWS[:2])
   trackers.log(rows_lib.from_json(_ROWS[2]))
@@ -392,7 +396,7 @@ def test_mlflow_down_silent_or_refusing_costs_one_line_a_bounded_end_and_gets_it
     if server.endswith("client retrying"):   # 4 attempts of 5 s: longer than the bound
       monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
-    waited_s = _mlflow_session(tmp_path)
+    waited_s = _tracker_session(tmp_path)
   err = capfd.readouterr().err
   lines = err.splitlines()
   assert len(lines) == 1, err   # the project's line; no client library's
@@ -416,13 +420,64 @@ def test_mlflow_down_silent_or_refusing_costs_one_line_a_bounded_end_and_gets_it
   monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_url)
   for name, value in tracker_tools.CREDENTIALS.items():
     monkeypatch.setenv(name, value)
-  _mlflow_session(tmp_path)
+  _tracker_session(tmp_path)
   assert capfd.readouterr().err == ""
   state = _tracker_state(tmp_path)["mlflow"]
   assert state["unsent_rows"] == 0
   history = MlflowClient(mlflow_url).get_metric_history(state["run_id"], "train/loss")
   assert sorted((m.step, m.value) for m in history) == [
       (row["step"], pytest.approx(row["loss"])) for row in _ROWS]
+
+
+class HandingTracker:
+  """A tracker whose client sends in the background, as W&B's does: `log` hands rows
+  over, `close` delivers them to `server`, or raises while `up` is false."""
+  name = "handing"
+  confirms_at_close = True
+  exit_wait_s = 0.0   # set by `delivery`
+  server: list = []
+  up = False
+  told_s = 0.0   # the bound `open` was told
+
+  def __init__(self, context):
+    del context
+    self.where = ""
+    self.handed = []
+
+  def open(self, run, run_id, last_step):
+    del run, last_step
+    HandingTracker.told_s = self.exit_wait_s
+    return run_id or "handing-1"
+
+  def log(self, rows):
+    self.handed.extend(rows)
+
+  def close(self, summary, failed):
+    del summary, failed
+    if not HandingTracker.up:
+      raise TimeoutError("the run's data was not all uploaded")
+    HandingTracker.server.extend(self.handed)
+
+
+def test_rows_a_client_took_count_unsent_until_its_close_confirms_them(tmp_path, capfd):
+  """A tracker that `confirms_at_close` took every row and failed to deliver them at
+  the session's end: all are counted unsent, one line says so, and the next session
+  sends every one of them again; the tracker was told the end's bound."""
+  trackers_lib.register(HandingTracker)
+  try:
+    _tracker_session(tmp_path, exit_wait_s=3.0, name="handing")
+    lines = capfd.readouterr().err.splitlines()
+    assert len(lines) == 1 and "not all uploaded" in lines[0], lines
+    assert _tracker_state(tmp_path)["handing"]["unsent_rows"] == len(_ROWS)
+    assert HandingTracker.told_s == 3.0
+    HandingTracker.up = True
+    _tracker_session(tmp_path, name="handing")
+  finally:
+    trackers_lib.unregister("handing")
+  assert capfd.readouterr().err == ""
+  assert _tracker_state(tmp_path)["handing"]["unsent_rows"] == 0
+  assert [(row.step, row.values["loss"]) for row in HandingTracker.server] == [
+      (row["step"], row["loss"]) for row in _ROWS]
 
 
 def test_the_session_end_waits_for_an_unanswered_call_as_long_as_the_run_sets(
@@ -433,7 +488,7 @@ def test_the_session_end_waits_for_an_unanswered_call_as_long_as_the_run_sets(
   monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "outages")
   with tracker_tools.silent_server() as url:
     monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
-    waited_s = _mlflow_session(tmp_path, exit_wait_s=1.0)
+    waited_s = _tracker_session(tmp_path, exit_wait_s=1.0)
   lines = capfd.readouterr().err.splitlines()
   assert len(lines) == 1 and lines[0].startswith(
       f"warning: mlflow tracker: no answer from the MLflow server at {url} "
@@ -473,6 +528,19 @@ def test_the_trainer_with_mlflow_down_prints_one_line_and_exits_at_once(
   assert _tracker_state(workdir)["mlflow"]["unsent_rows"] > 0
 
 
+def _wandb_env(tmp_path, url):
+  """The environment of a W&B session in a process of its own: online, at `url`, with a
+  key; no .netrc, settings or W&B variables of the user's; W&B's files under
+  `tmp_path`."""
+  env = {name: value for name, value in os.environ.items()
+         if not name.startswith("WANDB_") and name != "NETRC"}
+  env.update(PYTHONPATH=REPO, WANDB_BASE_URL=url, WANDB_API_KEY="0" * 40,
+             WANDB_INIT_TIMEOUT="3", WANDB_DIR=str(tmp_path), HOME=str(tmp_path / "home"),
+             **{name: str(tmp_path / "wandb_home") for name in
+                ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR")})
+  return env
+
+
 @pytest.mark.slow   # a W&B session in a process of its own per case: 10-30 s
 @pytest.mark.parametrize("server", ["never answers", "refuses the key", "closed port",
                                     "no API key"])
@@ -490,13 +558,7 @@ def test_wandb_silent_or_refusing_costs_one_line_and_a_bounded_end(server, tmp_p
     else:
       url = stack.enter_context(tracker_tools.silent_server() if server == "never answers"
                                 else tracker_tools.refusing_server())
-    env = {name: value for name, value in os.environ.items()
-           if not name.startswith("WANDB_") and name != "NETRC"}
-    env.update(PYTHONPATH=REPO, WANDB_BASE_URL=url, WANDB_API_KEY="0" * 40,
-               WANDB_INIT_TIMEOUT="3", WANDB_DIR=str(tmp_path),
-               HOME=str(tmp_path / "home"),   # no .netrc, no settings of the user's
-               **{name: str(tmp_path / "wandb_home") for name in
-                  ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR")})
+    env = _wandb_env(tmp_path, url)
     if server == "no API key":
       del env["WANDB_API_KEY"]
     began = time.monotonic()
@@ -518,3 +580,65 @@ def test_wandb_silent_or_refusing_costs_one_line_and_a_bounded_end(server, tmp_p
   assert close_s <= delivery.EXIT_WAIT_S + 1, result.stdout
   assert took_s <= WANDB_PROCESS_S, took_s
   assert _tracker_state(workdir)["wandb"]["unsent_rows"] == len(tracker_tools.SESSION_ROWS)
+
+
+# The session end's bound in the W&B outage cells below: W&B's `finish` then waits at
+# most 0.8 x 4 = 3.2 s (`wandb_tracker.FINISH_SHARE`); the default 10 s behaves alike
+# (`test_the_session_end_waits_for_an_unanswered_call_as_long_as_the_run_sets`).
+WANDB_EXIT_WAIT_S = 4.0
+# The most W&B's own end at the process's exit may take after the session's end: its
+# run is finished or given up by then (measured: 0.7 s, 2.4 s for a server holding
+# its requests: wandb-core gives its own telemetry 2 s).
+WANDB_AFTER_CLOSE_S = 5.0
+
+
+def _wandb_session(workdir, env):
+  """One session of the W&B tracker in a process of its own (`tracker_tools._session`):
+  its result, how long its end took and how long its process took after that."""
+  result = subprocess.run(tracker_tools.session_command(workdir, "wandb"), env=env,
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+  exited_at = time.monotonic()
+  assert result.returncode == 0, result.stdout + result.stderr
+  words = result.stdout.split("close took ")[1].split()
+  return result, float(words[0]), exited_at - float(words[-1])
+
+
+@pytest.mark.slow   # fast tier under 5 min: two W&B processes per case (10-13 s)
+@pytest.mark.parametrize("outage", [wandb_server.CLOSED, wandb_server.SILENT])
+def test_wandb_gone_mid_run_costs_one_line_a_bounded_exit_and_gets_its_rows_later(
+    outage, tmp_path):
+  """W&B's server (the loopback stand-in) answers `init`, then closes its port or holds
+  every request unanswered from the run's first upload on: one line on the console,
+  W&B's `finish` given up within the bound and W&B's own exit prompt, every row counted
+  unsent though W&B took them; the server answers again and the next session sends
+  every row, which the server gets at its step."""
+  workdir = str(tmp_path / "run")
+  os.makedirs(workdir)
+  with wandb_server.wandb_stand_in() as server:
+    env = dict(_wandb_env(tmp_path, server.url), SESSION_EXIT_WAIT_S=str(WANDB_EXIT_WAIT_S))
+    server.go_down(outage, at="/files/")
+    result, close_s, exit_s = _wandb_session(workdir, env)
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr   # the project's line; no client library's
+    assert lines[0].startswith(
+        f"warning: wandb tracker: no answer from W&B at {server.url} (WANDB_BASE_URL, "
+        "WANDB_API_KEY): the run's data was not all uploaded after 3 s"), result.stderr
+    client_log = RunDirectory(workdir).client_log   # W&B's records, named by the line
+    assert lines[0].endswith(f"its client's log: {client_log}"), result.stderr
+    with open(client_log, encoding="utf-8") as f:
+      assert "wandb: finishing run" in f.read()
+    # The end waits for W&B's `init` too, which answers (1 to 2 s on loaded cores),
+    # then 3.2 s for `finish`: 4.3 to 5.3 s measured.
+    assert close_s <= WANDB_EXIT_WAIT_S + 3, result.stdout
+    assert exit_s <= WANDB_AFTER_CLOSE_S, exit_s
+    state = _tracker_state(workdir)["wandb"]
+    assert state["unsent_rows"] == len(tracker_tools.SESSION_ROWS)
+    assert server.history(state["run_id"]) == []
+
+    server.come_back()
+    result, _, _ = _wandb_session(workdir, env)
+    assert result.stderr == ""
+    state = _tracker_state(workdir)["wandb"]
+    assert state["unsent_rows"] == 0
+    assert [(row["_step"], row["train/loss"]) for row in server.history(state["run_id"])] == [
+        (row["step"], pytest.approx(row["loss"])) for row in tracker_tools.SESSION_ROWS]

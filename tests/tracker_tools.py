@@ -163,19 +163,23 @@ def session_command(workdir: str, *names: str) -> list[str]:
 def _session(workdir: str, names: Sequence[str]) -> None:
   """One session of the trackers as the trainer's process 0 runs them, in a process of
   its own so that what the clients do at exit is seen too: their logs to the workdir's
-  clients.log, two rows already in metrics.jsonl, a third logged, then the end."""
+  clients.log, two rows already in metrics.jsonl, a third logged, then the end, which
+  waits for an unanswered call `SESSION_EXIT_WAIT_S` in the environment (seconds;
+  `delivery.EXIT_WAIT_S` unset). Prints how long the end took and when it ended
+  (`time.monotonic()`, which is the machine's: the test sees how long the exit took)."""
   # pylint: disable=import-outside-toplevel  # the command's, not the tests'
   from plumbing import quiet
   from pretrain.observability.trackers import RunInfo, TrackerContext, delivery
   from pretrain.observability.trackers import rows as rows_lib
   from pretrain.run_directory import RunDirectory
   quiet.keep_client_logs(RunDirectory(workdir).client_log)
-  trackers = delivery.Trackers(list(names), TrackerContext(workdir))
+  trackers = delivery.Trackers(list(names), TrackerContext(workdir), exit_wait_s=float(
+      os.environ.get("SESSION_EXIT_WAIT_S", delivery.EXIT_WAIT_S)))
   trackers.start(RunInfo("outage"), SESSION_ROWS[:2])
   trackers.log(rows_lib.from_json(SESSION_ROWS[2]))
   began = time.monotonic()
   trackers.close(60)
-  print(f"close took {time.monotonic() - began:.1f} s")
+  print(f"close took {time.monotonic() - began:.1f} s, ended at {time.monotonic():.3f}")
 
 
 # The rows of a session: metrics.jsonl's two, and one logged.

@@ -18,6 +18,14 @@ already got are skipped, so rows a dead tracker missed reach it in a later sessi
 a step that a restart trains again (after the newest checkpoint) is not sent twice: the
 tracker keeps the values it got first (the file keeps the redone ones). Rows it still
 lacks when a session ends are counted there (`unsent_rows`) and sent by the next.
+
+A tracker whose client sends in the background (`confirms_at_close`: W&B, whose `log`
+only hands rows to its service) has its rows counted sent only once its `close`
+returns: until then `trackers.json` keeps its progress where the last confirmed session
+left it, and a session whose `close` fails or does not answer counts every row it
+handed over as unsent, so the next session sends them again. Such a tracker may also
+bound its own end: an `exit_wait_s` attribute is set to the session end's bound before
+`open`.
 """
 from __future__ import annotations
 
@@ -122,7 +130,9 @@ class _State:
 
 class _Sender:
   """One tracker, its queue and its thread. Queue items are (row, ordinal): a record's
-  place among the file's records, or None for a step row."""
+  place among the file's records, or None for a step row. `_progress` is what the
+  tracker has confirmed (`trackers.json`'s entry), `_handed` what it was given: the
+  same dict, except for a tracker that `confirms_at_close`."""
 
   def __init__(self, tracker: Tracker, state: _State, info: Callable[[str], None],
                workdir: str, exit_wait_s: float):
@@ -133,6 +143,11 @@ class _Sender:
     self.service = getattr(tracker, "service", "") or f"the {self.name} service"
     self._state = state
     self._progress = state.entry(self.name)
+    self._confirms_at_close = getattr(tracker, "confirms_at_close", False)
+    self._handed = self._progress
+    self._unconfirmed: list[tuple[Row, Optional[int]]] = []   # handed since confirmed
+    if hasattr(tracker, "exit_wait_s"):   # a client that bounds its own end (W&B)
+      tracker.exit_wait_s = exit_wait_s
     self._info = info
     self._cond = threading.Condition()
     self._queue: list[tuple[Row, Optional[int]]] = []
@@ -183,14 +198,19 @@ class _Sender:
         self._info(message)
 
   def unsent(self) -> int:
+    """The rows the tracker has not confirmed: those queued, and those handed to a
+    client that confirms at close and has not."""
     with self._cond:
-      return len(self._fresh(list(self._queue)))
+      return len(self._fresh([*self._unconfirmed, *self._queue], self._progress))
 
-  def _fresh(self, items: Sequence[tuple[Row, Optional[int]]]) -> list[Row]:
-    """The rows of `items` the tracker has not got yet (the others are never offered)."""
+  def _fresh(self, items: Sequence[tuple[Row, Optional[int]]],
+             progress: Optional[dict[str, Any]] = None) -> list[Row]:
+    """The rows of `items` past `progress` (what the tracker was handed unless given):
+    the others are never offered again."""
+    progress = self._handed if progress is None else progress
     with self._state.lock:
-      sent = dict(self._progress["sent"])
-      records = self._progress["records"]
+      sent = dict(progress["sent"])
+      records = progress["records"]
     fresh = []
     for row, ordinal in items:
       if ordinal is None:
@@ -202,15 +222,34 @@ class _Sender:
         records = ordinal + 1
     return fresh
 
-  def _mark_sent(self, items: Sequence[tuple[Row, Optional[int]]]) -> None:
+  def _mark_sent(self, items: Sequence[tuple[Row, Optional[int]]],
+                 progress: dict[str, Any]) -> None:
     with self._state.lock:
-      sent = self._progress["sent"]
+      sent = progress["sent"]
       for row, ordinal in items:
         if ordinal is None:
           sent[row.kind] = max(sent.get(row.kind, -1), row.step)
         else:
-          self._progress["records"] = max(self._progress["records"], ordinal + 1)
-      self._progress["unsent_rows"] = 0
+          progress["records"] = max(progress["records"], ordinal + 1)
+      progress["unsent_rows"] = 0
+
+  def _handed_over(self, items: Sequence[tuple[Row, Optional[int]]]) -> None:
+    """Notes that the tracker took `items`: sent, or, for a client that confirms at
+    close, handed over (`trackers.json` still lacks them)."""
+    self._mark_sent(items, self._handed)
+    if self._confirms_at_close:
+      with self._cond:
+        self._unconfirmed.extend(items)
+    else:
+      self._state.save()
+
+  def _confirm(self) -> None:
+    """The tracker's `close` returned: what it was handed has arrived."""
+    with self._cond:
+      confirmed, self._unconfirmed = self._unconfirmed, []
+    if confirmed:
+      self._mark_sent(confirmed, self._progress)
+      self._state.save()
 
   def _next(self) -> Optional[list[tuple[Row, Optional[int]]]]:
     """Waits for rows to send (after the backoff, while down); None: time to stop."""
@@ -237,8 +276,7 @@ class _Sender:
         continue
       finally:
         self.calling_since = None
-      self._mark_sent(items)
-      self._state.save()
+      self._handed_over(items)
       with self._cond:
         del self._queue[:len(items)]
       if self.down:
@@ -249,6 +287,7 @@ class _Sender:
       self.calling_since = time.monotonic()
       try:
         self.tracker.close(summary, failed)
+        self._confirm()
       except Exception as error:  # pylint: disable=broad-except
         self._failed(error)
       finally:
@@ -263,6 +302,10 @@ class _Sender:
       with self._state.lock:
         self._progress.update(run_id=run_id, sent={}, records=0)
       self._state.save()
+    if self._confirms_at_close:
+      with self._state.lock:
+        self._handed = {"sent": dict(self._progress["sent"]),
+                        "records": self._progress["records"]}
     self.opened = True
     if self.tracker.where:
       self._say(f"{self.name}: {self.tracker.where}")

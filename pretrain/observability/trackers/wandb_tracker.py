@@ -18,6 +18,14 @@ is its own) and so are its banners: one line says where the run is.
 Unless set, `WANDB_INIT_TIMEOUT` is 30 s (W&B's default: 90 s) and `WANDB_SILENT` true
 (its login line too): a process whose W&B server does not answer cannot exit before
 W&B's `init` gives up, whatever the trainer's own bound on its tracker threads.
+
+`log` only hands rows to W&B's service, which uploads them in the background and
+retries a server that has gone for as long as it is let: `finish` waits for the upload
+at most `FINISH_SHARE` of the session end's bound (W&B's `finish_timeout`, which also
+bounds W&B's own end of the run at the process's exit), then raises, and the rows count
+as unsent until a session's `finish` confirms them (`confirms_at_close`). W&B's
+telemetry of its own use is off: at the process's exit it asks the server whether it
+takes telemetry, waiting up to 10 s for a server that does not answer.
 """
 from __future__ import annotations
 
@@ -33,11 +41,16 @@ from pretrain.observability.trackers.rows import metric_names
 DEFAULT_PROJECT = "griffin-pretrain"
 # The client's settings when the user has not set them (see the module docstring).
 CLIENT_DEFAULTS = {"WANDB_INIT_TIMEOUT": "30", "WANDB_SILENT": "true"}
+# The part of the session end's bound W&B's `finish` may take to upload what it holds:
+# the rest is for the summary and for the tracker's thread to report in time.
+FINISH_SHARE = 0.8
 
 
 class WandbTracker:
   """The `wandb` tracker."""
   name = "wandb"
+  confirms_at_close = True
+  exit_wait_s = 10.0   # the session end's bound (set by `delivery`)
 
   def __init__(self, context: TrackerContext):
     # W&B writes its files to a local directory: the workdir's when it is local.
@@ -51,7 +64,10 @@ class WandbTracker:
                     " (WANDB_BASE_URL, WANDB_API_KEY)")
 
   def open(self, run: RunInfo, run_id: Optional[str], last_step: int) -> Optional[str]:
-    import wandb  # pylint: disable=import-outside-toplevel  # the optional `wandb` extra
+    # pylint: disable=import-outside-toplevel  # the optional `wandb` extra
+    import wandb
+    from wandb.analytics.opentelemetry import opentelemetry_proxy
+    opentelemetry_proxy.disable()   # before `init`, which would start it (the docstring)
     if self._dir is not None:
       os.makedirs(self._dir, exist_ok=True)
     self._run = wandb.init(
@@ -59,7 +75,9 @@ class WandbTracker:
         id=run_id or secrets.token_hex(6), resume="allow", name=run.name, group=run.group,
         dir=self._dir, config=dict(run.config), allow_val_change=True,
         reinit="create_new",
-        settings=wandb.Settings(console="off", silent=True))
+        settings=wandb.Settings(console="off", silent=True,
+                                finish_timeout=FINISH_SHARE * self.exit_wait_s,
+                                finish_timeout_raises=True))
     for kind in RECORD_KINDS:
       self._run.define_metric(f"{kind}/*", step_metric=f"{kind}/step")
     self._run.summary.update(dict(run.facts))
@@ -82,4 +100,9 @@ class WandbTracker:
 
   def close(self, summary: Mapping[str, Any], failed: bool) -> None:
     self._run.summary.update(dict(summary))
-    self._run.finish(exit_code=1 if failed else 0)
+    try:
+      self._run.finish(exit_code=1 if failed else 0)
+    except TimeoutError as error:   # W&B's own text says only "Timed out finishing run."
+      error.args = (f"the run's data was not all uploaded after "
+                    f"{FINISH_SHARE * self.exit_wait_s:.0f} s",)
+      raise
