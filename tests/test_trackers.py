@@ -603,7 +603,7 @@ def _wandb_session(workdir, env):
   return result, float(words[0]), exited_at - float(words[-1])
 
 
-@pytest.mark.slow   # fast tier under 5 min: two W&B processes per case (10-13 s)
+@pytest.mark.slow   # fast tier under 5 min: two W&B processes per case (10-19 s)
 @pytest.mark.parametrize("outage", [wandb_server.CLOSED, wandb_server.SILENT])
 def test_wandb_gone_mid_run_costs_one_line_a_bounded_exit_and_gets_its_rows_later(
     outage, tmp_path):

@@ -64,10 +64,10 @@ class WandbTracker:
                     " (WANDB_BASE_URL, WANDB_API_KEY)")
 
   def open(self, run: RunInfo, run_id: Optional[str], last_step: int) -> Optional[str]:
-    # pylint: disable=import-outside-toplevel  # the optional `wandb` extra
-    import wandb
-    from wandb.analytics.opentelemetry import opentelemetry_proxy
-    opentelemetry_proxy.disable()   # before `init`, which would start it (the docstring)
+    import wandb  # pylint: disable=import-outside-toplevel  # the optional `wandb` extra
+    # Before `init`, which would start it (see the module docstring); `import wandb`
+    # loads the module.
+    wandb.analytics.opentelemetry.opentelemetry_proxy.disable()
     if self._dir is not None:
       os.makedirs(self._dir, exist_ok=True)
     self._run = wandb.init(
