@@ -407,34 +407,50 @@ def reachable(url: str, timeout_s: float = 2.0) -> Optional[str]:
   return None
 
 
-def describe_error(path: str, error: BaseException) -> str:
-  """One line naming what went wrong with `path` on object storage and what to check."""
+def _endpoint_variables(path: str) -> str:
+  return ("STORAGE_EMULATOR_HOST" if str(path).startswith("gs://")
+          else "AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_S3")
+
+
+def _one_line(error: BaseException) -> str:
   text = " ".join(str(error).split()) or type(error).__name__
-  if len(text) > 200:
-    text = text[:200] + "..."
-  scheme = "gs" if str(path).startswith("gs://") else "s3"
-  endpoint_vars = ("STORAGE_EMULATOR_HOST" if scheme == "gs"
-                   else "AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_S3")
-  credentials = ("GOOGLE_APPLICATION_CREDENTIALS or `gcloud auth application-default "
-                 "login`" if scheme == "gs" else "AWS_ACCESS_KEY_ID / "
-                 "AWS_SECRET_ACCESS_KEY or AWS_PROFILE")
-  bucket = str(path).split("/")[2] if "//" in str(path) else path
+  return text[:200] + "..." if len(text) > 200 else text
+
+
+def refusal(path: str, error: BaseException) -> Optional[str]:
+  """One line naming the storage's refusal of a request on `path` (HTTP 401, 403 or
+  404) and what to check; None when `error` is no refusal (the storage did not answer,
+  or something else failed). A refusal is the storage's answer: retrying it, or
+  waiting for the storage as for an outage, cannot help before the credentials, the
+  permission or the bucket are fixed."""
   # A refused connection names the endpoint, whose port may hold "403" (127.0.0.1:40383):
   # HTTP statuses count as whole numbers, and only in errors that are no ConnectionError.
-  if not isinstance(error, ConnectionError):
-    if re.search(r"\b401\b", text) or "Unauthorized" in text:
-      return (f"the storage of {path} refused the credentials (HTTP 401: {text}); check "
-              f"the credentials in use ({credentials}) and {endpoint_vars}")
-    # gcsfs raises a 403 as OSError("Forbidden: URL\nmessage"), s3fs as PermissionError.
-    if (isinstance(error, PermissionError) or re.search(r"\b403\b", text)
-        or "AccessDenied" in text or text.startswith("Forbidden")):
-      return (f"permission denied on {path} (HTTP 403): the credentials in use may not "
-              f"write bucket '{bucket}' ({text}); check their permissions ({credentials})")
-    if (isinstance(error, FileNotFoundError) or "NoSuchBucket" in text
-        or re.search(r"\b404\b", text)):
-      return f"{path}: not found; does bucket '{bucket}' exist? ({text})"
-  return (f"cannot reach the storage of {path} ({type(error).__name__}: {text}); check "
-          f"the network, the credentials and {endpoint_vars}")
+  if isinstance(error, ConnectionError):
+    return None
+  text = _one_line(error)
+  credentials = ("GOOGLE_APPLICATION_CREDENTIALS or `gcloud auth application-default "
+                 "login`" if str(path).startswith("gs://") else "AWS_ACCESS_KEY_ID / "
+                 "AWS_SECRET_ACCESS_KEY or AWS_PROFILE")
+  bucket = str(path).split("/")[2] if "//" in str(path) else path
+  if re.search(r"\b401\b", text) or "Unauthorized" in text:
+    return (f"the storage of {path} refused the credentials (HTTP 401: {text}); check "
+            f"the credentials in use ({credentials}) and {_endpoint_variables(path)}")
+  # gcsfs raises a 403 as OSError("Forbidden: URL\nmessage"), s3fs as PermissionError.
+  if (isinstance(error, PermissionError) or re.search(r"\b403\b", text)
+      or "AccessDenied" in text or text.startswith("Forbidden")):
+    return (f"permission denied on {path} (HTTP 403): the credentials in use may not "
+            f"write bucket '{bucket}' ({text}); check their permissions ({credentials})")
+  if (isinstance(error, FileNotFoundError) or "NoSuchBucket" in text
+      or re.search(r"\b404\b", text)):
+    return f"{path}: not found; does bucket '{bucket}' exist? ({text})"
+  return None
+
+
+def describe_error(path: str, error: BaseException) -> str:
+  """One line naming what went wrong with `path` on object storage and what to check."""
+  return refusal(path, error) or (
+      f"cannot reach the storage of {path} ({type(error).__name__}: {_one_line(error)}); "
+      f"check the network, the credentials and {_endpoint_variables(path)}")
 
 
 def guarded(path: str, action: Callable[[], T]) -> T:

@@ -215,8 +215,12 @@ class StorageProxy:
   forwarding (`resume`), stalling (`stall`: every connection, old or new, is accepted
   and held, and nothing is forwarded either way: a hung storage, or a load balancer
   that lost its backends; unlike a frozen server, whose listen queue fills up, it
-  accepts every connection) and closed (`close`: connections refused, until `open`
-  listens on the same port again). The server behind it keeps its objects throughout.
+  accepts every connection), diverted (`divert`: every request answered by another
+  server, an `answering_storage` that says 403 in the storage's own format, a bucket
+  whose permission was revoked or a credential that expired mid-run; or one that
+  answers the connection check and never a request) and closed (`close`: connections
+  refused, until `open` listens on the same port again). The server behind it keeps
+  its objects throughout.
 
   Attributes:
     endpoint: the proxy's URL, for the clients' endpoint variables.
@@ -226,6 +230,7 @@ class StorageProxy:
     parsed = upstream.split("://", 1)[-1]
     host, port = parsed.rsplit(":", 1)
     self._upstream = (host, int(port))
+    self._diverted_to: tuple[str, int] | None = None   # where requests go while diverted
     self._port = free_port()
     self.endpoint = f"http://127.0.0.1:{self._port}"
     self._forwarding = threading.Event()
@@ -244,6 +249,9 @@ class StorageProxy:
     listener, self._listener = self._listener, None
     if listener is not None:
       listener.close()
+    self._end_connections()
+
+  def _end_connections(self) -> None:
     with self._lock:
       connections, self._connections = self._connections, []
     for connection in connections:
@@ -254,7 +262,19 @@ class StorageProxy:
   def stall(self) -> None:
     self._forwarding.clear()
 
+  def divert(self, server: str) -> None:
+    """Sends every request to `server` (an `answering_storage` URL) from now on: the
+    open connections are ended, so that the clients' next requests, on new ones, meet
+    its answer (or its silence) rather than the storage's."""
+    host, port = server.split("://", 1)[-1].rsplit(":", 1)
+    self._diverted_to = (host, int(port))
+    self._end_connections()
+
   def resume(self) -> None:
+    """Forwards to the storage again (ending the connections to a server diverted to)."""
+    diverted, self._diverted_to = self._diverted_to, None
+    if diverted is not None:
+      self._end_connections()
     self._forwarding.set()
 
   def _accept(self, listener: socket.socket) -> None:
@@ -270,7 +290,7 @@ class StorageProxy:
   def _serve(self, client: socket.socket) -> None:
     self._forwarding.wait()
     try:
-      upstream = socket.create_connection(self._upstream)
+      upstream = socket.create_connection(self._diverted_to or self._upstream)
     except OSError:
       client.close()
       return
@@ -302,13 +322,29 @@ def forget_clients() -> None:
   epath.backend.fsspec_backend._get_filesystem.cache_clear()  # pylint: disable=protected-access
 
 
+def _error_body(status: int, message: str, dialect: str) -> tuple[str, bytes]:
+  """(content type, body) of an error as the storage of `dialect` words it: GCS's JSON
+  (`{"error": {"code", "message", "errors"}}`) for "gs", S3's XML (`<Error><Code>`,
+  `AccessDenied` for a 403) for "s3"."""
+  if dialect == "gs":
+    return "application/json; charset=UTF-8", json.dumps({"error": {
+        "code": status, "message": message, "errors": [
+            {"message": message, "domain": "global", "reason": "forbidden"}]}}).encode()
+  code = "AccessDenied" if status == 403 else "InvalidAccessKeyId"
+  return "application/xml", (
+      f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>'
+      f"{message}</Message><RequestId>0</RequestId><HostId>0</HostId></Error>").encode()
+
+
 @contextlib.contextmanager
-def answering_storage(status: int | None, message: str = "") -> Iterator[str]:
+def answering_storage(status: int | None, message: str = "", dialect: str = "gs"
+                      ) -> Iterator[str]:
   """A loopback HTTP server in a thread that answers the start-up probe (`HEAD /`, a
-  400 as GCS gives) and every API request with `status` and `message` in GCS's error
-  JSON (`{"error": {"code", "message", "errors"}}`), or, with `status` None, never
-  answers an API request (a storage that passes the probe and then stalls); yields
-  its URL, for `STORAGE_EMULATOR_HOST` or `AWS_ENDPOINT_URL`."""
+  400 as GCS gives) and every API request with `status` and `message` in the error
+  format of `dialect` ("gs": GCS's JSON; "s3": S3's XML, `_error_body`; a HEAD of an
+  object gets the status alone, as from S3), or, with `status` None, never answers an
+  API request (a storage that passes the probe and then stalls); yields its URL, for
+  `STORAGE_EMULATOR_HOST` or `AWS_ENDPOINT_URL`."""
   stop = threading.Event()
 
   class Answer(http.server.BaseHTTPRequestHandler):
@@ -316,22 +352,32 @@ def answering_storage(status: int | None, message: str = "") -> Iterator[str]:
       del args
 
     def do_HEAD(self) -> None:  # pylint: disable=invalid-name
-      self.send_response(400)
+      self.send_response(400 if self.path == "/" or status is None else status)
       self.send_header("Content-Length", "0")
       self.end_headers()
 
     def do_GET(self) -> None:  # pylint: disable=invalid-name
-      self.rfile.read(int(self.headers.get("Content-Length") or 0))
+      self._read_body()
       if status is None:
         stop.wait()
         return
-      body = json.dumps({"error": {"code": status, "message": message, "errors": [
-          {"message": message, "domain": "global", "reason": "forbidden"}]}}).encode()
+      content_type, body = _error_body(status, message, dialect)
       self.send_response(status)
-      self.send_header("Content-Type", "application/json; charset=UTF-8")
+      self.send_header("Content-Type", content_type)
       self.send_header("Content-Length", str(len(body)))
       self.end_headers()
       self.wfile.write(body)
+
+    def _read_body(self) -> None:
+      """Reads the request's body whole (a chunked one too): a reply while the client
+      is still sending would reach it as a reset connection, not as the refusal."""
+      if self.headers.get("Transfer-Encoding", "").lower() != "chunked":
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        return
+      while size := int(self.rfile.readline().split(b";")[0].strip() or b"0", 16):
+        self.rfile.read(size + 2)
+      while self.rfile.readline().strip():   # the trailers, up to the blank line
+        pass
 
     do_POST = do_PUT = do_DELETE = do_GET
 

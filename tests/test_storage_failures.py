@@ -5,12 +5,15 @@ At start-up (`cli.prepare_workdir`, what every command runs before any compute):
 that refuses the credentials (401) or the permission (403), answered by a small server
 in GCS's error JSON (the emulator checks no credentials), and a storage of either scheme
 that answers the connection check and then stalls. Mid-run and at exit: a bucket behind
-a `StorageProxy` that stalls, seen by the final checkpoint save and by the metric
-uploads. Each: one line, within its bound, nothing from the client libraries on the
-console, and the data there once the storage answers again.
+a `StorageProxy` that stalls, seen by the final checkpoint save, by the metric uploads
+and by a session's end with rows queued; or that refuses (403 in the storage's own
+format, a revoked permission), seen by the checkpoint saves. Each: one line, within
+its bound, nothing from the client libraries on the console, and the data there once
+the storage answers again.
 """
 import contextlib
 import json
+import logging
 import subprocess
 import time
 
@@ -20,9 +23,12 @@ import pytest
 
 from plumbing import cli, storage
 from plumbing.errors import StorageOutageError, UserError
+from pretrain.checkpoints.checkpointer import CheckpointConfig, Checkpointer
+from pretrain.checkpoints import outage
 from pretrain.checkpoints.outage import StorageConfig
 from pretrain.checkpoints.persistent import PersistentTier, complete_steps
 from pretrain.checkpoints.policies import Essential, Snapshot
+from pretrain.observability import metrics as metrics_lib
 from pretrain.observability.metrics import MetricsWriter
 from pretrain.run_directory import RunDirectory, UNSENT_METRICS
 from storage_servers import (answering_storage, environment, forget_clients,  # pylint: disable=unused-import
@@ -202,6 +208,182 @@ def test_metric_rows_of_a_storage_that_stalls_are_kept_and_sent_when_it_answers(
   writer.close()
   assert [json.loads(line)["step"] for line in storage.read_text(metrics).splitlines()
           ] == list(range(1, step + 1))
+
+
+REVOKED = ("tester@project.iam.gserviceaccount.com does not have storage.objects.create "
+           "access to the Google Cloud Storage object.")
+CLIENT_LOGGERS = ("gcsfs", "google", "aiohttp", "botocore", "boto3", "s3fs", "urllib3")
+
+
+def _state(step: int) -> Snapshot:
+  """The snapshot of `step`, its parameters telling the step apart."""
+  return Snapshot(params={"w": jnp.arange(8, dtype=jnp.float32) + step}, opt_state=None,
+                  rng=jax.random.key(step), metadata={"step": step})
+
+
+def _checkpointer(url: str, tmp_path) -> Checkpointer:
+  """The tiers of a run in `url/runs/refused`: the persistent one every 2 steps, a
+  local one every step."""
+  config = CheckpointConfig(local_dir=str(tmp_path / "local"), local_every=1)
+  return Checkpointer.for_run(RunDirectory(f"{url}/runs/refused", config.local_dir),
+                              config, every=2)
+
+
+def _train(checkpointer: Checkpointer, steps: range, lines: list) -> None:
+  """The trainer's saves at each of `steps`: the saves in flight polled, the tiers due
+  saved."""
+  for step in steps:
+    checkpointer.poll()
+    if checkpointer.is_due(step):
+      checkpointer.save(step, _state(step), lines.append)
+
+
+def _refused(proxy, dialect: str, stop, capfd, caplog) -> tuple[str, str, float]:
+  """(the one warning line, the error that stopped the run, seconds it took) of
+  `stop()` run while the storage refuses every request with 403 in its own format;
+  nothing else may reach the console, and no client library may log a warning."""
+  with answering_storage(403, REVOKED, dialect) as refuser:
+    proxy.divert(refuser)
+    capfd.readouterr()
+    caplog.clear()
+    started = time.monotonic()
+    with pytest.raises(UserError) as raised:
+      stop()
+    took = time.monotonic() - started
+    out, err = capfd.readouterr()
+  assert out == "", out
+  (warning,) = err.splitlines()
+  assert not [record for record in caplog.records if record.levelno >= logging.WARNING
+              and record.name.startswith(CLIENT_LOGGERS)], caplog.records
+  return warning, str(raised.value), took
+
+
+def _assert_refusal_lines(warning: str, error: str, url: str, step: int) -> None:
+  """The retry's warning and the stop's error name the URL, the status and the fix."""
+  checkpoints = f"{url}/runs/refused/checkpoints"
+  fix = ("GOOGLE_APPLICATION_CREDENTIALS" if url.startswith("gs://")
+         else "AWS_ACCESS_KEY_ID")
+  assert warning.startswith(f"warning: checkpoint {step} failed: permission denied on "
+                            f"{checkpoints} (HTTP 403): the credentials in use may not "
+                            "write bucket 'bucket' ("), warning
+  assert f"; check their permissions ({fix}" in warning, warning
+  assert warning.endswith(f"; retrying with step {step}"), warning
+  assert error.startswith(f"checkpoint {step} failed: permission denied on {checkpoints}"
+                          " (HTTP 403)"), error
+  assert error.endswith(f"(retried once); stopped. The complete checkpoints in "
+                        f"{checkpoints} are kept"), error
+  assert "\n" not in error and fix in error, error
+
+
+def _restored(url: str, tmp_path) -> tuple[int, str, list]:
+  """(the step a rerun resumes from, its tier's name, its parameters) once the storage
+  answers again."""
+  abstract = {"w": jax.ShapeDtypeStruct((8,), jnp.float32, sharding=jax.sharding
+                                        .SingleDeviceSharding(jax.devices()[0]))}
+  checkpointer = _checkpointer(url, tmp_path)
+  restored, skipped = checkpointer.restore_newest(abstract_params=abstract,
+                                                  abstract_opt_state=None)
+  checkpointer.close()
+  assert skipped == []
+  return restored.step, restored.tier.name, restored.params["w"].tolist()
+
+
+@pytest.mark.parametrize("proxied_bucket", ["gs", "s3"], indirect=True)
+def test_a_storage_that_refuses_mid_run_stops_after_one_retry_and_keeps_what_was_saved(
+    proxied_bucket, tmp_path, capfd, caplog):
+  """The bucket's permission is revoked mid-run (a `StorageProxy` whose every request
+  is answered 403 in the storage's own error format: GCS's JSON, S3's `AccessDenied`
+  XML): the next persistent save fails in its synchronous part, one line, and is
+  retried once; the retry fails too and the run stops (a UserError: exit 1) naming the
+  URL, the status and the fix, as soon as the storage has answered (no outage wait, no
+  client retries). Every step saved before stays restorable: the persistent one and
+  the local tier's newer one, which the rerun resumes from."""
+  url, proxy = proxied_bucket
+  checkpointer, lines = _checkpointer(url, tmp_path), []
+  _train(checkpointer, range(1, 4), lines)   # persistent: 2; local: 1, 3
+  checkpointer.wait()
+  warning, error, took = _refused(proxy, url[:2],
+                                  lambda: _train(checkpointer, range(4, 7), lines),
+                                  capfd, caplog)
+  _assert_refusal_lines(warning, error, url, 4)
+  assert took < 5, took   # measured: under 0.2 s
+  checkpointer.close()
+  proxy.resume()
+  assert lines == []
+  assert complete_steps(f"{url}/runs/refused/checkpoints") == [2]
+  assert _restored(url, tmp_path) == (3, "local", list(range(3, 11)))
+
+
+@pytest.mark.parametrize("proxied_bucket", ["gs", "s3"], indirect=True)
+def test_a_storage_that_refuses_the_final_save_stops_at_once_and_keeps_what_was_saved(
+    proxied_bucket, tmp_path, capfd, caplog):
+  """The final save refused (403): one line, one retry, the stop's line, within
+  seconds (the final save waits for a storage that does not answer, up to
+  `outage_s`; one that refuses has answered); the persistent steps saved before stay
+  restorable once the storage takes the credentials again."""
+  url, proxy = proxied_bucket
+  checkpointer, lines = _checkpointer(url, tmp_path), []
+  _train(checkpointer, range(1, 5), lines)   # persistent: 2, 4; local: 1, 3
+  checkpointer.wait()
+  warning, error, took = _refused(
+      proxy, url[:2], lambda: checkpointer.save_final(5, _state(5), lines.append),
+      capfd, caplog)
+  _assert_refusal_lines(warning, error, url, 5)
+  assert took < 5, took   # measured: under 0.2 s
+  closing = time.monotonic()
+  checkpointer.close()
+  assert time.monotonic() - closing < 2
+  proxy.resume()
+  assert complete_steps(f"{url}/runs/refused/checkpoints") == [2, 4]
+  assert _restored(url, tmp_path) == (4, "persistent", list(range(4, 12)))
+
+
+@pytest.mark.parametrize("proxied_bucket", ["gs"], indirect=True)
+@pytest.mark.parametrize("answers_the_probe", [False, True], ids=["silent", "probe only"])
+def test_metric_rows_queued_when_a_session_ends_on_a_stalled_storage_are_kept_in_seconds(
+    answers_the_probe, proxied_bucket, tmp_path, capfd, monkeypatch):
+  """A session ends (the trainer's `close`, which waits up to `FLUSH_TIMEOUT_S` for
+  its trackers) while the storage stalls under the metric uploads: the writes still
+  queued are not waited for when the storage does not answer the 2 s probe, and for
+  at most `EXIT_FLUSH_S` (here 1 s) when it answers the probe and takes no write,
+  rather than for the clients' minutes; one line, the rows kept, and the next
+  session's writer sends them once the storage answers."""
+  monkeypatch.setattr(metrics_lib, "EXIT_FLUSH_S", 1.0)
+  url, proxy = proxied_bucket
+  workdir = f"{url}/runs/exit"
+  metrics = storage.join(workdir, "metrics.jsonl")
+  unsent = str(tmp_path / "local" / UNSENT_METRICS)
+  writer = MetricsWriter(workdir, 100, trackers=(), unsent_path=unsent,
+                         stream=open(tmp_path / "stdout", "w"))
+  writer.log_train(1, _row(3.0))
+  _wait_for(lambda: storage.exists(metrics))
+  with answering_storage(None) as probe_only:
+    if answers_the_probe:
+      proxy.divert(probe_only)
+    else:
+      proxy.stall()
+    for step in range(2, 6):
+      writer.log_train(step, _row(3.0 - step / 100))
+    capfd.readouterr()
+    closing = time.monotonic()
+    writer.close(outage.FLUSH_TIMEOUT_S)   # as the trainer closes a session that ended
+    took = time.monotonic() - closing
+    (warning,) = capfd.readouterr().err.splitlines()
+  assert took < (1 if answers_the_probe else 2) + 3, took   # the bound, loaded cores
+  assert warning == (f"warning: metrics and TensorBoard writes still queued did not reach "
+                     f"the storage; the metric rows are kept in {unsent}: the next run "
+                     "sends them"), warning
+  with open(unsent, encoding="utf-8") as f:
+    assert [json.loads(line)["step"] for line in f] == [1, 2, 3, 4, 5]
+
+  proxy.resume()
+  if not answers_the_probe:   # the write held by the stall lands first (an older version)
+    _wait_for(lambda: len(storage.read_text(metrics).splitlines()) > 1)
+  writer = MetricsWriter(workdir, 100, trackers=(), unsent_path=unsent,
+                         stream=open(tmp_path / "stdout", "w"))
+  writer.close()
+  assert [json.loads(line)["step"] for line in storage.read_text(metrics).splitlines()
+          ] == [1, 2, 3, 4, 5]
 
 
 def _row(loss: float) -> dict:

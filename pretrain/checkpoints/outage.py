@@ -27,6 +27,9 @@ from plumbing.errors import StorageOutageError, UserError
 FIRST_BACKOFF_S = 1.0
 MAX_BACKOFF_S = 30.0
 FLUSH_TIMEOUT_S = 60.0   # what `close` waits for the last writes, at most
+# What a session's end waits for the writes still queued (`Uploads.drain`) when their
+# storage answers the probe; one that does not answer it is not waited for at all.
+EXIT_FLUSH_S = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +111,7 @@ class Uploads:
     self._writing: Optional[tuple[str, float]] = None   # the write in flight, since when
     self._error: Optional[StorageOutageError] = None
     self._closed = False
+    self._abandoned = False   # a drain found the storage silent: the next waits for nothing
     self._thread = threading.Thread(target=self._run, name="uploads", daemon=True)
     self._thread.start()
 
@@ -141,13 +145,35 @@ class Uploads:
         self._condition.wait(remaining)
     return self._error is None
 
+  def drain(self, timeout_s: float = EXIT_FLUSH_S) -> bool:
+    """`flush` at a session's end, bounded in seconds, not in the clients' minutes:
+    when writes are still queued, their storage is asked first (`storage.reachable`, 2
+    s) and, when it does not answer, not waited for (nor at a later drain); else they
+    are waited for up to `timeout_s`. True when every write landed."""
+    done = self.flush(0)
+    if done or timeout_s <= 0 or self._abandoned:
+      return done
+    if storage.reachable(self._pending_key()) is not None:
+      self._abandoned = True
+      return False
+    return self.flush(timeout_s)
+
+  def _pending_key(self) -> str:
+    """The file (its URL) of the write in flight, else of the first one queued."""
+    with self._condition:
+      writing = self._writing
+      return writing[0] if writing else next(iter(self._queue), "")
+
   def close(self, timeout_s: float = FLUSH_TIMEOUT_S) -> None:
-    """Writes what is queued (waiting at most `timeout_s`), then stops the thread."""
-    self.flush(timeout_s)
+    """Writes what is queued (waiting at most `timeout_s`), then stops the thread. A
+    thread still inside a write that has not landed is not joined: it waits for the
+    storage's clients, and a session's end must not (it is a daemon)."""
+    landed = self.flush(timeout_s)
     with self._condition:
       self._closed = True
       self._condition.notify_all()
-    self._thread.join(timeout=1.0)
+    if landed:
+      self._thread.join(timeout=1.0)
 
   def _next(self) -> Optional[tuple[str, Callable[[], None]]]:
     with self._condition:

@@ -153,6 +153,7 @@ class PersistentTier:
     self._saving: Optional[int] = None    # the step of the async save in flight
     self._sealing: Optional[int] = None   # the step the manifest callback seals
     self._manager_failed = False   # closed after a failed save, with several processes
+    self._reopen_pending = False   # closed after a failed save, to reopen at the next
     if not read_only and jax.process_index() == 0:
       # Orbax checks the commit marker only on gs:// paths; elsewhere a step directory
       # without it (non-atomic storage) would count as complete, so drop it here.
@@ -204,23 +205,56 @@ class PersistentTier:
     not there: the run stops (`policies.Essential`) with the closed one."""
     try:
       with integrity.save_failures(step, str(self.directory)):
+        if self._reopen_pending:
+          self._manager = self._fresh_manager()
+          self._reopen_pending = False
         yield
-    except CheckpointSaveError:
+    except CheckpointSaveError as failure:
       integrity.close_failed(self._manager)
       if jax.process_count() == 1:
-        # Without Orbax's clean-up of temporary directories at start: it would race
-        # `discard_failed`, which deletes the failed save's.
-        self._manager = self._open_manager(
-            dataclasses.replace(self._options, cleanup_tmp_directories=False))
+        self._reopen()
       else:
         self._manager_failed = True
-      raise
+      raise self._named(failure) from failure.__cause__
+
+  def _fresh_manager(self) -> ocp.CheckpointManager:
+    """A manager to replace one closed after a failed save (without Orbax's clean-up
+    of temporary directories at start: it would race `discard_failed`, which deletes
+    the failed save's)."""
+    return self._open_manager(dataclasses.replace(self._options,
+                                                  cleanup_tmp_directories=False))
+
+  def _reopen(self) -> None:
+    """A fresh manager after a failed save. Opening one lists the directory: a storage
+    that refuses the listing too (the failure's own cause, often) leaves the reopening
+    to the next save, whose failure it then is, rather than replace the failure being
+    reported with the client's error."""
+    try:
+      self._manager = self._fresh_manager()
+      self._reopen_pending = False
+    except Exception as error:  # pylint: disable=broad-except  # storage errors of every kind
+      if integrity.write_failure(error) is None:
+        raise
+      self._reopen_pending = True
+
+  def _named(self, failure: CheckpointSaveError) -> CheckpointSaveError:
+    """`failure`, reworded as the storage's refusal when it is one (HTTP 401, 403, 404:
+    `storage.refusal`, which names what to fix) rather than as the client's error."""
+    directory = str(self.directory)
+    error = failure.__cause__ if storage.is_url(directory) else None
+    while error is not None:
+      if reason := storage.refusal(directory, error):
+        return CheckpointSaveError(failure.step, reason, directory)
+      error = error.__cause__ or error.__context__
+    return failure
 
   # -- queries ---------------------------------------------------------------
   def all_steps(self) -> list[int]:
-    """Complete steps, ascending (Orbax's list, filtered by the commit marker)."""
-    return [step for step in self._manager.all_steps()
-            if _committed(self.directory / str(step))]
+    """Complete steps, ascending (Orbax's list, filtered by the commit marker); a
+    storage that fails the listing is a one-line UserError (`storage.guarded`)."""
+    return storage.guarded(str(self.directory), lambda: [
+        step for step in self._manager.all_steps()
+        if _committed(self.directory / str(step))])
 
   def latest_step(self) -> Optional[int]:
     steps = self.all_steps()
@@ -331,9 +365,13 @@ class PersistentTier:
 
   def discard_failed(self, step: int) -> None:
     """Deletes what the failed save of `step` left (Orbax's temporary directory), so
-    that it takes no space and is not mistaken for a step."""
+    that it takes no space and is not mistaken for a step. A storage that refuses or
+    does not answer keeps them: they have no commit marker, so no step is taken from
+    them, and the next start deletes them (the save's own failure is the line to
+    report, not this one)."""
     if jax.process_index() == 0:
-      integrity.remove_partial(str(self.directory), step)
+      with contextlib.suppress(UserError):
+        integrity.remove_partial(str(self.directory), step)
 
   def restore(self, step: int, *, abstract_params: Any,
               abstract_opt_state: Any = None) -> Restored:

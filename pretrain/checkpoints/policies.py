@@ -169,7 +169,10 @@ class Essential:
                       f"{self._newest_good_line()}") from None
 
   def _newest_good_line(self) -> str:
-    good = self.newest_good()
+    try:
+      good = self.newest_good()
+    except UserError:   # the storage that failed the save refuses the listing too
+      return f"The complete checkpoints in {self.tier.directory} are kept"
     return (f"The newest good checkpoint, step {good}, is intact in "
             f"{self.tier.directory}" if good is not None
             else "No checkpoint of this run was saved")

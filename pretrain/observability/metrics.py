@@ -24,7 +24,8 @@ from pretrain.observability.trackers import (DOWNSTREAM, EVAL, STEP_RECORD_KINDS
                                              Row, RunInfo, TrackerContext)
 from pretrain.observability.trackers.rows import from_json as tracker_row
 from pretrain.observability.trackers.delivery import Trackers
-from pretrain.checkpoints.outage import FLUSH_TIMEOUT_S, StorageConfig, Uploads
+from pretrain.checkpoints.outage import (EXIT_FLUSH_S, FLUSH_TIMEOUT_S, StorageConfig,
+                                         Uploads)
 from pretrain.run_directory import RunDirectory
 
 T = TypeVar("T")
@@ -331,16 +332,18 @@ class MetricsWriter:
   def close(self, flush_timeout_s: float = FLUSH_TIMEOUT_S, failed: bool = False) -> None:
     """Closes the files and ends the trackers' sessions (`failed`: the run stopped with
     an error); waits up to `flush_timeout_s` for the trackers that answer and, in a
-    bucket workdir, for the writes still queued (one line when the storage has not
-    taken them). A run that stops because the storage does not answer passes 0: a
-    write in flight can take the storage client's own retries (gcsfs: about 36 s) to
-    fail."""
+    bucket workdir, for the writes still queued (`Uploads.drain`: not at all when the
+    storage does not answer its 2 s probe, else at most `EXIT_FLUSH_S`, seconds rather
+    than the clients' retries), then keeps the rows the storage has not taken in
+    `unsent_path` with one line. A run that stops because the storage does not answer
+    passes 0: a write in flight can take the storage client's own retries (gcsfs:
+    about 36 s) to fail."""
     if self._jsonl is not None:
       self._jsonl.close()
     if self._trackers is not None:
       self._trackers.close(flush_timeout_s, failed)
     if self._uploads is not None:
-      if not self._uploads.flush(flush_timeout_s):
+      if not self._uploads.drain(min(flush_timeout_s, EXIT_FLUSH_S)):
         down_s = self._uploads.outage.down_s()
         kept = f"; the metric rows are {self._keep_unsent()}" if self._unsent_path else ""
         warn("metrics and TensorBoard writes " + (f"of the last {down_s:.0f} s " if down_s

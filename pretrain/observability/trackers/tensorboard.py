@@ -17,7 +17,7 @@ from etils import epy
 from plumbing import storage
 from plumbing.errors import StorageOutageError
 from pretrain.observability.trackers import STEP_KINDS, Row, RunInfo, TrackerContext
-from pretrain.checkpoints.outage import FLUSH_TIMEOUT_S, Uploads
+from pretrain.checkpoints.outage import Uploads
 from pretrain.run_directory import RunDirectory
 
 # clu's TensorBoard writer imports TensorFlow (about 6 s): loaded when a run first
@@ -59,12 +59,13 @@ class _UploadedTensorBoard:
   def flush(self) -> None:
     self._upload()
 
-  def close(self, timeout_s: float = FLUSH_TIMEOUT_S) -> None:
-    """Uploads the events a last time, waiting at most `timeout_s`; the staging
+  def close(self) -> None:
+    """Uploads the events a last time, waiting as a session's end waits for its writes
+    (`Uploads.drain`: not at all for a storage that does not answer); the staging
     directory stays when the upload has not landed by then (it reads from there)."""
     self._writer.close()
     self._upload()
-    if self._uploads.flush(timeout_s):
+    if self._uploads.drain():
       shutil.rmtree(self._staging, ignore_errors=True)
 
 
