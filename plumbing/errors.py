@@ -83,6 +83,12 @@ class UnreadableCheckpointError(UserError):
     self.detail = detail
 
 
+class CheckpointSaveStop(UserError):
+  """An essential tier's save failed, and failed again when retried (a storage that
+  refuses, a full disk): the run stops. The trainer first saves the step it reached to
+  the best-effort tiers (the local one), where a rerun resumes from it."""
+
+
 class StorageOutageError(UserError):
   """Object storage has failed every write for longer than `StorageConfig.outage_s`.
 

@@ -22,8 +22,8 @@ import numpy as np
 
 from model import counting
 from plumbing import quiet
-from plumbing.errors import (StorageOutageError, StorageOutageStop, UserError, usage_error,
-                             warn)
+from plumbing.errors import (CheckpointSaveStop, StorageOutageError, StorageOutageStop,
+                             UserError, usage_error, warn)
 from pretrain.evaluation import downstream
 from pretrain.evaluation import loss as evaluation
 from pretrain.observability import flops as flops_lib
@@ -352,6 +352,8 @@ class Trainer:
           hook.on_end(step, state, preempted)
     except StorageOutageError as outage:
       raise self._stop_for_outage(outage, step, state, rng) from None
+    except CheckpointSaveStop as failure:
+      raise self._stop_after_failed_save(failure, step, state, rng) from None
     finally:
       for hook in hooks:
         hook.close()
@@ -366,14 +368,30 @@ class Trainer:
     """The error that stops a run whose bucket has been unreachable for longer than
     `StorageConfig.outage_s`, once `step` is saved to the best-effort tiers (the
     local one, when configured): a rerun resumes from it."""
-    with self.watchdog.phase("checkpoint"):
-      saved = self.checkpointer.save_best_effort_now(
-          step, Snapshot(state.params, state.opt_state, rng, metadata={}))
+    saved = self._save_best_effort(step, state, rng)
     where = (f"saved the {' and the '.join(saved)}" if saved else
              "no local tier to save to (CheckpointConfig.local_dir): the steps after the "
              "newest persistent checkpoint are lost")
     return StorageOutageStop(f"{outage}; {where}; stopped: run the same command again "
                              "once the storage answers")
+
+  def _stop_after_failed_save(self, failure: CheckpointSaveStop, step: int,
+                              state: TrainState, rng: jax.Array) -> CheckpointSaveStop:
+    """`failure` (an essential tier's save failed twice) once `step` is saved to the
+    best-effort tiers, when there are any: a rerun resumes from there rather than from
+    the newest essential checkpoint."""
+    saved = self._save_best_effort(step, state, rng)
+    if not saved:
+      return failure
+    return CheckpointSaveStop(f"{failure}; saved the {' and the '.join(saved)}: a rerun "
+                              "resumes from it")
+
+  def _save_best_effort(self, step: int, state: TrainState, rng: jax.Array) -> list[str]:
+    """Saves `step` to the best-effort tiers and waits for it, the last thing a run that
+    stops for its storage does; returns where it is saved."""
+    with self.watchdog.phase("checkpoint"):
+      return self.checkpointer.save_best_effort_now(
+          step, Snapshot(state.params, state.opt_state, rng, metadata={}))
 
   def _result(self, step: int, preempted: bool, hooks: Sequence[hooks_lib.Hook],
               seconds: float) -> RunResult:

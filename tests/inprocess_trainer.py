@@ -44,6 +44,13 @@ class ToyPipeline:
     return "data: toy counting sequences"
 
 
+# The model of the in-process runs: every test that trains it shares its compiled step
+# through the JAX cache.
+TINY_MODEL = ModelConfig(vocab_size=260, width=32, rnn_width=32, num_heads=2, depth=2,
+                         block_pattern=("recurrent", "attention"), attention_window=8,
+                         scan_impl="lax")
+
+
 def make_trainer(workdir: str, model: ModelConfig, *, train_steps: int,
                  checkpoint_every: int, mesh: MeshConfig = MeshConfig(data=2, fsdp=2,
                                                                         tensor=2),
@@ -66,14 +73,14 @@ def make_trainer(workdir: str, model: ModelConfig, *, train_steps: int,
 
 
 def train_in_process(workdir: str, model: ModelConfig, config: TrainConfig, *,
-                     hooks=(), mesh: MeshConfig = MeshConfig(data=2, fsdp=2, tensor=2)):
+                     hooks=(), mesh: MeshConfig = MeshConfig(data=2, fsdp=2, tensor=2),
+                     checkpoint_config: CheckpointConfig = CheckpointConfig(async_save=False)):
   """`pretrain.trainer.train` of `model` on the toy pipeline, as the CLI runs it
-  (synchronous saves; the optimizer of `make_trainer`): the whole session, its writer
-  and trackers included."""
-  run = RunDirectory(workdir)
+  (synchronous saves unless `checkpoint_config` says otherwise; the optimizer of
+  `make_trainer`): the whole session, its writer and trackers included."""
+  run = RunDirectory(workdir, checkpoint_config.local_dir)
   return train(run, config, Runtime.create(model, mesh),
                OptimizerConfig(peak_learning_rate=1e-2, warmup_steps=2),
-               Checkpointer.for_run(run, CheckpointConfig(async_save=False),
-                                    every=config.checkpoint_every),
+               Checkpointer.for_run(run, checkpoint_config, every=config.checkpoint_every),
                lambda cfg, runtime: ToyPipeline(cfg.batch_size, cfg.sequence_length),
                hooks=hooks)

@@ -12,13 +12,16 @@ import numpy as np
 import pytest
 
 from model.config import ModelConfig
-from plumbing.errors import EXIT_FAILED, EXIT_USAGE, UserError
+from plumbing.errors import CheckpointSaveStop, EXIT_FAILED, EXIT_USAGE, UserError
 from pretrain import gin_config
 from pretrain.checkpoints import integrity
+from pretrain.checkpoints.checkpointer import CheckpointConfig
 from pretrain.checkpoints.persistent import complete_steps
 from pretrain.data import DataError
 from pretrain.data.pipeline import DataPipeline
 from pretrain.data.tasks import text_files_task
+from pretrain.train_config import TrainConfig
+from inprocess_trainer import TINY_MODEL, train_in_process
 import trainer_helpers
 from trainer_helpers import (assert_ok, fill_disk,  # pylint: disable=unused-import
                              small_disk, train_losses, trained_workdir, trainer_env)
@@ -179,6 +182,37 @@ def test_unreadable_newest_checkpoint_is_skipped_for_the_previous_one(
   assert "Resuming from the checkpoint of step 22" in trained.stdout
   assert "24.corrupt-size" in os.listdir(checkpoints)
   assert complete_steps(checkpoints)[-2:] == [24, 26]   # step 24 trained again
+
+
+def test_a_save_failed_twice_saves_the_local_tier_before_the_stop(tmp_path):
+  """The checkpoints' disk fills up mid-run and a local tier is configured (saving
+  every 100 steps, so never on its own here): the persistent save of step 4 fails, is
+  retried once and fails again, and before the run stops it saves step 4 to the local
+  tier, which its line names, as a stop for a storage outage does; a rerun resumes
+  from there instead of from step 2."""
+  workdir, local = tmp_path / "run", tmp_path / "local"
+  checkpoints = workdir / "checkpoints"
+  config = TrainConfig(train_steps=12, batch_size=4, sequence_length=32,
+                       checkpoint_every=2, eval_every=0, log_every=1, final_eval=False,
+                       seed=1)
+
+  def fill_after_step_3(info) -> None:
+    if info.step == 3:
+      fill_disk(checkpoints)
+
+  with small_disk(checkpoints, 8 << 20):
+    with pytest.raises(CheckpointSaveStop) as stopped:
+      train_in_process(str(workdir), TINY_MODEL, config, hooks=[fill_after_step_3],
+                       checkpoint_config=CheckpointConfig(
+                           async_save=False, local_dir=str(local), local_every=100))
+    assert complete_steps(checkpoints) == [2]
+  message = str(stopped.value)
+  assert "checkpoint 4 failed: no space left on device" in message, message
+  assert "(retried once); stopped. The newest good checkpoint, step 2, is intact in " \
+      f"{checkpoints}; saved the local checkpoint of step 4 in {local}/" in message, message
+  assert message.endswith(": a rerun resumes from it"), message
+  saved_in = message.split("saved the local checkpoint of step 4 in ")[1].split(": a rerun")[0]
+  assert os.path.isdir(os.path.join(saved_in, "4")), os.listdir(saved_in)
 
 
 @pytest.mark.slow  # a subprocess; the fast tier has the hook's unit tests

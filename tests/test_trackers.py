@@ -26,7 +26,6 @@ import urllib.request
 import pytest
 
 from model import counting
-from model.config import ModelConfig
 from plumbing import quiet
 from pretrain.checkpoints import outage
 from pretrain.observability import trackers as trackers_lib
@@ -37,17 +36,15 @@ from pretrain.observability.trackers import rows as rows_lib
 from pretrain.observability.trackers import run_info
 from pretrain.run_directory import CLIENT_LOG, RunDirectory
 from pretrain.train_config import TrainConfig
-from inprocess_trainer import train_in_process
+from inprocess_trainer import TINY_MODEL, train_in_process
 from storage_servers import free_port
 from tiers import slow_after_first
 from trainer_helpers import REPO, trainer_env  # pylint: disable=unused-import
 import tracker_tools
 import wandb_server
 
-# test_trainer_seams' model and schedule: the train step comes from the shared JAX cache.
-MODEL = ModelConfig(vocab_size=260, width=32, rnn_width=32, num_heads=2, depth=2,
-                    block_pattern=("recurrent", "attention"), attention_window=8,
-                    scan_impl="lax")
+# The in-process model (its train step from the shared JAX cache) and schedule.
+MODEL = TINY_MODEL
 STEPS = 6
 # The most a process with a W&B server that does not answer takes, imports and W&B's own
 # exit handlers included, with WANDB_INIT_TIMEOUT=3 (measured on 2 shared cores: 26 s, 10 s

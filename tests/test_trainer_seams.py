@@ -11,18 +11,15 @@ import jax
 import numpy as np
 import pytest
 
-from model.config import ModelConfig
 from plumbing.errors import UnreadableCheckpointError
 from pretrain import hooks as hooks_lib
 from pretrain.checkpoints.tier import CheckpointTier, Restored
 from pretrain.checkpoints.checkpointer import CheckpointConfig, Checkpointer
 from pretrain.checkpoints.persistent import complete_steps
 from pretrain.run_directory import RunDirectory
-from inprocess_trainer import make_trainer
+from inprocess_trainer import TINY_MODEL, make_trainer
 
-MODEL = ModelConfig(vocab_size=260, width=32, rnn_width=32, num_heads=2, depth=2,
-                    block_pattern=("recurrent", "attention"), attention_window=8,
-                    scan_impl="lax")
+MODEL = TINY_MODEL
 
 
 class InMemoryTier:

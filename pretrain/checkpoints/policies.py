@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from plumbing.errors import CheckpointSaveError, UserError, warn
+from plumbing.errors import CheckpointSaveError, CheckpointSaveStop, UserError, warn
 from pretrain.checkpoints.outage import Outage
 from pretrain.checkpoints.tier import CheckpointTier
 
@@ -157,16 +157,16 @@ class Essential:
     save's leftovers; stops the run if that fails too."""
     self.tier.discard_failed(failure.step)
     if jax.process_count() > 1:
-      raise UserError(f"{failure}; stopped (with several processes a save is not "
-                      f"retried). {self._newest_good_line()}") from None
+      raise CheckpointSaveStop(f"{failure}; stopped (with several processes a save is "
+                               f"not retried). {self._newest_good_line()}") from None
     warn(f"{failure}; retrying with step {step}")
     try:
       self._save(step, snapshot)
       self.tier.wait()
     except CheckpointSaveError as again:
       self.tier.discard_failed(again.step)
-      raise UserError(f"{again} (retried once); stopped. "
-                      f"{self._newest_good_line()}") from None
+      raise CheckpointSaveStop(f"{again} (retried once); stopped. "
+                               f"{self._newest_good_line()}") from None
 
   def _newest_good_line(self) -> str:
     try:
