@@ -12,18 +12,19 @@ trainer's program and so lives above the model, in `pretrain.compilation.memory_
 Analytic model of the peak (bytes per device). The total is
     params + optimizer + gradients + max(activations, workspace)
 because the AdamW update's temporaries (workspace: 2 x the parameter shard) are allocated
-after the backward pass has freed the activations. Activations are a per-token part
+after the backward pass has freed the activations. Activations are per-token parts
 times tokens per device, batch·seq / (replica·data·fsdp·sequence), plus the weights of
-the units being computed in the compute dtype, split over `tensor` (the FSDP all-gather),
-and the tied embedding as the output projection reads it (a compute-dtype copy, and
-with FSDP the gathered float32 table: V·D/t each).
+the units being computed in the compute dtype, split over `tensor` (the FSDP all-gather).
 Widths the rules split over `tensor` (M = MLP, R = RNN channels, query heads, V = vocab)
 are divided by its size t. What one residual block keeps for its backward pass, per
 token, in buffers of that width (c: compute dtype, f: float32):
   residual + MLP      4·D c + 2·M/t c     (block input, mid residual, both norms' outputs;
                                            gate and up projections)
-  recurrent           3·R/t c + 10·R/t f  (branch outputs; gates, decay, normaliser, h)
-  attention           (2·D/t + 2·d) c + 2·S f   (q, k, v; masked scores, probabilities)
+  recurrent           3·R/t c + 4·R/t f   (the two branches' projections and the Conv1D's
+                                           output; the two gates' sigmoids, and the scan
+                                           kernel's residuals: the decay a and the state h)
+  attention           (2·D/t + 2·d + S) c + S f   (q, k, v; on XLA's path the
+                                           probabilities as cast for V, the masked scores)
   GateLoop            3·D/t c + 12·D/t f
 (each temporal block states its row, and what "save_matmuls" keeps of it, as the
 `memory` capability of its registry entry: `model.block_registry`, built-ins in
@@ -33,51 +34,68 @@ with only its layer and parameter count) is estimated, and the plan says so
 summed output widths of its weight matrices (all its parameters when it declares no
 counting), it keeps ESTIMATE_KEPT = (1, 4) x W per token (compute dtype, float32), not
 split over `tensor`, and "save_matmuls" keeps W in the compute dtype. That covers the
-declared recurrences with room (the RG-LRU keeps 3 + 10 buffers of R per token against
+declared recurrences with room (the RG-LRU keeps 3 + 4 buffers of R per token against
 W ≈ 3R, GateLoop 3 + 12 of D against W = 6D), but not attention-like scores that grow
 with the sequence: such a block declares its terms.
 S = (N/t)·K is the score matrix's entries per query: K = 2·window on the blocked local
 path (T > window), else T. Where training calls run a fused attention kernel
 (`ModelConfig.attention`, on the config's target platform) no scores are kept: the
-float32 term is the kernel's one log-sum-exp per query head, N/t. The output's backward holds one float32 V/t copy (the
-logits' gradient). Then, per token:
-  remat "none":          the larger of the output's copy and every block's kept buffers;
-  "full":                units·D c (each scanned unit's input) + the kept buffers of the
-                         unscanned tail + the larger of the output's copy and the kept
-                         buffers of the units one scan iteration recomputes together
-                         (`depth_unroll` of them; attention scores of at most
-                         SCORE_UNITS = 2 of them), and that many units' weights;
-  "save_matmuls":        each unit's matmul outputs (and Conv1D output, attention scores)
-                         + the tail + the larger of the output's copy and the largest
-                         block's remaining kept buffers (recomputed).
+float32 term is the kernel's one log-sum-exp per query head, N/t.
+
+The peak is the larger of two moments of the backward pass, each on top of what both
+keep (the saved inputs below):
+  the loss's backward:   the float32 logits, V/t per token (formed in float32 by the
+                         output projection, live until the softmax's gradient has been
+                         formed from them), and the tied table's float32 gradient from
+                         the output projection, V·D/t, formed whole before FSDP's
+                         reduce-scatter (`table_gradient_bytes`);
+  a unit's backward:     the kept buffers of the units being recomputed.
+Per remat policy, per token:
+  "none":          every block's kept buffers, at the loss's backward;
+  "full":          units·D c (each scanned unit's input) + the kept buffers of the
+                   unscanned tail + the loss's backward and, with the depth unrolled
+                   whole (no loop), beside it the last unit's kept buffers and the
+                   recurrences of the others: the scheduler recomputes each unit just
+                   before its own backward, the last one before the loss's, and libtpu
+                   places the Pallas scan's recomputation, which needs only the unit's
+                   saved input, ahead of the loss's backward for every unit (a block's
+                   `memory` terms say so with `recomputed_ahead`; the RG-LRU's do).
+                   In a loop nothing moves ahead of the loss: the larger of the loss's
+                   backward and the kept buffers of the units one iteration recomputes
+                   together (`depth_unroll` of them; scores of at most SCORE_UNITS = 2).
+                   Plus that many units' weights (`depth_unroll`);
+  "save_matmuls":  each unit's matmul outputs (and Conv1D output, attention scores)
+                   + the tail + the larger of the loss's backward (beside the last
+                   unit's recomputed buffers when the depth is unrolled whole) and the
+                   largest block's remaining kept buffers (recomputed).
 Backward-pass temporaries of a block (gradients of its internals) do not appear: the TPU
 compiler frees the recomputed buffers as the block's backward consumes them, and at the
 peaks measured they fit inside the kept set.
 
-How it was measured. Structure (what stays live at the peak, that a recomputed unit is
-live as a whole, that the logits' and the unit's phases do not add) from libtpu's buffer
-assignment (the live-range dump at the peak, `XLA_FLAGS=--xla_dump_to`) of Griffin, Hawk
-and MQA at 1.3B on v5p; the per-block counts above are those buffers rounded to whole
-copies, and SCORE_UNITS is set by the one unrolled MQA point (3 units per iteration,
-2 units' scores live); the form (kept sets, no temporaries) was chosen with eleven
-compiled peaks in view. Against the compiled peaks (benchmarks/results/
-planner_vs_compiler.json; benchmarks/RESULTS.md; tests/test_memory_planner.py holds
-every record to within 25%, total and activations): griffin and mqa 1.3B at 3 to 24
-layers, hawk 1.3B at 3, remat full, none and save_matmuls, fsdp and fsdp x tensor
-meshes, griffin 7B cut to 3 layers on fsdp:2,tensor:4: totals 0.97x to 1.14x,
-activations 0.96x to 1.18x. Hawk 1.3B at 24 layers was compiled after the per-block
-form was fixed: total 0.96x, activations 0.73x, then 0.86x once the embedding term
-(the gathered float32 table and its compute-dtype copy, both in the dumps) was added.
-Held out (compiled after the model was final, predicted before): Hawk 7B, MQA 7B and
-Griffin 14B cut to 3 layers on fsdp:2,tensor:4: 1.09x, 1.04x and 1.10x.
+How it was measured. Structure (what is live at the peak) from libtpu's buffer
+assignment (the live-range dump at the peak, `XLA_FLAGS=--xla_dump_to`) of MQA, Hawk and
+Griffin 1.3B cut to 3 layers on v5p-8 fsdp:4, remat full, with splash attention and the
+Pallas scan (2026-12-08): each peak is the loss's backward, the float32 logits (1 GiB
+per chip) and the table's float32 gradient (256 MiB) beside the saved inputs, the
+gathered weights and the recomputed buffers above; the per-block counts are those
+buffers rounded to whole copies (the scan's padding of D_RNN = 2560 to 3072 channels
+left out). Against the compiled peaks (benchmarks/results/planner_vs_compiler.json and
+the fused Figure-3 cuts, benchmarks/results/tpu_figure3_fused.json; benchmarks/RESULTS.md,
+"Planner against the compiler"; tests/test_memory_planner.py holds every one to within
+15%, total and activations), fitted on the 1.3B cuts: griffin, mqa and hawk at 3 layers
+with remat full, griffin and mqa with none, griffin with save_matmuls, on fsdp:2,tensor:2
+and scanned (6 layers, one unit per iteration), mqa at 6 layers, and the Figure-3 cuts
+(remat none, 3 and 6 layers, 2K to 8K tokens per row): 0.89x to 1.09x. Held out
+(compiled after the model was written down, predicted before): benchmarks/RESULTS.md.
 Against XLA:GPU (benchmarks/results/planner_vs_gpu_compiler.json, held to 25% by the
-same test): Griffin, Hawk and MQA at 1.3B and 7B, whole presets at 256 x 2048 tokens on
-fsdp:4,tensor:8 over 32 H100s and fsdp:8,tensor:8 over 64, remat full and none: 0.92x to
-1.07x, Griffin 7B with remat full 1.23x, with no GPU-specific term. Without remat that
-holds with the depth unrolled (`ModelConfig.depth_scan_unroll`'s default on GPU; a loop
-made XLA:GPU keep 2.1-2.9x) and for the program's own peak: a step bigger than the GPU
-compiles to less, XLA:GPU rematerialising toward the device's memory (the records were
-compiled with that limit lifted; compiled under it, they stay over the memory, as
+same test; XLA's attention, as those programs were compiled): Griffin, Hawk and MQA at
+1.3B and 7B, whole presets at 256 x 2048 tokens on fsdp:4,tensor:8 over 32 H100s and
+fsdp:8,tensor:8 over 64, remat full and none: 0.80x to 1.07x, with no GPU-specific term;
+XLA:GPU keeps more of the RG-LRU than libtpu (Hawk without remat 0.80x). Without remat
+that holds with the depth unrolled (`ModelConfig.depth_scan_unroll`'s default on GPU; a
+loop made XLA:GPU keep 2.1-2.9x) and for the program's own peak: a step bigger than the
+GPU compiles to less, XLA:GPU rematerialising toward the device's memory (the records
+were compiled with that limit lifted; compiled under it, they stay over the memory, as
 planned).
 Not calibrated (no compiled point): GateLoop, the CG-LRU, sequence-parallel meshes, and
 the chunked loss (the output term assumes TrainConfig.loss_chunks = 1). XLA:CPU keeps
@@ -110,9 +128,9 @@ UPDATE_WORKSPACE = 2     # temporaries of the optimizer update, in parameter sha
 # The temporal blocks' own buffers are their registry entries' `memory` terms.
 KEEP_RESIDUAL = 4            # x D, compute dtype: block input, mid residual, both norms
 KEEP_MLP = 2                 # x M/t, compute dtype: gate and up projections
-SCORE_UNITS = 2              # unrolled units whose scores are live together, at most
+SCORE_UNITS = 2              # units of one loop iteration whose scores are live together
 ESTIMATE_KEPT = (1, 4)       # x W (see above): a block that declares no memory terms
-OUTPUT_LOGITS = 1            # x V/t, float32: the logits' gradient
+OUTPUT_LOGITS = 1            # x V/t, float32: the logits, live into the loss's backward
 _KEYS = ("params", "optimizer", "gradients", "activations", "workspace", "total")
 
 
@@ -212,6 +230,19 @@ def _block_kept(config: ModelConfig, block_type: str, seq: int, tensor: int
   return compute + temporal[0], temporal[1], temporal[2]
 
 
+def _recomputed_ahead(config: ModelConfig, block_type: str, seq: int, tensor: int) -> float:
+  """Of what the temporal block keeps, the part whose recomputation the compiler
+  schedules ahead of the loss's backward under remat "full" with the depth unrolled
+  (in compute-dtype elements per token; float32 counts twice): a block's memory terms
+  say so with `recomputed_ahead`, none by default."""
+  terms = _memory_terms(block_type)
+  if not getattr(terms, "recomputed_ahead", False):
+    return 0.0
+  c_bytes = np.dtype(jnp.dtype(config.dtype)).itemsize
+  compute, f32, _ = terms.kept_activations(config, seq, tensor)
+  return compute + f32 * 4 / c_bytes
+
+
 def _saved_matmul_outputs(config: ModelConfig, block_type: str, seq: int, tensor: int
                           ) -> tuple[float, float]:
   """What remat "save_matmuls" keeps of one block per token: its weight matmuls' outputs
@@ -220,22 +251,29 @@ def _saved_matmul_outputs(config: ModelConfig, block_type: str, seq: int, tensor
   return temporal[0] + 2 * config.mlp_width / tensor + config.width, temporal[1]
 
 
-def activation_bytes_per_token(config: ModelConfig, seq: int, tensor: int) -> float:
-  """Peak bytes per token on one device of the activations of a training step (the
-  per-token part of the module docstring's model; the units' weights come on top)."""
+def _activation_phases(config: ModelConfig, seq: int, tensor: int
+                       ) -> tuple[float, float, float]:
+  """Bytes per token on one device of the two candidate peaks (module docstring):
+  (kept through both, the loss's backward adds, a scan iteration's backward adds)."""
   c_bytes = np.dtype(jnp.dtype(config.dtype)).itemsize
   kept = {b: _block_kept(config, b, seq, tensor) for b in set(config.block_types)}
   kept_bytes = lambda b: kept[b][0] * c_bytes + kept[b][1] * 4
-  output = OUTPUT_LOGITS * config.vocab_size / tensor * 4
+  logits = OUTPUT_LOGITS * config.vocab_size / tensor * 4
   if config.remat == "none":
-    return max(output, sum(kept_bytes(b) for b in config.block_types))
+    # Every block's buffers are kept when the loss's backward starts.
+    return sum(kept_bytes(b) for b in config.block_types), logits, 0.0
   # Rematerialised units keep their inputs (with save_matmuls, their matmul outputs);
-  # the unscanned tail keeps everything. The backward pass recomputes the units of one
-  # scan iteration together.
+  # the unscanned tail keeps everything. `last`: what the loss's backward finds
+  # recomputed beside it when the depth is unrolled whole; `recomputed`: what a loop's
+  # iteration recomputes together.
   units, unrolled = config.num_scanned_units, config.depth_unroll
   tail = sum(kept_bytes(b) for b in config.remainder_block_types)
   if config.remat == "full":
     saved = units * config.width * c_bytes
+    last = sum(kept_bytes(b) for b in config.block_pattern)
+    # Recurrences recomputed ahead: every other unrolled unit's share beside the last.
+    last += (unrolled - 1) * sum(_recomputed_ahead(config, b, seq, tensor) * c_bytes
+                                 for b in config.block_pattern)
     recomputed = sum(unrolled * kept_bytes(b)
                      - (unrolled - min(unrolled, SCORE_UNITS)) * kept[b][2] * 4
                      for b in config.block_pattern)
@@ -245,9 +283,23 @@ def activation_bytes_per_token(config: ModelConfig, seq: int, tensor: int) -> fl
                         for b in config.block_pattern)
     recomputed = max(kept_bytes(b) - outputs[b][0] * c_bytes - outputs[b][1] * 4
                      for b in config.block_pattern)
+    last = recomputed
   else:
     raise ValueError(f"unknown remat policy {config.remat!r}")
-  return saved + tail + max(output, recomputed)
+  if units and unrolled == units:
+    # The depth unrolled whole: each unit is recomputed just before its own backward,
+    # the last one (and the recurrences ahead) before the loss's backward.
+    return saved + tail, logits + last, last
+  # A loop's body runs within the loop: nothing of it moves ahead of the loss.
+  return saved + tail, logits, recomputed
+
+
+def activation_bytes_per_token(config: ModelConfig, seq: int, tensor: int) -> float:
+  """Peak bytes per token on one device of the activations of a training step (the
+  per-token part of the module docstring's model; the units' weights and the table's
+  gradient come on top)."""
+  common, loss_phase, unit_phase = _activation_phases(config, seq, tensor)
+  return common + max(loss_phase, unit_phase)
 
 
 def unit_weight_bytes(config: ModelConfig, tensor: int) -> int:
@@ -259,12 +311,10 @@ def unit_weight_bytes(config: ModelConfig, tensor: int) -> int:
   return int(weights * c_bytes / tensor)
 
 
-def embedding_copy_bytes(config: ModelConfig, sizes: Mapping[str, int]) -> int:
-  """The tied embedding as the output projection uses it: a compute-dtype copy, and with
-  FSDP the gathered float32 table it is cast from (both split over `tensor` only)."""
-  c_bytes = np.dtype(jnp.dtype(config.dtype)).itemsize
-  table = config.vocab_size * config.width / sizes["tensor"]
-  return int(table * (c_bytes + (PARAM_BYTES if sizes["fsdp"] > 1 else 0)))
+def table_gradient_bytes(config: ModelConfig, sizes: Mapping[str, int]) -> int:
+  """The tied table's float32 gradient from the output projection, formed whole (split
+  over `tensor` only) during the loss's backward, before FSDP's reduce-scatter."""
+  return int(config.vocab_size * config.width / sizes["tensor"] * PARAM_BYTES)
 
 
 def activation_bytes_per_device(config: ModelConfig, mesh: Mapping[str, int], batch_size: int,
@@ -279,10 +329,12 @@ def activation_bytes_per_device(config: ModelConfig, mesh: Mapping[str, int], ba
     raise ValueError(f"sequence length {seq_len} is not divisible by the sequence axis "
                      f"({sizes['sequence']})")
   tokens = batch_size * seq_len / (batch_shards * sizes["sequence"])
-  per_token = activation_bytes_per_token(config, seq_len, sizes["tensor"])
+  common, loss_phase, unit_phase = _activation_phases(config, seq_len, sizes["tensor"])
   units = config.depth_unroll if config.remat == "full" else 1
-  return int(tokens * per_token + units * unit_weight_bytes(config, sizes["tensor"])
-             + embedding_copy_bytes(config, sizes))
+  return int(tokens * common
+             + max(tokens * loss_phase + table_gradient_bytes(config, sizes),
+                   tokens * unit_phase)
+             + units * unit_weight_bytes(config, sizes["tensor"]))
 
 
 def _analytic(config, sizes, batch_size, seq_len, rules):

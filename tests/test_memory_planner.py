@@ -4,6 +4,7 @@ and the big presets planned quickly."""
 import json
 import os
 import time
+from typing import Optional
 
 import gin
 import pytest
@@ -12,6 +13,7 @@ from model import counting
 from model import memory
 from model.config import ModelConfig
 from pretrain import gin_config
+from pretrain.compilation import aot
 from pretrain.compilation import gpu_target
 from pretrain.compilation import memory_plan
 from pretrain.compile import BASE_GIN
@@ -20,6 +22,7 @@ from sharding.mesh import parse_mesh_flag
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TPU_RECORDS = os.path.join(REPO, "benchmarks", "results", "planner_vs_compiler.json")
 GPU_RECORDS = os.path.join(REPO, "benchmarks", "results", "planner_vs_gpu_compiler.json")
+FUSED_GRID = os.path.join(REPO, "benchmarks", "results", "tpu_figure3_fused.json")
 GPU_OVER_MEMORY_RECORDS = os.path.join(REPO, "benchmarks", "results",
                                        "planner_vs_gpu_compiler_over_memory.json")
 
@@ -64,33 +67,62 @@ def test_analytic_plan_matches_compiled_train_step(model_name, mesh):
 
 @pytest.mark.slow
 def test_analytic_plan_matches_tpu_compiled_peaks():
-  """The analytic plan within 25% of libtpu's compiled per-chip peak, total and
+  """The analytic plan within 15% of libtpu's compiled per-chip peak, total and
   activations, for every run benchmarks/planner_vs_compiler.py --record compiled (Griffin,
   Hawk and MQA 1.3B at 3 to 24 layers and 7B cut to 3, Griffin 14B cut to 3, remat full,
-  none and save_matmuls, FSDP and tensor meshes on v5p slices); nothing is compiled here."""
+  none and save_matmuls, FSDP and tensor meshes on v5p slices), planned for the TPU's
+  kernels (splash attention, the Pallas scan); nothing is compiled here."""
   with open(TPU_RECORDS) as f:
     records = json.load(f)
   models = {os.path.basename(r["gin_files"][-1]) for r in records}
   assert {"griffin_1_3b.gin", "hawk_1_3b.gin", "mqa_1_3b.gin"} <= models
-  assert {"full", "none"} <= {r["remat"] for r in records}
+  assert {"full", "none", "save_matmuls"} <= {r["remat"] for r in records}
   for record in records:
-    total_ratio, activation_ratio = _plan_over_compiled(record)
-    assert 0.75 < total_ratio < 1.25, record["name"]
-    assert 0.75 < activation_ratio < 1.25, record["name"]
+    total_ratio, activation_ratio = _plan_over_compiled(record, platform="tpu")
+    assert 0.85 < total_ratio < 1.15, record["name"]
+    assert 0.85 < activation_ratio < 1.15, record["name"]
 
 
-def _record_config(record: dict) -> ModelConfig:
-  """The ModelConfig a record's Gin files and parameters describe."""
+def test_analytic_plan_matches_the_fused_figure3_cuts():
+  """The grid of benchmarks/tpu_estimate.py with fused attention (RESULTS.md, "Fused
+  attention: Figure 3 with splash attention"): Griffin and MQA 1.3B cut to 3 and 6
+  layers, every layer unrolled, remat none, at 2K, 4K and 8K tokens per row on v5p-8
+  fsdp:4; the plan within 15% of each cut's compiled peak, total and activations."""
+  with open(FUSED_GRID) as f:
+    compiles = json.load(f)["compiles"]
+  assert len(compiles) == 12
+  for key, compiled in compiles.items():
+    preset, _, mesh, shape, depth = key.split("|")
+    batch, length = map(int, shape.split("x"))
+    depth = int(depth.removeprefix("depth="))
+    assert compiled["attention"]["impl"] == "splash" and compiled["model"]["remat"] == "none"
+    record = {"name": key, "gin_files": [f"configs/models/{preset}"],
+              # tpu_estimate's cut: every unit unrolled, the loss in one piece.
+              "gin_params": [f"ModelConfig.depth={depth}",
+                             f"ModelConfig.depth_scan_unroll={depth}",
+                             "TrainConfig.loss_chunks=1"],
+              "mesh": mesh, "batch_size": batch, "sequence_length": length,
+              "compiled_peak_bytes": compiled["peak_bytes"],
+              "compiled_argument_bytes": compiled["argument_bytes"]}
+    total_ratio, activation_ratio = _plan_over_compiled(record, platform="tpu")
+    assert 0.85 < total_ratio < 1.15, key
+    assert 0.85 < activation_ratio < 1.15, key
+
+
+def _record_config(record: dict, platform: Optional[str] = None) -> ModelConfig:
+  """The ModelConfig a record's Gin files and parameters describe, lowered for
+  `platform`'s kernels when given (as `pretrain.compile` lowers it)."""
   gin_config.parse(list(BASE_GIN) + record["gin_files"], record["gin_params"])
   try:
-    return gin_config.build_model_config()
+    config = gin_config.build_model_config()
   finally:
     gin.clear_config()
+  return config if platform is None else aot.for_target(config, platform)
 
 
-def _plan_over_compiled(record: dict) -> tuple[float, float]:
+def _plan_over_compiled(record: dict, platform: Optional[str] = None) -> tuple[float, float]:
   """(analytic total / compiled peak, analytic / compiled activations) of one record."""
-  plan = memory.plan_memory(_record_config(record), parse_mesh_flag(record["mesh"]),
+  plan = memory.plan_memory(_record_config(record, platform), parse_mesh_flag(record["mesh"]),
                             record["batch_size"], record["sequence_length"])
   peak = record["compiled_peak_bytes"]
   # XLA's arguments are the parameter and AdamW shards and the batch; the gradients
@@ -152,7 +184,7 @@ def test_14b_on_128_devices_plans_quickly_and_shards_state():
     gin.clear_config()
   mesh = {"data": 1, "fsdp": 32, "tensor": 4}
   start = time.monotonic()
-  plan = memory.plan_memory(config, mesh, 256, 2048, device_memory_gb=95)
+  plan = memory.plan_memory(config, mesh, 256, 2048, device_memory_gb=80)
   elapsed = time.monotonic() - start
   print(f"griffin 14b on {mesh}: planned in {elapsed:.1f} s: "
         f"{ {k: round(plan[k] / 2**30, 2) for k in memory._KEYS} } GiB")
@@ -162,7 +194,9 @@ def test_14b_on_128_devices_plans_quickly_and_shards_state():
   # over tensor, rnn_head_dim over fsdp); only norms, biases and a few vectors are not.
   assert total_params * 4 / 128 <= plan["params"] < 1.05 * total_params * 4 / 128
   assert plan["optimizer"] == 2 * plan["params"] and plan["gradients"] == plan["params"]
-  assert plan["fits"] is False  # no remat at 8 sequences per device: far beyond 95 GB
+  # No remat at 8 sequences per device (XLA's attention, this host's): about 87 GB,
+  # beyond an 80 GB GPU.
+  assert plan["fits"] is False
   remat = memory.plan_memory(config.replace(remat="full"), mesh, 256, 2048,
                              device_memory_gb=95)
   assert remat["activations"] < plan["activations"] / 4

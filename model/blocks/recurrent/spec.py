@@ -22,8 +22,11 @@ from model.config import BlockType, ModelConfig
 RECURRENCE_FORWARD_FLOPS = 10     # per RG-LRU state element and token (model.counting)
 RECURRENT_OUTPUT_GATE_FLOPS = 1   # x-branch ⊙ y-branch, per RG-LRU channel and token
 # Activation buffers kept for the backward pass per token, x R/t (compute dtype, float32):
-# branch outputs; gates, decay, normaliser, scan, h (calibration: `model.memory`).
-KEEP_RNN = (3, 10)
+# the x and y projections and the Conv1D's output; the input and recurrence gates'
+# sigmoids, and the scan kernel's residuals, the decay a and the state h. XLA fuses the
+# rest of the gate chain (log a, the normaliser, the scaled input) into the backward's
+# consumers (libtpu's buffer assignment of hawk_1_3b; calibration: `model.memory`).
+KEEP_RNN = (3, 4)
 
 
 class _RecurrentCounting:
@@ -42,7 +45,11 @@ class _RecurrentCounting:
 
 
 class _RecurrentMemory:
-  """Per-token terms of the analytic planner."""
+  """Per-token terms of the analytic planner. Under remat "full" with the depth unrolled
+  whole, libtpu schedules the recurrence's recomputation (gates, the scan kernel) of
+  every unit ahead of the loss's backward, as it needs only the unit's saved input:
+  `recomputed_ahead` (`model.memory`)."""
+  recomputed_ahead = True
 
   def kept_activations(self, config: ModelConfig, seq: int, tensor: int
                        ) -> tuple[float, float, float]:
