@@ -53,17 +53,19 @@ keep (the saved inputs below):
 Per remat policy, per token:
   "none":          every block's kept buffers, at the loss's backward;
   "full":          units·D c (each scanned unit's input) + the kept buffers of the
-                   unscanned tail + the loss's backward and, with the depth unrolled
-                   whole (no loop), beside it the last unit's kept buffers and the
-                   recurrences of the others: the scheduler recomputes each unit just
-                   before its own backward, the last one before the loss's, and libtpu
-                   places the Pallas scan's recomputation, which needs only the unit's
-                   saved input, ahead of the loss's backward for every unit (a block's
-                   `memory` terms say so with `recomputed_ahead`; the RG-LRU's do).
-                   In a loop nothing moves ahead of the loss: the larger of the loss's
-                   backward and the kept buffers of the units one iteration recomputes
-                   together (`depth_unroll` of them; scores of at most SCORE_UNITS = 2).
-                   Plus that many units' weights (`depth_unroll`);
+                   unscanned tail + the larger of
+                     the loss's backward and, with the depth unrolled whole (no loop),
+                     beside it the last unit's kept buffers and the recurrences of the
+                     others: the last unit is recomputed before the loss's backward,
+                     and libtpu places the Pallas scan's recomputation, which needs only
+                     the unit's saved input, ahead of it for every unit (a block's
+                     `memory` terms say so with `recomputed_ahead`; the RG-LRU's do);
+                     and the kept buffers of the units recomputed together: those of
+                     one loop iteration (`depth_unroll` of them; scores of at most
+                     SCORE_UNITS = 2), or with the depth unrolled whole at most
+                     RECOMPUTED_UNITS = 3 (mqa_7b cut to 3 layers recomputes all three
+                     after the loss's backward; mqa_1_3b at 6 layers no more than that);
+                   plus that many units' weights (`depth_unroll`);
   "save_matmuls":  each unit's matmul outputs (and Conv1D output, attention scores)
                    + the tail + the larger of the loss's backward (beside the last
                    unit's recomputed buffers when the depth is unrolled whole) and the
@@ -129,6 +131,7 @@ UPDATE_WORKSPACE = 2     # temporaries of the optimizer update, in parameter sha
 KEEP_RESIDUAL = 4            # x D, compute dtype: block input, mid residual, both norms
 KEEP_MLP = 2                 # x M/t, compute dtype: gate and up projections
 SCORE_UNITS = 2              # units of one loop iteration whose scores are live together
+RECOMPUTED_UNITS = 3         # unrolled units recomputed together, at most
 ESTIMATE_KEPT = (1, 4)       # x W (see above): a block that declares no memory terms
 OUTPUT_LOGITS = 1            # x V/t, float32: the logits, live into the loss's backward
 _KEYS = ("params", "optimizer", "gradients", "activations", "workspace", "total")
@@ -287,9 +290,10 @@ def _activation_phases(config: ModelConfig, seq: int, tensor: int
   else:
     raise ValueError(f"unknown remat policy {config.remat!r}")
   if units and unrolled == units:
-    # The depth unrolled whole: each unit is recomputed just before its own backward,
-    # the last one (and the recurrences ahead) before the loss's backward.
-    return saved + tail, logits + last, last
+    # The depth unrolled whole: the last unit (and the recurrences ahead) is recomputed
+    # before the loss's backward, and at most RECOMPUTED_UNITS units together after it.
+    together = min(unrolled, RECOMPUTED_UNITS)
+    return saved + tail, logits + last, recomputed * together / unrolled
   # A loop's body runs within the loop: nothing of it moves ahead of the loss.
   return saved + tail, logits, recomputed
 
