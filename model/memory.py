@@ -23,8 +23,8 @@ token, in buffers of that width (c: compute dtype, f: float32):
   recurrent           3·R/t c + 4·R/t f   (the two branches' projections and the Conv1D's
                                            output; the two gates' sigmoids, and the scan
                                            kernel's residuals: the decay a and the state h)
-  attention           (2·D/t + 2·d + S) c + S f   (q, k, v; on XLA's path the
-                                           probabilities as cast for V, the masked scores)
+  attention           (2·D/t + 2·d) c + 2·S f   (q, k, v; on XLA's path masked scores
+                                           and probabilities)
   GateLoop            3·D/t c + 12·D/t f
 (each temporal block states its row, and what "save_matmuls" keeps of it, as the
 `memory` capability of its registry entry: `model.block_registry`, built-ins in
