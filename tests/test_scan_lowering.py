@@ -170,7 +170,7 @@ _ACCESS = re.compile(r"(vector\.load|vector\.store|tpu\.vector_store) .*?: "
 def _assert_whole_tile_accesses(kernel: str, rows: int) -> None:
   """Every load/store moves whole tiles of its memory: a time block ([C/8, rows, 8,
   128], [B, T, D]'s own (8, 128) tiling) a whole tile of every row at once, a state
-  block or scratch ([rows, 128]) all of it. The 8 steps of a tile are taken apart in
+  block or scratch ([rows, 128], after squeezed dimensions) all of it. The 8 steps of a tile are taken apart in
   registers, never by an unaligned load."""
   accesses = _ACCESS.findall(kernel)
   assert accesses, "no vector loads/stores found in the Mosaic kernel"
@@ -180,7 +180,9 @@ def _assert_whole_tile_accesses(kernel: str, rows: int) -> None:
     memref_dims = [int(d) for d in memref.split("x")]
     vector_dims = [int(d) for d in vector.split("x")]
     assert memref_dims[-2:] == vector_dims[-2:], (op, memref, vector)
-    if len(memref_dims) == 5:  # a time block ([1, C/8, rows, 8, 128])
+    # A time block is [1, C/8, rows, 8, 128] (C >= 16); a sequential launch's state
+    # blocks are [1, (1,) 1, rows, 128] ([B, (T/C,) R/rows, rows, 128] arrays).
+    if len(memref_dims) == 5 and memref_dims[1] > 1:
       assert vector_dims[-3:] == [rows, 8, 128], (op, memref, vector)
     else:
       assert vector_dims[-2:] == [rows, 128], (op, memref, vector)
@@ -241,8 +243,9 @@ def test_exports_with_device_kernels(target, direction, x_dtype):
 
 
 def test_tpu_wide_channels_use_full_sublane_tiles():
-  """D = 1100 (9 rows of 128): TPU blocks are 8 rows, D is padded to 16 rows, and
-  every access is a whole (8, 128) tile, with the default channel block of 128."""
+  """D = 1100 (9 rows of 128): 8 rows do not divide 9, so the TPU block is all 9 rows
+  (no channel padding: before, D was padded to 16 rows in blocks of 8), and every
+  access is still a whole (8, 128) tile, with the default channel block of 128."""
   reason = _skip_reason("tpu-sequential")
   if reason:
     pytest.skip(reason)
@@ -252,8 +255,8 @@ def test_tpu_wide_channels_use_full_sublane_tiles():
   assert [_target(c) for c, _, _ in calls] == [TPU_CALL] * 2
   for call, _, _ in calls:
     kernel = _mosaic_module(call)
-    assert "iteration_bounds = array<i64: 1, 2, 3>" in kernel
-    _assert_whole_tile_accesses(kernel, rows=8)
+    assert "iteration_bounds = array<i64: 1, 1, 3>" in kernel
+    _assert_whole_tile_accesses(kernel, rows=9)
 
 
 @pytest.mark.parametrize("target", list(TARGETS))
@@ -274,12 +277,14 @@ def test_exports_at_production_tiling(target, x_dtype):
   assert [_target(c) for c, _, _ in calls] == (
       [call_name] * KERNELS[(strategy, "forward+backward")])
   if call_name == TPU_CALL:
+    # Sequential: one block of all 9 rows (8 do not divide 9); chunked: 8-row blocks.
     for call, _, _ in calls:
-      _assert_whole_tile_accesses(_mosaic_module(call), rows=8)
+      _assert_whole_tile_accesses(_mosaic_module(call),
+                                  rows=9 if strategy == "sequential" else 8)
 
 
 def test_tpu_tiling_interpreted_matches_reference():
-  """The multi-row TPU tiling (8-row blocks, padded channel rows) computes the same
+  """The multi-row TPU tiling (one block of all 9 channel rows) computes the same
   values and gradients as the float64 reference, run in interpret mode."""
   options = _options("tpu-sequential", pallas_interpret=True)
   rng = np.random.default_rng(3)

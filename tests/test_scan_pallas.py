@@ -225,3 +225,23 @@ def test_mosaic_gpu_without_its_lowering_is_a_clear_error(monkeypatch):
                      r"Mosaic GPU in this jaxlib\); use pallas_gpu_backend='triton'"):
     pallas_compat.compiler_params("gpu", ("parallel",), "mosaic_gpu")
   assert pallas_compat.mosaic_gpu_unavailable() == "ImportError: no Mosaic GPU in this jaxlib"
+
+
+@pytest.mark.parametrize("channels,rows,padded_rows,reverse,dtype", [
+    (20 * 128, 10, 20, False, "float32"),   # D_RNN 2560 (1.3B): two blocks of 10 rows
+    (12 * 128, 12, 12, True, "bfloat16"),   # D_RNN 1536 (400M): one block of all 12 rows
+    (5 * 128 - 3, 5, 5, False, "float32"),  # under 8 rows: lanes padded only to 128
+    (17 * 128, 8, 24, True, "float32"),     # no divisor in 8..16: padded to 8-row blocks
+])
+@pytest.mark.slow
+def test_tpu_tiling_pads_no_channel_rows(channels, rows, padded_rows, reverse, dtype):
+  """The TPU (sequential) launch, in interpret mode: where 8 rows of 128 channels do not
+  divide the width, a block takes a divisor of it (state arrays [B, R/rows, rows, 128])
+  instead of padding channels to a multiple of 8 rows; values and gradients stay exact."""
+  from model.scan import pallas_scan
+  options = ScanOptions(pallas_time_chunk=16, lowering_platform="tpu",
+                        pallas_interpret=True)
+  launch = pallas_scan._Launch(2, 37, channels, jnp.dtype(dtype), 1, reverse, options)
+  assert launch.strategy == "sequential" and launch.tiling.rows == rows
+  assert launch.padded_rows == padded_rows
+  test_values_and_gradients(options, 2, channels, dtype, reverse, True, False)

@@ -36,8 +36,9 @@ class ScanOptions:
       the backward's blocks fit in shared memory.
     pallas_channel_block: channels per Pallas block, a power of two >= 128
       (lane-dense; narrower layers use one padded block of 128). On TPU a block grows
-      to 8 rows of 128 (1024 channels) unless it spans all of D, as Mosaic's block-shape
-      rule requires; Mosaic GPU uses one row of 128.
+      to 8 rows of 128 (1024 channels) unless it spans all of D; where 8 rows do not
+      divide D, the sequential (TPU) launch takes a divisor of D's rows from 8 to 16
+      instead of padding D (`pallas_scan._block_rows`); Mosaic GPU uses one row of 128.
     pallas_strategy: "auto", "sequential" (one pass, state carried across time blocks
       in on-chip scratch: the TPU design), "chunked" (reduce-then-scan over time
       chunks, many independent programs; reads a and x twice) or "lookback" (GPU

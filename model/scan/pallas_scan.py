@@ -17,7 +17,8 @@ run (`_Launch.to_kernel`):
 - chunked (GPU): [B, Tp, R, 128], free in a row-major layout; a step of the kernel is
   one [rows, 128] row at a dynamic time index (`pallas_kernels.forward_rows`).
 On TPU a block has 8 rows or more (a step then fills an (8, 128) float32 register),
-unless it spans all R. Mosaic GPU stages whole blocks in shared memory, so there a
+unless it spans all R; where 8 does not divide R, a sequential block takes a divisor
+of R from 8 to 16 rows instead, so that channels are not padded (`_block_rows`). Mosaic GPU stages whole blocks in shared memory, so there a
 block is one row and the chunk shrinks until the backward's blocks fit. Decays are
 float32 even for bf16 x (bf16 rounds every a above ~0.998 to 1). Complex scans run
 on separate real and imaginary planes.
@@ -83,14 +84,26 @@ def _lookback():
   return pallas_lookback
 
 
-def _block_rows(lanes: int, requested: int, target: str) -> int:
+def _block_rows(lanes: int, requested: int, target: str, sequential: bool) -> int:
   """128-lane rows per channel block: the requested block, at most the width
   (rounded up to a power of two, as Triton block shapes must be). On TPU a block
-  narrower than the whole width needs a multiple of 8 rows (Mosaic tiles are
-  (8, 128)), so it grows to 8 rows there."""
+  narrower than the whole width grows to 8 rows, so that a step fills an (8, 128)
+  float32 register; chunked launches ([C, rows, 128] blocks) also need that for
+  Mosaic's block-shape rule. Sequential launches ([C/8, rows, 8, 128] blocks) have no
+  such rule on rows: where 8 rows do not divide the width, they take the smallest
+  divisor of the width of 8 rows or more (at most 16), or all of a width under 8
+  rows, so that channels need no padding. Padding is a copy of a and x on the way in
+  and of h on the way out, and every launch reads and writes it: 20% of the scan's
+  bytes at D_RNN = 2560 (R = 20 padded to 24; benchmarks/RESULTS.md, "RG-LRU layout")."""
   rows = min(requested, _next_power_of_two(lanes))
   if target == "tpu" and rows < lanes:
-    rows = min(max(rows, 8), _next_power_of_two(lanes))
+    wanted = max(rows, 8)
+    if sequential and lanes % wanted:
+      fits = [d for d in range(min(wanted, lanes), min(2 * wanted, lanes) + 1)
+              if lanes % d == 0]
+      if fits:
+        return fits[0]
+    rows = min(wanted, _next_power_of_two(lanes))
   return rows
 
 
@@ -147,7 +160,7 @@ class _Launch:
     if strategy == "lookback":
       chunk = min(chunk, _lookback().MAX_CHUNK)
     lanes = _round_up(channels, _LANES) // _LANES
-    rows = _block_rows(lanes, options.pallas_channel_block // _LANES, target)
+    rows = _block_rows(lanes, options.pallas_channel_block // _LANES, target, sequential)
     if strategy == "lookback":
       # One 128-channel row per program: the chunk sits in registers, and more,
       # narrower programs are what the GPU wants anyway.
@@ -212,14 +225,30 @@ class _Launch:
       v = v.transpose(0, 1, 3, 2, 4)
     return v.reshape(self.batch, self.padded_time, self.padded_channels)
 
+  @property
+  def state_dims(self) -> tuple[int, ...]:
+    """Channel dimensions of a state array ([B, *state_dims]): (R, 128), or for
+    sequential launches (R/rows, rows, 128), so that a block's last two dimensions are
+    the array's whole (rows, 128) whatever `rows` is (Mosaic's block-shape rule wants
+    8 | rows otherwise, and `_block_rows` may pick a divisor of R that is not)."""
+    if self.tiling.sequential:
+      return (self.padded_rows // self.tiling.rows, self.tiling.rows, _LANES)
+    return (self.padded_rows, _LANES)
+
   def state_block(self) -> pl.BlockSpec:
-    """[B, R, 128] block: h0, last state, their cotangents."""
-    return pl.BlockSpec((pallas_compat.squeezed_dim(), self.tiling.rows, _LANES),
-                        lambda b, d, k: (b, d, 0))
+    """[B, *state_dims] block: h0, last state, their cotangents."""
+    sq = pallas_compat.squeezed_dim()
+    if self.tiling.sequential:
+      return pl.BlockSpec((sq, sq, self.tiling.rows, _LANES), lambda b, d, k: (b, d, 0, 0))
+    return pl.BlockSpec((sq, self.tiling.rows, _LANES), lambda b, d, k: (b, d, 0))
 
   def chunk_state_block(self, ascending: bool) -> pl.BlockSpec:
-    """[B, T/C, R, 128] block: one state per chunk (summaries, start states, edges)."""
+    """[B, T/C, *state_dims] block: one state per chunk (summaries, start states,
+    edges)."""
     sq = pallas_compat.squeezed_dim()
+    if self.tiling.sequential:
+      return pl.BlockSpec((sq, sq, sq, self.tiling.rows, _LANES),
+                          lambda b, d, k: (b, self._chunk_index(k, ascending), d, 0, 0))
     return pl.BlockSpec((sq, sq, self.tiling.rows, _LANES),
                         lambda b, d, k: (b, self._chunk_index(k, ascending), d, 0))
 
@@ -258,9 +287,9 @@ class _Launch:
   def shape(self, dtype, *, per_chunk: bool = False, state: bool = False):
     b, r = self.batch, self.padded_rows
     if state:
-      return jax.ShapeDtypeStruct((b, r, _LANES), dtype)
+      return jax.ShapeDtypeStruct((b, *self.state_dims), dtype)
     if per_chunk:
-      return jax.ShapeDtypeStruct((b, self.tiling.num_chunks, r, _LANES), dtype)
+      return jax.ShapeDtypeStruct((b, self.tiling.num_chunks, *self.state_dims), dtype)
     if self.tiling.sequential:
       sub = pallas_kernels.SUBLANES
       return jax.ShapeDtypeStruct((b, self.padded_time // sub, r, sub, _LANES), dtype)
@@ -319,9 +348,9 @@ def _forward(launch: _Launch, a, x, h0):
 
 
 def _chunk_edges(launch: _Launch, h, h0):
-  """State before each chunk's first step in scan order: [B, T/C, R, 128] each."""
+  """State before each chunk's first step in scan order: [B, T/C, *state_dims] each."""
   c, nc = launch.tiling.chunk, launch.tiling.num_chunks
-  rows = (launch.padded_rows, _LANES)
+  rows = launch.state_dims
   edges = []
   for h_c, h0_c in zip(h, h0):
     h_c = launch.from_kernel(h_c)
@@ -390,7 +419,7 @@ def _run(a: tuple, x: tuple, h0: Optional[tuple], reverse: bool,
   batch, time, channels = x[0].shape
   launch = _Launch(batch, time, channels, x[0].dtype, len(x), reverse, options)
   pad_t, pad_d = launch.padded_time - time, launch.padded_channels - channels
-  rows = (launch.padded_rows, _LANES)
+  rows = launch.state_dims
 
   def pad(v, value):
     if pad_t or pad_d:

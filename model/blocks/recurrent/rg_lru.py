@@ -32,7 +32,8 @@ over shards (see `model.recurrence.mesh_aware_linear_scan`); the gates are per-t
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+import itertools
+from typing import Any, Optional, Sequence
 
 import flax.linen as nn
 import jax
@@ -92,9 +93,10 @@ class BlockDiagonalLinear(nn.Module):
   dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def weights(self, in_features: int) -> tuple[jax.Array, jax.Array]:
+    """The float32 (kernel [H, in/H, out/H], bias [H, out/H]), declared on first use."""
     blocks = self.num_blocks
-    block_in, block_out = x.shape[-1] // blocks, self.features // blocks
+    block_in, block_out = in_features // blocks, self.features // blocks
     # Not nn.initializers.lecun_normal: it truncates; RecurrentGemma's normal does not.
     kernel_init = nn.initializers.variance_scaling(1.0, "fan_in", "normal",
                                                    in_axis=(0, 1), out_axis=2)
@@ -102,9 +104,59 @@ class BlockDiagonalLinear(nn.Module):
                              (P.RNN_HEADS, P.RNN_HEAD_DIM, None))
     bias = P.logical_param(self, "bias", nn.initializers.zeros_init(), (blocks, block_out),
                            (P.RNN_HEADS, P.RNN_HEAD_DIM))
-    x = x.astype(self.dtype).reshape(*x.shape[:-1], blocks, block_in)
-    y = jnp.einsum("...hi,hio->...ho", x, kernel.astype(self.dtype)) + bias.astype(self.dtype)
-    return y.reshape(*y.shape[:-2], self.features)
+    return kernel, bias
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    (y,) = block_diagonal(x, [self.weights(x.shape[-1])], self.dtype)
+    return y
+
+
+def block_diagonal(x: jax.Array, weights: Sequence[tuple[jax.Array, jax.Array]],
+                   dtype: Any) -> list[jax.Array]:
+  """[blockdiag(W) x + b for (W, b) in `weights`] (kernels [H, in/H, out_k/H], biases
+  [H, out_k/H]) as one batched matmul in `dtype`: the kernels are concatenated along
+  their outputs, so x is read once and one transposed matmul gives every input
+  gradient.
+
+  On TPU the per-head matmul comes out time-minor (XLA lays [heads, B, out, T] out so
+  that 160-wide heads need no lane padding); the kernel is broadcast over the batch so
+  that batch is a batch dimension of the matmul as well, which makes that layout
+  [B, heads, out, T], the bytes of a time-minor [B, T, out] (a bitcast), instead of a
+  heads-major one that cost an extra copy of each gate forward and of the input
+  gradient backward (benchmarks/RESULTS.md, "RG-LRU layout"). The products and sums
+  are the same.
+  """
+  blocks = weights[0][0].shape[0]
+  widths = [kernel.shape[-1] for kernel, _ in weights]
+  x = x.astype(dtype).reshape(*x.shape[:-1], blocks, x.shape[-1] // blocks)
+  kernel = jnp.concatenate([k for k, _ in weights], axis=-1).astype(dtype)
+  bias = jnp.concatenate([b for _, b in weights], axis=-1).astype(dtype)
+  if x.ndim >= 3:
+    kernel = jnp.broadcast_to(kernel, (x.shape[0], *kernel.shape))
+    y = jnp.einsum("b...hi,bhio->b...ho", x, kernel) + bias
+  else:
+    y = jnp.einsum("hi,hio->ho", x, kernel) + bias
+  outs = jnp.split(y, list(itertools.accumulate(widths[:-1])), axis=-1)
+  return [out.reshape(*out.shape[:-2], out.shape[-2] * out.shape[-1]) for out in outs]
+
+
+def _coefficients(gate_x, gate_a, x, segment_pos, a_param, theta, *, is_complex):
+  """(a, x') of the scan h_t = a_t h_{t-1} + x'_t from the gates' pre-activations."""
+  gate_x = jax.nn.sigmoid(gate_x.astype(jnp.float32))
+  gate_a = jax.nn.sigmoid(gate_a.astype(jnp.float32))
+  log_a = -GATE_EXPONENT * gate_a * jax.nn.softplus(a_param)
+  reset = (segment_pos == 0)[..., None]
+  normaliser = sqrt_bounded_gradient(1.0 - jnp.exp(2.0 * log_a), MAX_SQRT_GRADIENT)
+  normaliser = jnp.where(reset, 1.0, normaliser)
+  x = x.astype(jnp.float32)
+  if is_complex:
+    a = jnp.exp(jax.lax.complex(log_a, theta * gate_a))
+    real, imag = jnp.split(x, 2, axis=-1)
+    x = jax.lax.complex(real, imag)
+  else:
+    a = jnp.exp(log_a)
+  a = jnp.where(reset, jnp.zeros_like(a), a)
+  return a, x * gate_x * normaliser
 
 
 class RGLRU(nn.Module):
@@ -123,25 +175,22 @@ class RGLRU(nn.Module):
     channels = x.shape[-1]
     state_width = channels // 2 if self.is_complex else channels
     a_param = P.logical_param(self, "a_param", ring_init(), (state_width,), (P.RNN,))
-    gate_x = BlockDiagonalLinear(cfg.gate_blocks, state_width, cfg.dtype, name="input_gate")(x)
-    gate_a = BlockDiagonalLinear(cfg.gate_blocks, state_width, cfg.dtype, name="a_gate")(x)
-    gate_x = jax.nn.sigmoid(gate_x.astype(jnp.float32))
-    gate_a = jax.nn.sigmoid(gate_a.astype(jnp.float32))
-
-    log_a = -GATE_EXPONENT * gate_a * jax.nn.softplus(a_param)
-    reset = (segment_pos == 0)[..., None]
-    normaliser = sqrt_bounded_gradient(1.0 - jnp.exp(2.0 * log_a), MAX_SQRT_GRADIENT)
-    normaliser = jnp.where(reset, 1.0, normaliser)
-    x = x.astype(jnp.float32)
-    if self.is_complex:
-      theta = P.logical_param(self, "theta", theta_init, (state_width,), (P.RNN,))
-      a = jnp.exp(jax.lax.complex(log_a, theta * gate_a))
-      real, imag = jnp.split(x, 2, axis=-1)
-      x = jax.lax.complex(real, imag)
-    else:
-      a = jnp.exp(log_a)
-    a = jnp.where(reset, jnp.zeros_like(a), a)
-    h, h_last = recurrence.mesh_aware_linear_scan(a, x * gate_x * normaliser, cache,
+    weights = [BlockDiagonalLinear(cfg.gate_blocks, state_width, cfg.dtype, name=name
+                                   ).weights(channels) for name in ("input_gate", "a_gate")]
+    gate_x, gate_a = block_diagonal(x, weights, cfg.dtype)
+    theta = (P.logical_param(self, "theta", theta_init, (state_width,), (P.RNN,))
+             if self.is_complex else None)
+    # The gates stay in the compute dtype between the matmul and the float32 maths: XLA
+    # would otherwise fuse the sigmoids into the (time-minor) matmul and move float32
+    # gates through two relayout copies each into [B, T, C]. The float32 maths is
+    # recomputed in the backward from these (prevent_cse=False lets XLA reuse the
+    # forward's [B, T, C] copies) rather than kept as float32 residuals
+    # (benchmarks/RESULTS.md, "RG-LRU layout").
+    gate_x, gate_a = jax.lax.optimization_barrier((gate_x, gate_a))
+    coefficients = jax.checkpoint(
+        functools.partial(_coefficients, is_complex=self.is_complex), prevent_cse=False)
+    a, x = coefficients(gate_x, gate_a, x, segment_pos, a_param, theta)
+    h, h_last = recurrence.mesh_aware_linear_scan(a, x, cache,
                                                   impl=cfg.scan_impl, options=cfg.scan)
     if self.is_complex:
       h = jnp.concatenate([jnp.real(h), jnp.imag(h)], axis=-1)
