@@ -17,16 +17,30 @@ from model import partitioning as P
 from model.block_registry import HFLeaf, ParamRole
 from model.blocks.recurrent.layer import RecurrentBlock, RecurrentCache
 from model.config import BlockType, ModelConfig
+from model.scan import options as scan_options
 
 # Training FLOP conventions of the recurrence (docs/model.md#training-flops).
 RECURRENCE_FORWARD_FLOPS = 10     # per RG-LRU state element and token (model.counting)
 RECURRENT_OUTPUT_GATE_FLOPS = 1   # x-branch ⊙ y-branch, per RG-LRU channel and token
-# Activation buffers kept for the backward pass per token, x R/t (compute dtype, float32):
-# the x and y projections and the Conv1D's output; the input and recurrence gates'
-# sigmoids, and the scan kernel's residuals, the decay a and the state h. XLA fuses the
-# rest of the gate chain (log a, the normaliser, the scaled input) into the backward's
-# consumers (libtpu's buffer assignment of hawk_1_3b; calibration: `model.memory`).
-KEEP_RNN = (3, 4)
+# Activation buffers kept for the backward pass per token on TPU, x R/t (compute dtype,
+# float32): compute dtype, the x and y projections, the Conv1D's output and the two gates'
+# pre-activations (the bf16 pair `rg_lru` puts behind an optimization barrier); float32,
+# the scan kernel's residuals, the decay a and the state h. The float32 gate chain
+# (sigmoids, log a, the normaliser, the scaled input) is not kept: `rg_lru` recomputes it
+# in the backward from the bf16 pre-activations (`jax.checkpoint`), so since 2bce3ec the
+# two float32 sigmoids of (3, 4) became two bf16 pre-activations, and the scan no longer
+# pads D_RNN = 2560 to 3072 channels. Read from libtpu's buffer assignment of
+# griffin_1_3b cut to 3 layers, remat none, at the loss's backward (per recurrent layer,
+# [4, 2048, 2560] per chip: the barrier's two bf16 gates, the kernel's f32 h and a, the
+# Conv1D's and both projections' bf16 outputs); calibration: `model.memory`.
+KEEP_RNN = (5, 2)
+# The row for a scan lowered for any other platform (XLA:GPU, XLA:CPU): (3, 4), as
+# calibrated before 2bce3ec and not refitted; no buffer assignment of those programs was
+# read after it. XLA:GPU keeps more of the RG-LRU than either row (before 2bce3ec about
+# 40 bytes per channel and token; hawk_1_3b without remat on 32 H100s compiled to
+# 102.27 GiB per GPU after it, from 100.09), so the larger row is what holds the GPU
+# records (benchmarks/RESULTS.md, "Against XLA:GPU").
+KEEP_RNN_OFF_TPU = (3, 4)
 
 
 class _RecurrentCounting:
@@ -55,7 +69,10 @@ class _RecurrentMemory:
                        ) -> tuple[float, float, float]:
     del seq
     r = config.rnn_width
-    return KEEP_RNN[0] * r / tensor, KEEP_RNN[1] * r / tensor, 0.0
+    # The TPU row only where the scan is lowered for TPU (the Pallas kernel's program;
+    # no lowering platform named: this host's backend).
+    keep = KEEP_RNN if scan_options.kernel_target(config.scan) == "tpu" else KEEP_RNN_OFF_TPU
+    return keep[0] * r / tensor, keep[1] * r / tensor, 0.0
 
   def saved_matmul_outputs(self, config: ModelConfig, seq: int, tensor: int
                            ) -> tuple[float, float]:
