@@ -24,9 +24,10 @@ from sharding import mesh as mesh_lib
 from sharding import partition
 from sharding import rules as rules_lib
 
-# T/shards = 12 and the channel counts (48, 6, 32) differ from every other dimension, so
-# a collective's shape says what it carries.
-BATCH, LENGTH, SHARDS = 2, 96, 8
+# T/shards = 16 (a multiple of the window, as the blocked local attention needs) and the
+# channel counts (48, 6, 32, and the two gates' 12 side by side)
+# differ from every other dimension, so a collective's shape says what it carries.
+BATCH, LENGTH, SHARDS = 2, 128, 8
 WINDOW = 4
 CONFIG = ModelConfig(vocab_size=64, width=32, rnn_width=48, num_heads=8, depth=3,
                      block_pattern=("recurrent", "recurrent", "attention"),
@@ -51,7 +52,7 @@ def _inputs():
   rng = np.random.default_rng(0)
   x = rng.normal(size=(BATCH, LENGTH, CONFIG.width)).astype(np.float32)
   positions = np.tile(np.arange(LENGTH, dtype=np.int32), (BATCH, 1))
-  for start in (5, 12, 30, 47):  # inside shards and on a shard boundary (12)
+  for start in (5, 12, 32, 47):  # inside shards and on a shard boundary (32)
     positions[0, start:] = np.arange(LENGTH - start)
   return x, positions
 
@@ -94,8 +95,11 @@ def test_recurrent_block_moves_only_carries_and_conv_halo():
     assert shape[0] == BATCH and 1 <= shape[1] <= halo and shape[2:] in ((), (channels,)), ops
   assert max(shape[1] for shape in permutes) == halo
   assert not [op for op, _ in ops if op == "all-to-all"], ops
-  # Parameter-gradient sums over the shards are fine; nothing time-sized is reduced.
+  # Parameter-gradient sums over the shards are fine; nothing time-sized is reduced,
+  # and no gradient is summed per batch row (a kernel broadcast over the batch).
   assert not [(op, shape) for op, shape in ops if _time_dims(shape)], ops
+  assert not [shape for op, shape in ops
+              if op == "all-reduce" and len(shape) > 1 and shape[0] == BATCH], ops
 
 
 @pytest.mark.slow

@@ -111,6 +111,10 @@ class BlockDiagonalLinear(nn.Module):
     return y
 
 
+# The gates' input [B, T, C] (the Conv1D's output).
+_GATE_INPUT_LAYOUT = (P.BATCH, P.LENGTH, P.ACT_RNN)
+
+
 def block_diagonal(x: jax.Array, weights: Sequence[tuple[jax.Array, jax.Array]],
                    dtype: Any) -> list[jax.Array]:
   """[blockdiag(W) x + b for (W, b) in `weights`] (kernels [H, in/H, out_k/H], biases
@@ -124,18 +128,20 @@ def block_diagonal(x: jax.Array, weights: Sequence[tuple[jax.Array, jax.Array]],
   [B, heads, out, T], the bytes of a time-minor [B, T, out] (a bitcast), instead of a
   heads-major one that cost an extra copy of each gate forward and of the input
   gradient backward (benchmarks/RESULTS.md, "RG-LRU layout"). The products and sums
-  are the same.
+  are the same. Not where the mesh splits time: there the partitioner would sum each
+  row's kernel gradient over the time shards before summing over the batch, a
+  collective B times the size of the kernel's.
   """
   blocks = weights[0][0].shape[0]
   widths = [kernel.shape[-1] for kernel, _ in weights]
   x = x.astype(dtype).reshape(*x.shape[:-1], blocks, x.shape[-1] // blocks)
   kernel = jnp.concatenate([k for k, _ in weights], axis=-1).astype(dtype)
   bias = jnp.concatenate([b for _, b in weights], axis=-1).astype(dtype)
-  if x.ndim >= 3:
+  if x.ndim == 4 and P.sequence_sharding(x.shape[1], _GATE_INPUT_LAYOUT) is None:
     kernel = jnp.broadcast_to(kernel, (x.shape[0], *kernel.shape))
-    y = jnp.einsum("b...hi,bhio->b...ho", x, kernel) + bias
+    y = jnp.einsum("bthi,bhio->btho", x, kernel) + bias
   else:
-    y = jnp.einsum("hi,hio->ho", x, kernel) + bias
+    y = jnp.einsum("...hi,hio->...ho", x, kernel) + bias
   outs = jnp.split(y, list(itertools.accumulate(widths[:-1])), axis=-1)
   return [out.reshape(*out.shape[:-2], out.shape[-2] * out.shape[-1]) for out in outs]
 
