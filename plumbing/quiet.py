@@ -272,9 +272,9 @@ def keep_client_logs(path: str) -> None:
     previous.close()
 
 
-def client_log_in_use(names: Sequence[str]) -> bool:
-  """Whether a client log is kept (`keep_client_logs`); if so, loggers `names` (some of
-  `CLIENT_LOGGERS`) write to it again. A library that installs a console handler of its
+def route_to_client_log(names: Sequence[str]) -> bool:
+  """Sends loggers `names` (some of `CLIENT_LOGGERS`) to the client log again where one
+  is kept (`keep_client_logs`); returns whether one is. A library that installs a console handler of its
   own when it is imported (datasets, huggingface_hub) may have done so after the client
   log was set up."""
   if _client_log is None:

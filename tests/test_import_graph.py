@@ -329,7 +329,7 @@ def test_quiet_is_used_only_by_the_packages_and_the_command_runner():
   """Its effect comes from `setup()`, called by the package `__init__`s (and scripts run
   as files): no module imports it for a side effect. The trainer calls
   `keep_client_logs` when it knows its workdir, and the downstream tasks' loading sends
-  the Hub clients' records to that log (`client_log_in_use`)."""
+  the Hub clients' records to that log (`route_to_client_log`)."""
   users = sorted(module for module, path in MODULES.items()
                  if "plumbing.quiet" in {t for node in ast.walk(_parse(path))
                                          for t in _targets(node)})

@@ -365,7 +365,7 @@ def _hidden_loggers() -> tuple[str, ...]:
   """The loggers to hide below ERROR: all of `_QUIET_LOGGERS`, less the Hub clients'
   where the run keeps a client log, which then receives their records instead (the
   trainer's `clients.log`)."""
-  if quiet_logs.client_log_in_use(_HUB_CLIENT_LOGGERS):
+  if quiet_logs.route_to_client_log(_HUB_CLIENT_LOGGERS):
     return tuple(name for name in _QUIET_LOGGERS if name not in _HUB_CLIENT_LOGGERS)
   return _QUIET_LOGGERS
 

@@ -27,6 +27,9 @@ TRAIN, EVAL, DOWNSTREAM = "train", "eval", "downstream"
 STEP_KINDS = (TRAIN, EVAL, DOWNSTREAM)
 # ... and session records (rows with a `kind`: `pretrain.observability.goodput`, `.stragglers`).
 RECORD_KINDS = ("goodput", "restart", "straggler")
+# The longest a session's end waits for a tracker call that has not answered, unless
+# the run sets its own (`TrainConfig.tracker_exit_wait_s`).
+EXIT_WAIT_S = 10.0
 # Records that belong to one step (a mixture's token shares over the batches since the
 # last one): a restart that trains their step again drops and rewrites them, as it does a
 # step's metrics, and trackers get each step's once.

@@ -39,8 +39,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from plumbing import storage
 from plumbing.errors import UserError, warn
 from pretrain.observability import trackers as trackers_lib
-from pretrain.observability.trackers import (STEP_KINDS, STEP_RECORD_KINDS, Row, RunInfo,
-                                             Tracker, TrackerContext)
+from pretrain.observability.trackers import (EXIT_WAIT_S, STEP_KINDS, STEP_RECORD_KINDS,
+                                             Row, RunInfo, Tracker, TrackerContext)
 from pretrain.observability.trackers import rows as rows_lib
 from pretrain.observability.trackers.mlflow_tracker import MlflowTracker
 from pretrain.observability.trackers.run_info import Finals
@@ -54,9 +54,6 @@ for _builtin in (TensorBoardTracker, WandbTracker, MlflowTracker):
 
 FIRST_BACKOFF_S = 1.0
 MAX_BACKOFF_S = 60.0
-# The longest a session's end waits for a tracker call that has not answered, unless
-# the run sets its own (`TrainConfig.tracker_exit_wait_s`).
-EXIT_WAIT_S = 10.0
 
 
 def _socket_error(error: BaseException) -> Optional[BaseException]:

@@ -34,8 +34,8 @@ import secrets
 from typing import Any, Mapping, Optional, Sequence
 
 from plumbing import storage
-from pretrain.observability.trackers import (RECORD_KINDS, STEP_KINDS, Row, RunInfo,
-                                             TrackerContext)
+from pretrain.observability.trackers import (EXIT_WAIT_S, RECORD_KINDS, STEP_KINDS, Row,
+                                             RunInfo, TrackerContext)
 from pretrain.observability.trackers.rows import metric_names
 
 DEFAULT_PROJECT = "griffin-pretrain"
@@ -50,7 +50,7 @@ class WandbTracker:
   """The `wandb` tracker."""
   name = "wandb"
   confirms_at_close = True
-  exit_wait_s = 10.0   # the session end's bound (set by `delivery`)
+  exit_wait_s = EXIT_WAIT_S   # the session end's bound (`delivery` sets the run's)
 
   def __init__(self, context: TrackerContext):
     # W&B writes its files to a local directory: the workdir's when it is local.
